@@ -124,13 +124,15 @@ uint16_t float_to_fp16_bits(float x) {
   if (r > kFp16.max_finite) return sign | 0x7C00;
   return sign | static_cast<uint16_t>(encode_magnitude(r, kFp16));
 }
-float fp16_bits_to_float(uint16_t bits) {
+namespace {
+float fp16_decode_slow(uint16_t bits) {
   if ((bits & 0x7C00) == 0x7C00) {
     if (bits & 0x03FF) return std::numeric_limits<float>::quiet_NaN();
     return (bits & 0x8000) ? -INFINITY : INFINITY;
   }
   return decode(bits, kFp16);
 }
+}  // namespace
 
 // ---- fp8 e4m3fn: no infinities; S.1111.111 is NaN; max 448.
 uint8_t float_to_e4m3_bits(float x, Saturation sat) {
@@ -142,10 +144,12 @@ uint8_t float_to_e4m3_bits(float x, Saturation sat) {
   if (r > kE4M3.max_finite) return sat == Saturation::kSatFinite ? (sign | 0x7E) : (sign | 0x7F);
   return sign | static_cast<uint8_t>(encode_magnitude(r, kE4M3));
 }
-float e4m3_bits_to_float(uint8_t bits) {
+namespace {
+float e4m3_decode_slow(uint8_t bits) {
   if ((bits & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
   return decode(bits, kE4M3);
 }
+}  // namespace
 
 // ---- fp8 e5m2: IEEE-like, with infinities.
 uint8_t float_to_e5m2_bits(float x, Saturation sat) {
@@ -175,8 +179,27 @@ uint8_t float_to_e2m1_bits(float x) {
   if (r > kE2M1.max_finite) return sign | 0x7;
   return sign | static_cast<uint8_t>(encode_magnitude(r, kE2M1));
 }
-float e2m1_bits_to_float(uint8_t nibble) {
-  return decode(nibble & 0xF, kE2M1);
+// Decoding sits in the inner loop of every CPU dequantization, so it is a table lookup; the
+// tables are filled once from the exact decoders above.
+namespace {
+struct DecodeTables {
+  float fp16[65536];
+  float e4m3[256];
+  float e2m1[16];
+  DecodeTables() {
+    for (uint32_t b = 0; b < 65536; ++b) fp16[b] = fp16_decode_slow(static_cast<uint16_t>(b));
+    for (uint32_t b = 0; b < 256; ++b) e4m3[b] = e4m3_decode_slow(static_cast<uint8_t>(b));
+    for (uint32_t b = 0; b < 16; ++b) e2m1[b] = decode(b, kE2M1);
+  }
+};
+const DecodeTables& tables() {
+  static const DecodeTables t;
+  return t;
 }
+}  // namespace
+
+float fp16_bits_to_float(uint16_t bits) { return tables().fp16[bits]; }
+float e4m3_bits_to_float(uint8_t bits) { return tables().e4m3[bits]; }
+float e2m1_bits_to_float(uint8_t nibble) { return tables().e2m1[nibble & 0xF]; }
 
 }  // namespace moebius

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine: everything that needs the device, in one call, with a short
+# table printed last. Device time is scarce, so this batches the work.
+#
+# Usage on the device (through the device tool, in the repository root):
+#   scripts/gpu.sh [carried-build-dir]
+# The build is made HERE (Debian 12) with the release preset and carried; its binaries link the
+# C++/OpenMP runtimes statically, so they run on the device's Ubuntu without our packages.
+# Steps:
+#   1. the CPU test suite from the carried build (shows the carried binaries run there);
+#   2. the CUDA-header parity tests;
+#   3. the CPU MoE benchmark on a small geometry.
+# GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build/release}
+OUT=${OUT:-/tmp/moebius-out}
+mkdir -p "$OUT"
+export MOEBIUS_TEST_DATA_DIR="$PWD/tests/data"
+
+declare -a rows
+step() {  # step NAME COMMAND...
+  local name=$1; shift
+  local t0=$(date +%s%N)
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  rows+=("$(printf '%-24s %-5s %8d ms  %s' "$name" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "$ms" "$(tail -n 1 "$OUT/$name.log" | cut -c1-70)")")
+  return $rc
+}
+
+echo "== machine"; uname -a; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+echo "== dynamic libraries of the carried binaries"
+ldd "$BUILD/moebius" "$BUILD/tests/moebius_tests" 2>&1 | sort -u | tee "$OUT/ldd.log"
+
+step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
+[ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
+step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
+cat "$OUT/bench-moe-cpu.log"
+
+echo
+echo "== summary"
+printf '%s\n' "${rows[@]}"

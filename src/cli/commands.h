@@ -1,0 +1,11 @@
+// The `moebius` subcommands. Each registers its flags on a CLI11 app and runs when selected.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace moebius::cli {
+
+// `moebius bench moe`: time one MoE layer on a backend.
+void register_bench_moe(CLI::App& bench);
+
+}  // namespace moebius::cli

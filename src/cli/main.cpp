@@ -1,0 +1,24 @@
+// moebius: an inference engine for Mixture-of-Experts models with low-bit experts.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moebius: fast inference for Mixture-of-Experts models with low-bit experts"};
+  app.set_version_flag("--version", std::string("moebius ") + MOEBIUS_VERSION);
+  app.require_subcommand(1);
+
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks");
+  bench->require_subcommand(1);
+  moebius::cli::register_bench_moe(*bench);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);  // prints a clear message naming the flag; non-zero on errors
+  }
+  return 0;
+}
