@@ -141,6 +141,13 @@ TEST(SafetensorsRead, AcceptsJsonWhitespacePaddingAndEscapedNames) {
   EXPECT_NE(f->find("a\xc3\xa9"), nullptr);
 }
 
+TEST(SafetensorsRead, AcceptsNegativeZeroLikeTheOfficialReader) {
+  auto f = SafetensorsFile::parse(raw_file(R"({"z":{"dtype":"F32","shape":[-0],"data_offsets":[-0,0]}})"),
+                                  "z.safetensors");
+  ASSERT_TRUE(f.ok()) << f.error().what();
+  EXPECT_EQ(f->find("z")->shape, Shape{0});
+}
+
 TEST(SafetensorsRead, GetChecksDtypeAndShape) {
   auto bytes = sample_writer().serialize();
   ASSERT_TRUE(bytes.ok());
@@ -514,7 +521,7 @@ INSTANTIATE_TEST_SUITE_P(
         IndexCase{"TensorMissingFromShard", R"({"weight_map":{)" + kGoodMap + R"(,"w":"b.safetensors"}})",
                   "tensor 'w': listed in weight_map but missing from shard 'b.safetensors'"},
         IndexCase{"TensorNotInIndex", R"({"weight_map":{"x":"a.safetensors","z":"b.safetensors"}})",
-                  "tensor 'y': tensor is in shard"},
+                  "tensor 'y': present in shard"},
         IndexCase{"TensorInWrongShard", R"({"weight_map":{"x":"a.safetensors","y":"a.safetensors","z":"a.safetensors"}})",
                   "tensor 'z': listed in weight_map but missing from shard 'a.safetensors'"},
         IndexCase{"WeightMapPointsElsewhere",

@@ -161,6 +161,15 @@ Result<uint64_t> checked_nbytes(const Shape& shape, DType dtype) {
   return nbytes;
 }
 
+// A JSON integer >= 0. nlohmann stores non-negative integers as unsigned, negative ones (and
+// "-0") as signed, and floats (2.0, 1e3) or integers past u64 as floating point; like serde's usize
+// (the official reader) we accept exactly the integers in [0, 2^64).
+std::optional<uint64_t> as_uint(const json& j) {
+  if (j.is_number_unsigned()) return j.get<uint64_t>();
+  if (j.is_number_integer() && j.get<int64_t>() >= 0) return static_cast<uint64_t>(j.get<int64_t>());
+  return std::nullopt;
+}
+
 // One header entry -> TensorInfo (offsets checked against the data section, not yet against
 // other tensors).
 Result<TensorInfo> parse_entry(const std::string& name, const json& j, std::span<const uint8_t> data) {
@@ -188,17 +197,15 @@ Result<TensorInfo> parse_entry(const std::string& name, const json& j, std::span
   if (sh->size() > static_cast<size_t>(kMaxDims))
     return Error::format("rank {} exceeds the maximum of {}", sh->size(), kMaxDims).in_field("shape");
   for (const auto& d : *sh) {
-    // nlohmann stores non-negative integers as unsigned and negative ones as signed; a float
-    // (1.0, 1e3) or anything past u64 (parsed as float) is refused.
-    if (d.is_number_integer() && !d.is_number_unsigned())
+    const auto v = as_uint(d);
+    if (!v && d.is_number_integer())
       return Error::format("dimension {} is negative", d.get<int64_t>()).in_field("shape");
-    if (!d.is_number_unsigned())
+    if (!v)
       return Error::format("dimension must be a non-negative integer, got {} {}", json_type(d), d.dump())
           .in_field("shape");
-    const auto v = d.get<uint64_t>();
-    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      return Error::format("dimension {} does not fit int64", v).in_field("shape");
-    t.shape.dims[static_cast<size_t>(t.shape.rank++)] = static_cast<int64_t>(v);
+    if (*v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return Error::format("dimension {} does not fit int64", *v).in_field("shape");
+    t.shape.dims[static_cast<size_t>(t.shape.rank++)] = static_cast<int64_t>(*v);
   }
 
   const auto off = j.find("data_offsets");
@@ -206,10 +213,10 @@ Result<TensorInfo> parse_entry(const std::string& name, const json& j, std::span
   if (!off->is_array() || off->size() != 2)
     return Error::format("must be an array [begin, end], got {}", off->dump()).in_field("data_offsets");
   for (size_t i = 0; i < 2; ++i) {
-    const auto& v = (*off)[i];
-    if (!v.is_number_unsigned())
-      return Error::format("offsets must be non-negative integers, got {}", v.dump()).in_field("data_offsets");
-    t.data_offsets[i] = v.get<uint64_t>();
+    const auto v = as_uint((*off)[i]);
+    if (!v)
+      return Error::format("offsets must be non-negative integers, got {}", (*off)[i].dump()).in_field("data_offsets");
+    t.data_offsets[i] = *v;
   }
   const auto [begin, end] = t.data_offsets;
   if (begin > end) return Error::format("begin {} > end {}", begin, end).in_field("data_offsets");
@@ -492,7 +499,7 @@ Result<SafetensorsCheckpoint> SafetensorsCheckpoint::open_index(const std::strin
       const std::string& name = ts[ti].name;
       const auto listed = wm->find(name);
       if (listed == wm->end())
-        return fail(Error::format("tensor is in shard '{}' but not in the index's weight_map", c.shards_[si].name())
+        return fail(Error::format("present in shard '{}' but not listed in the index's weight_map", c.shards_[si].name())
                         .in_tensor(name));
       if (shard_ids.at(listed->get_ref<const std::string&>()) != si)
         return fail(Error::format("weight_map says shard '{}' but the tensor is in '{}'",
