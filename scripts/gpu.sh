@@ -4,12 +4,14 @@
 #
 # Usage on the device (through the device tool, in the repository root):
 #   scripts/gpu.sh [carried-build-dir]
+# Here, stage the binaries first (scripts/stage_device.sh) and carry .device/release.
 # The build is made HERE (Debian 12) with the release preset and carried; its binaries link the
 # C++/OpenMP runtimes statically, so they run on the device's Ubuntu without our packages.
 # Steps:
 #   1. the CPU test suite from the carried build (shows the carried binaries run there);
 #   2. the CUDA-header parity tests;
-#   3. the CPU MoE benchmark on a small geometry.
+#   3. the GPU op tests (every CUDA kernel against its CPU reference);
+#   4. the CPU MoE benchmark on a small geometry.
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +37,7 @@ ldd "$BUILD/moebius" "$BUILD/tests/moebius_tests" 2>&1 | sort -u | tee "$OUT/ldd
 
 step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
+[ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
 cat "$OUT/bench-moe-cpu.log"
 
