@@ -1,0 +1,256 @@
+#include "moe/expert_layout.h"
+
+#include <cstring>
+
+#include "core/dtype.h"
+#include "formats/gptq.h"
+#include "formats/nvfp4.h"
+
+namespace moebius::moe {
+
+namespace {
+
+// Where fragment value a[i] (i = 0..7) of lane (g, t) sits in a 16 x 16 k-step, as (row, k).
+struct RowK {
+  int row;
+  int k;
+};
+constexpr RowK fragment_position(int i, int g, int t) {
+  const int row = g + ((i >> 1) & 1) * 8;          // a2, a3, a6, a7 are row g + 8
+  const int k = 2 * t + (i & 1) + (i >> 2) * 8;    // a4..a7 are k + 8
+  return {row, k};
+}
+
+// Raw stored values of one logical source row, whatever the checkpoint format.
+struct SourceRow {
+  const QuantMatrix* m = nullptr;  // nullptr: a padding row
+  int64_t row = 0;
+};
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The packed code of (source row, k) for the kernel: bf16 bits, e2m1 code, or unsigned int q.
+// Padding (no row, or k past K) packs to the value that dequantizes to 0.
+uint32_t stored_code(KernelFormat f, const SourceRow& src, int64_t k) {
+  const QuantMatrix* m = src.m;
+  const bool pad = m == nullptr || k >= m->cols;
+  switch (f) {
+    case KernelFormat::kBF16:
+      return pad ? 0u : load_u16(m->weight.data() + (src.row * m->cols + k) * 2);
+    case KernelFormat::kNvFp4:
+      return pad ? 0u : nvfp4::get_code(m->weight.data() + src.row * (m->cols / 2), k);
+    case KernelFormat::kInt4:
+      return pad ? 8u : gptq::get_q(m->weight.data(), m->rows, k, src.row, 4);
+    case KernelFormat::kInt2:
+      return pad ? 2u : gptq::get_q(m->weight.data(), m->rows, k, src.row, 2);
+  }
+  return 0;
+}
+
+Status check_supported(const QuantMatrix& m, KernelFormat f) {
+  MOEBIUS_TRY(m.validate());
+  if (f == KernelFormat::kInt4 || f == KernelFormat::kInt2) {
+    if (m.group_size % 16 != 0)
+      return Error::format("group size {} is not a multiple of 16, which the CUDA kernels need", m.group_size);
+  }
+  return Ok{};
+}
+
+// Packs a matrix whose packed row R comes from source_row(R).
+template <typename RowFn>
+PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_size, RowFn source_row) {
+  PackedMatrix p;
+  p.format = f;
+  p.rows = rows;
+  p.cols = cols;
+  p.rows_padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const int kc = chunk_k(f);
+  p.cols_padded = (cols + kc - 1) / kc * kc;
+  p.group_size = (f == KernelFormat::kInt4 || f == KernelFormat::kInt2) ? group_size : 0;
+  const int64_t tiles = p.row_tiles(), chunks = p.chunks();
+  p.weight.assign(static_cast<size_t>(tiles * chunks * kTileBytes), 0);
+  const int steps = kc / 16;
+
+#pragma omp parallel for schedule(static)
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    SourceRow src[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) src[r] = source_row(tile * kTileRows + r);
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint8_t* chunk = p.weight.data() + (tile * chunks + c) * kTileBytes;
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        uint32_t words[4] = {0, 0, 0, 0};
+        for (int s = 0; s < steps; ++s) {
+          for (int i = 0; i < 8; ++i) {
+            const RowK pos = fragment_position(i, g, t);
+            const int64_t k = c * kc + s * 16 + pos.k;
+            const uint32_t v = stored_code(f, src[pos.row], k);
+            const int j = i >> 1, hi = i & 1;  // bf16x2 register j, half hi
+            switch (f) {
+              case KernelFormat::kBF16:
+                words[j] |= v << (16 * hi);
+                break;
+              case KernelFormat::kNvFp4:
+              case KernelFormat::kInt4:
+                words[s] |= v << (4 * (j + 4 * hi));
+                break;
+              case KernelFormat::kInt2: {
+                const int u = s & 1;
+                words[s >> 1] |= v << (2 * (4 * u + j + 8 * hi));
+                break;
+              }
+            }
+          }
+        }
+        std::memcpy(chunk + lane * 16, words, 16);
+      }
+    }
+  }
+
+  if (f == KernelFormat::kNvFp4) {
+    // [tile][chunk][g][row g blocks 0..3, row g+8 blocks 0..3]; padding scale 0 (codes are 0).
+    p.scales.assign(static_cast<size_t>(tiles * chunks * 64), 0);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const SourceRow s = source_row(tile * kTileRows + r);
+        if (s.m == nullptr) continue;
+        const int64_t blocks = s.m->cols / 16;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t c = b / 4;
+          const int g = r & 7, half = r >> 3;
+          p.scales[static_cast<size_t>((tile * chunks + c) * 64 + g * 8 + half * 4 + b % 4)] =
+              s.m->scales[static_cast<size_t>(s.row * blocks + b)];
+        }
+      }
+    }
+  } else if (p.group_size > 0) {
+    // [tile][group][16 rows] fp16; padding scale 0.
+    const int64_t groups = p.groups();
+    p.scales.assign(static_cast<size_t>(tiles * groups * kTileRows * 2), 0);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const SourceRow s = source_row(tile * kTileRows + r);
+        if (s.m == nullptr) continue;
+        const int64_t src_groups = s.m->num_groups();
+        for (int64_t q = 0; q < src_groups; ++q)
+          std::memcpy(p.scales.data() + ((tile * groups + q) * kTileRows + r) * 2,
+                      s.m->scales.data() + (q * s.m->rows + s.row) * 2, 2);
+      }
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+const char* kernel_format_name(KernelFormat f) {
+  switch (f) {
+    case KernelFormat::kBF16: return "bf16";
+    case KernelFormat::kNvFp4: return "nvfp4";
+    case KernelFormat::kInt4: return "int4";
+    case KernelFormat::kInt2: return "int2";
+  }
+  return "?";
+}
+
+Result<KernelFormat> kernel_format_for(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kBF16: return KernelFormat::kBF16;
+    case WeightFormat::kNvFp4: return KernelFormat::kNvFp4;
+    case WeightFormat::kInt4: return KernelFormat::kInt4;
+    case WeightFormat::kInt2: return KernelFormat::kInt2;
+    default: break;
+  }
+  return Error::format("the CUDA expert kernels run bf16, nvfp4, int4 and int2 experts, not {}",
+                       weight_format_name(f));
+}
+
+Result<PackedMatrix> pack_matrix(const QuantMatrix& m) {
+  MOEBIUS_ASSIGN_OR_RETURN(KernelFormat f, kernel_format_for(m.format));
+  MOEBIUS_TRY(check_supported(m, f));
+  if (f == KernelFormat::kNvFp4 && m.scale_2.size() != 1)
+    return Error("an NVFP4 matrix with several global scales cannot be packed as one matrix");
+  PackedMatrix p = pack_rows(f, m.rows, m.cols, m.group_size, [&m](int64_t r) {
+    return r < m.rows ? SourceRow{&m, r} : SourceRow{};
+  });
+  if (f == KernelFormat::kNvFp4) p.global_scale[0] = p.global_scale[1] = m.scale_2_for_row(0);
+  return p;
+}
+
+Result<PackedMatrix> pack_gate_up(const QuantMatrix& gate, const QuantMatrix& up) {
+  MOEBIUS_ASSIGN_OR_RETURN(KernelFormat f, kernel_format_for(gate.format));
+  MOEBIUS_TRY(check_supported(gate, f));
+  MOEBIUS_TRY(check_supported(up, f));
+  if (up.format != gate.format || up.rows != gate.rows || up.cols != gate.cols || up.group_size != gate.group_size)
+    return Error::format("gate_proj is {} [{}, {}] g={}, up_proj is {} [{}, {}] g={}; they must match",
+                         weight_format_name(gate.format), gate.rows, gate.cols, gate.group_size,
+                         weight_format_name(up.format), up.rows, up.cols, up.group_size);
+  if (f == KernelFormat::kNvFp4 && (gate.scale_2.size() != 1 || up.scale_2.size() != 1))
+    return Error("NVFP4 gate_proj and up_proj must each have one global scale");
+  const int64_t I = gate.rows, I8 = (I + 7) / 8 * 8;
+  PackedMatrix p = pack_rows(f, 2 * I8, gate.cols, gate.group_size, [&](int64_t r) {
+    const int64_t tile = r / kTileRows, local = r % kTileRows;
+    const int64_t i = tile * 8 + (local & 7);
+    if (i >= I) return SourceRow{};
+    return SourceRow{local < 8 ? &gate : &up, i};
+  });
+  if (f == KernelFormat::kNvFp4) {
+    p.global_scale[0] = gate.scale_2_for_row(0);
+    p.global_scale[1] = up.scale_2_for_row(0);
+  }
+  return p;
+}
+
+void unpack_to_float(const PackedMatrix& p, float* out) {
+  const int kc = chunk_k(p.format), steps = kc / 16;
+  const int64_t chunks = p.chunks(), groups = p.groups();
+  for (int64_t tile = 0; tile < p.row_tiles(); ++tile) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint8_t* chunk = p.weight.data() + (tile * chunks + c) * kTileBytes;
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        uint32_t words[4];
+        std::memcpy(words, chunk + lane * 16, 16);
+        for (int s = 0; s < steps; ++s) {
+          for (int i = 0; i < 8; ++i) {
+            const RowK pos = fragment_position(i, g, t);
+            const int64_t row = tile * kTileRows + pos.row;
+            const int64_t k = c * kc + s * 16 + pos.k;
+            const int j = i >> 1, hi = i & 1;
+            float v = 0.0f;
+            switch (p.format) {
+              case KernelFormat::kBF16:
+                v = bf16_bits_to_float(static_cast<uint16_t>(words[j] >> (16 * hi)));
+                break;
+              case KernelFormat::kNvFp4: {
+                const uint8_t code = (words[s] >> (4 * (j + 4 * hi))) & 0xF;
+                const uint8_t sc = p.scales[static_cast<size_t>((tile * chunks + c) * 64 + (pos.row & 7) * 8 +
+                                                                (pos.row >> 3) * 4 + s)];
+                v = (e2m1_bits_to_float(code) * e4m3_bits_to_float(sc)) * p.global_scale[pos.row >> 3];
+                break;
+              }
+              case KernelFormat::kInt4:
+              case KernelFormat::kInt2: {
+                const bool is4 = p.format == KernelFormat::kInt4;
+                const uint32_t q = is4 ? (words[s] >> (4 * (j + 4 * hi))) & 0xF
+                                       : (words[s >> 1] >> (2 * (4 * (s & 1) + j + 8 * hi))) & 0x3;
+                const int64_t grp = k / p.group_size;
+                const float scale = fp16_bits_to_float(
+                    load_u16(p.scales.data() + ((tile * groups + grp) * kTileRows + pos.row) * 2));
+                v = (static_cast<float>(q) - (is4 ? 8.0f : 2.0f)) * scale;
+                break;
+              }
+            }
+            out[row * p.cols_padded + k] = v;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moebius::moe
