@@ -1,0 +1,560 @@
+// Routing kernels for the fused MoE layer; the launchers are declared in moe_route.cuh.
+//
+// Kernel A (moe_route_topk_kernel): one warp per token. Lane l holds experts e = i*32 + l,
+// i < VPT = ceil(E/32) rounded up to a power of two, in registers: E <= 512 is at most 16 floats a
+// lane, and a warp reads a row with VPT coalesced loads. Each of the k winners is a register
+// argmax per lane followed by a 5-step xor-shuffle reduction over (value, index) pairs ordered by
+// value, then lower index; that order is total, so every lane ends with the same winner and ties
+// go to the lower expert, like the oracle. The winner's owner lane clears its bit in a 32-bit
+// eligibility mask. Winner j stays in lane j, so the k outputs are one coalesced store.
+//
+// Matching the oracle (src/cpu/moe_router.cpp), which computes in fp32 with std::exp (glibc expf)
+// and sums in double:
+//  - ranks use the SAME fp32 quantity as the oracle (the normalised softmax probability, or the
+//    biased sigmoid score), not a monotone stand-in such as the raw logit: fp32 rounding can make
+//    two distinct logits score equal, and the oracle then picks the lower index; we must too.
+//  - expf is evaluated as exp() in fp64 rounded once to fp32: the correctly rounded expf, except
+//    when the exact value lies within 2^-29 ulp of a rounding boundary. glibc's expf returns that
+//    same float for all but ~6e-4 of inputs (measured here over 2e8 random floats in [-100, 20];
+//    it is then 1 ulp off); CUDA's fp32 expf only promises 2 ulp. So an id can differ from the
+//    oracle only at a near-tie, two of the top k+1 experts within 1 ulp of each other, decided by
+//    such a 1-ulp exp (of one of the two, or of any expert through the softmax sum): ~1e-8 per
+//    token for random fp32 logits (near-ties ~5e-6, decided by a misround ~2e-3). Exact ties
+//    (equal inputs) always resolve alike. The test SoftmaxTiesFromFp32Rounding builds 1024 such
+//    near-ties on purpose: one of them went the other way until it filtered glibc's misrounds.
+//  - fp32 adds/divides use __fadd_rn/__fdiv_rn and fp64 ones __dadd_rn/__ddiv_rn, so neither FMA
+//    contraction nor -prec-div=false can change the rounding. Do not build with -ftz=true (part of
+//    --use_fast_math): the oracle keeps subnormal probabilities.
+//  - the softmax denominator is a warp tree sum in fp64; the oracle sums in index order. The two
+//    differ by ~E * 2^-53 relative, which moves a weight across an fp32 rounding boundary about
+//    once in 10^6. Weights therefore agree to 1 ulp (tests use 1e-6 relative) and are usually
+//    bit-identical.
+//
+// Kernel B (moe_align_*): a counting sort of the n = T*k (token, slot) pairs by expert.
+//  1. moe_align_count_kernel, one block of 1024 threads: histogram of the ids with shared-memory
+//     atomics, then an exclusive scan over E <= 512 counts -> expert_offsets, padded_offsets,
+//     num_tiles, tile_expert. Integer counts do not depend on the atomic order: deterministic.
+//  2. moe_align_scatter_kernel, one block per expert: the block walks all n ids in p order, 8192 at
+//     a time (16 warps x 16 steps x 32 lanes); per step a __ballot_sync marks this expert's pairs,
+//     and popc of the lower lanes' bits plus a 16-entry scan of the per-warp counts gives each pair
+//     its rank. Ranks follow p, so each segment is ascending p: stable and deterministic, with no
+//     atomics. An empty expert's block returns at once; a block stops once it has found its count.
+//     (Placing 4 experts per block cut the L2 reads by 4 but ran 2x slower: the walk is bound by
+//     load latency, not by L2 bandwidth, and 4x fewer blocks hide less of it.)
+//
+// Cost (n = T*k; the ids array, 4n bytes, stays in the 50 MB L2). Expected:
+//  - kernel A reads 2*T*E bytes of bf16 logits and writes 8*T*k bytes (Qwen3-30B-A3B, E=128, k=8,
+//    T=4096: 1 MiB in, 256 KiB out): a fraction of a microsecond of HBM time. It is bound by the
+//    latency of one warp's chain (loads, E/32 fp64 exps a lane, k shuffle-argmax rounds), not by
+//    bytes; fp64 exp instead of fp32 expf added 3-16% in a trial.
+//  - kernel B step 1 reads 4n bytes on one SM (128 KiB at T=4096, k=8); step 2 reads 4n bytes
+//    per non-empty expert from L2 (E=128: 16 MiB) and writes 4n (+ padded) bytes.
+// Measured once on the H200 (2026-12-02, a scratch benchmark of back-to-back launches on one
+// stream, capacity 4096, so launch overhead is included; not a committed benchmark):
+//                              T=1: route, align(2 kernels)    T=4096: route, align
+//    Qwen3 E=128 k=8 softmax           4.7 us, 8.2 us                 9.4 us, 14.1 us
+//    DeepSeek-V3 E=256 k=8 g8/4        9.9 us, 9.2 us                20.1 us, 15.9 us
+// The group-limited path costs ~4 us at T=1 (its per-group top-2 walks shared memory serially); a
+// shuffle-based top-2 for n_groups dividing 32 is the next step if DeepSeek decode needs it.
+#include "kernels/moe_route.cuh"
+
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cmath>
+
+#include "kernels/cuda_check.h"
+
+namespace moebius::kernels {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// [TAG_MOE_GRAPH_CAPACITY] The live token count is read from device memory, so a graph captured
+// with a grid sized for `capacity` replays for any count. Clamping keeps a bad count from ever
+// indexing past the [capacity, ...] buffers.
+__device__ __forceinline__ int live_tokens(const int32_t* num_tokens, int capacity) {
+  const int t = *num_tokens;
+  return t < 0 ? 0 : (t > capacity ? capacity : t);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernel A: top-k routing
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kRouteWarps = 4;  // tokens per block; small blocks spread a decode batch over SMs
+constexpr int kRouteThreads = kRouteWarps * 32;
+constexpr int kNoExpert = INT_MAX;  // loses every comparison, including to a real -inf score
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+// The selection order: higher value first, then lower index.
+__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+// Best eligible entry of the warp. v[i] on lane l is entry i*32 + l; bit i of `eligible` says it
+// may be chosen. Every lane returns the same (value, index) and the winner's payload[i]; index
+// kNoExpert if none is eligible. The payload rides along in the reduction (5 more shuffles)
+// instead of being fetched afterwards: an "if (i == j) x = w[i]" fetch gets folded into a dynamic
+// register index, which puts the array in local memory.
+template <int VPT>
+__device__ __forceinline__ void warp_argmax(const float (&v)[VPT], const float (&payload)[VPT], uint32_t eligible,
+                                            int lane, float& best_v, int& best_i, float& best_payload) {
+  best_v = -INFINITY;
+  best_i = kNoExpert;
+  best_payload = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+    if (((eligible >> i) & 1u) && ranks_before(v[i], i * 32 + lane, best_v, best_i)) {
+      best_v = v[i];
+      best_i = i * 32 + lane;
+      best_payload = payload[i];
+    }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, best_v, offset);
+    const int oi = __shfl_xor_sync(kFullMask, best_i, offset);
+    const float op = __shfl_xor_sync(kFullMask, best_payload, offset);
+    if (ranks_before(ov, oi, best_v, best_i)) {
+      best_v = ov;
+      best_i = oi;
+      best_payload = op;
+    }
+  }
+}
+
+// Clears `entry` from the owner lane's eligibility mask.
+__device__ __forceinline__ void take_entry(uint32_t& eligible, int entry, int lane) {
+  if (entry != kNoExpert && lane == (entry & 31)) eligible &= ~(1u << (entry >> 5));
+}
+
+// fp32 exp as the oracle's glibc expf gives it (see the header comment): fp64 exp, rounded once.
+__device__ __forceinline__ float exp_f32(float x) { return __double2float_rn(exp(static_cast<double>(x))); }
+
+template <int VPT, typename InT>
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_topk_kernel(const InT* __restrict__ logits,            // [capacity, E]
+                          const float* __restrict__ correction_bias,  // [E] or nullptr
+                          const int32_t* __restrict__ num_tokens,     // [1]
+                          int capacity, RouteParams params,
+                          int32_t* __restrict__ topk_ids,      // [capacity, k]
+                          float* __restrict__ topk_weights) {  // [capacity, k]
+  // Group-limited routing only: the warp's biased scores and its kept-group flags.
+  __shared__ float s_choice[kRouteWarps][VPT * 32];           // [E]
+  __shared__ unsigned char s_group_kept[kRouteWarps][VPT * 32];  // [n_groups], n_groups <= E
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int token = blockIdx.x * kRouteWarps + warp;
+  // [TAG_MOE_GRAPH_CAPACITY] Warps past the live count exit here. The whole warp leaves together,
+  // and below there are only warp-level barriers, so no block barrier is left waiting.
+  if (token >= live_tokens(num_tokens, capacity)) return;
+
+  const int E = params.num_experts;
+  const int k = params.top_k;
+  const InT* row = logits + static_cast<int64_t>(token) * E;  // [E]
+
+  float x[VPT];
+  uint32_t valid = 0;  // bit i: entry i*32 + lane < E
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = i * 32 + lane;
+    x[i] = -INFINITY;
+    if (e < E) {
+      x[i] = to_float(row[e]);
+      valid |= 1u << i;
+    }
+  }
+
+  float key[VPT];     // what the top-k ranks
+  float weight[VPT];  // what a chosen expert contributes (before renormalisation and scaling)
+  uint32_t eligible = valid;
+
+  if (params.scoring == RouteScoring::kSoftmax) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)
+      if ((valid >> i) & 1u) mx = fmaxf(mx, x[i]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, offset));
+    // p = fp32(ex / sum) with ex = expf(x - max) in fp32 and sum in fp64, as the oracle does.
+    float ex[VPT];
+    double sum = 0.0;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      ex[i] = ((valid >> i) & 1u) ? exp_f32(__fsub_rn(x[i], mx)) : 0.0f;
+      sum = __dadd_rn(sum, static_cast<double>(ex[i]));
+    }
+    // Xor butterfly: a + b == b + a exactly, so every lane ends with the same bits.
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) sum = __dadd_rn(sum, __shfl_xor_sync(kFullMask, sum, offset));
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      key[i] = __double2float_rn(__ddiv_rn(static_cast<double>(ex[i]), sum));
+      weight[i] = key[i];
+    }
+  } else {
+    // s = 1 / (1 + expf(-x)) in fp32; choice c = s + bias ranks, the unbiased s is the weight.
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e = i * 32 + lane;
+      weight[i] = 0.0f;
+      key[i] = -INFINITY;
+      if ((valid >> i) & 1u) {
+        weight[i] = __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x[i])));
+        key[i] = __fadd_rn(weight[i], correction_bias != nullptr ? correction_bias[e] : 0.0f);
+      }
+    }
+    if (params.n_groups > 1) {
+      // Group g = experts [g*per, (g+1)*per) scores the sum of its two best choices; the best
+      // topk_groups groups stay eligible. Lane l scores groups g = i*32 + l (n_groups <= E, so the
+      // same VPT registers suffice) from the warp's copy of the choices in shared memory.
+      const int G = params.n_groups;
+      const int per = E / G;
+      float* choice = s_choice[warp];           // [E]
+      unsigned char* kept = s_group_kept[warp];  // [G]
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if ((valid >> i) & 1u) choice[i * 32 + lane] = key[i];
+      __syncwarp();
+      float group_score[VPT];
+      uint32_t group_valid = 0;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int g = i * 32 + lane;
+        group_score[i] = -INFINITY;
+        if (g < G) {
+          // Lane g starts its walk at offset g % per: with per = 32 (DeepSeek-V3) the lanes then
+          // read 32 different banks in every step instead of all hitting one. The two largest
+          // values do not depend on the walk order.
+          float top1 = -INFINITY, top2 = -INFINITY;
+          int j = g % per;
+          for (int n = 0; n < per; ++n) {
+            const float c = choice[g * per + j];
+            if (c > top1) {
+              top2 = top1;
+              top1 = c;
+            } else if (c > top2) {
+              top2 = c;
+            }
+            if (++j == per) j = 0;
+          }
+          group_score[i] = __fadd_rn(top1, per > 1 ? top2 : 0.0f);
+          group_valid |= 1u << i;
+        }
+      }
+      uint32_t group_left = group_valid;
+      for (int r = 0; r < params.topk_groups; ++r) {
+        float best_v, unused;
+        int best_g;
+        warp_argmax(group_score, group_score, group_left, lane, best_v, best_g, unused);
+        take_entry(group_left, best_g, lane);
+      }
+      const uint32_t group_kept = group_valid & ~group_left;  // the groups just taken
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if ((group_valid >> i) & 1u) kept[i * 32 + lane] = static_cast<unsigned char>((group_kept >> i) & 1u);
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if (((valid >> i) & 1u) && kept[(i * 32 + lane) / per] == 0) eligible &= ~(1u << i);
+    }
+  }
+
+  // k rounds of argmax; winner r is kept by lane r.
+  int my_id = 0;
+  float my_weight = 0.0f;
+  for (int r = 0; r < k; ++r) {
+    float best_v, w;
+    int best_e;
+    warp_argmax(key, weight, eligible, lane, best_v, best_e, w);
+    take_entry(eligible, best_e, lane);
+    if (lane == r) {
+      my_id = best_e;
+      my_weight = w;
+    }
+  }
+
+  if (params.renormalize) {
+    // The oracle sums the k weights in fp64 in slot order and divides by (sum + 1e-20).
+    double s = 0.0;
+    for (int j = 0; j < k; ++j) s = __dadd_rn(s, static_cast<double>(__shfl_sync(kFullMask, my_weight, j)));
+    my_weight = __double2float_rn(__ddiv_rn(static_cast<double>(my_weight), __dadd_rn(s, 1e-20)));
+  }
+  if (params.scoring == RouteScoring::kSigmoid) my_weight = __fmul_rn(my_weight, params.routed_scaling_factor);
+
+  if (lane < k) {
+    topk_ids[static_cast<int64_t>(token) * k + lane] = my_id;
+    topk_weights[static_cast<int64_t>(token) * k + lane] = my_weight;
+  }
+}
+
+template <int VPT, typename InT>
+void launch_route_vpt(const InT* logits, const float* bias, const int32_t* num_tokens, int capacity,
+                      const RouteParams& p, int32_t* ids, float* weights, cudaStream_t stream) {
+  // [TAG_MOE_GRAPH_CAPACITY] Grid from the capacity, never from the live count. At least one
+  // block, so capacity 0 is still a valid (empty) launch.
+  const int blocks = capacity > 0 ? (capacity + kRouteWarps - 1) / kRouteWarps : 1;
+  moe_route_topk_kernel<VPT, InT><<<blocks, kRouteThreads, 0, stream>>>(logits, bias, num_tokens, capacity, p, ids,
+                                                                       weights);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <typename InT>
+void launch_route(const InT* logits, const float* bias, const int32_t* num_tokens, int capacity,
+                  const RouteParams& p, int32_t* ids, float* weights, cudaStream_t stream) {
+  const int E = p.num_experts;
+  MOEBIUS_LAUNCH_ASSERT(E >= 1 && E <= kRouteMaxExperts, "num_experts must be in [1, 512]");
+  MOEBIUS_LAUNCH_ASSERT(p.top_k >= 1 && p.top_k <= kRouteMaxTopK && p.top_k <= E,
+                        "top_k must be in [1, min(16, num_experts)]");
+  MOEBIUS_LAUNCH_ASSERT(capacity >= 0, "capacity must be >= 0");
+  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr, "num_tokens is a device int, never null");
+  MOEBIUS_LAUNCH_ASSERT(capacity == 0 || (logits != nullptr && ids != nullptr && weights != nullptr),
+                        "logits, topk_ids and topk_weights must be set");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(logits) % sizeof(InT) == 0 &&
+                            reinterpret_cast<uintptr_t>(ids) % 4 == 0 && reinterpret_cast<uintptr_t>(weights) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(num_tokens) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(bias) % 4 == 0,
+                        "pointers must be aligned to their element size");
+  if (p.scoring == RouteScoring::kSoftmax) {
+    MOEBIUS_LAUNCH_ASSERT(p.n_groups == 1 && p.topk_groups == 1 && bias == nullptr,
+                          "group-limited routing and correction bias need sigmoid scoring");
+  } else {
+    MOEBIUS_LAUNCH_ASSERT(p.n_groups >= 1 && E % p.n_groups == 0, "n_groups must divide num_experts");
+    MOEBIUS_LAUNCH_ASSERT(p.topk_groups >= 1 && p.topk_groups <= p.n_groups, "topk_groups must be in [1, n_groups]");
+    MOEBIUS_LAUNCH_ASSERT(p.top_k <= p.topk_groups * (E / p.n_groups), "top_k exceeds the experts in the kept groups");
+  }
+  // VPT = experts per lane, the smallest power of two with 32 * VPT >= E.
+  if (E <= 32) {
+    launch_route_vpt<1>(logits, bias, num_tokens, capacity, p, ids, weights, stream);
+  } else if (E <= 64) {
+    launch_route_vpt<2>(logits, bias, num_tokens, capacity, p, ids, weights, stream);
+  } else if (E <= 128) {
+    launch_route_vpt<4>(logits, bias, num_tokens, capacity, p, ids, weights, stream);
+  } else if (E <= 256) {
+    launch_route_vpt<8>(logits, bias, num_tokens, capacity, p, ids, weights, stream);
+  } else {
+    launch_route_vpt<16>(logits, bias, num_tokens, capacity, p, ids, weights, stream);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernel B: align (group the pairs by expert)
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kCountThreads = 1024;
+constexpr int kCountBatch = 16;  // ids in flight per thread: 16384 per block step
+constexpr int kScatterWarps = 16;
+constexpr int kScatterThreads = kScatterWarps * 32;
+constexpr int kScatterSteps = 16;  // 32-id steps per warp and chunk; the ballot masks live in registers
+constexpr int kScatterChunk = kScatterWarps * kScatterSteps * 32;  // 8192 ids per block iteration
+
+// Largest e in [0, E) with offsets[e] <= row, for 0 <= row < offsets[E]: the expert owning that row
+// of the padded layout. Empty experts repeat their offset, and the largest index with a given
+// offset is the one that owns rows.
+__device__ __forceinline__ int owner_of_row(const int* offsets, int E, int row) {
+  int lo = 0, hi = E;  // offsets[lo] <= row < offsets[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (offsets[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kCountThreads)
+    moe_align_count_kernel(const int32_t* __restrict__ topk_ids,    // [capacity, k]
+                           const int32_t* __restrict__ num_tokens,  // [1]
+                           int capacity, int k, int E, int block_m, int max_tiles,
+                           int32_t* __restrict__ expert_offsets,  // [E+1]
+                           int32_t* __restrict__ padded_offsets,  // [E+1] or nullptr (no padded outputs)
+                           int32_t* __restrict__ tile_expert,     // [max_tiles]
+                           int32_t* __restrict__ num_tiles) {     // [1]
+  __shared__ int s_count[kRouteMaxExperts];
+  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
+  __shared__ int s_warp_sum[kCountThreads / 32];
+  __shared__ int s_warp_padded_sum[kCountThreads / 32];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  // [TAG_MOE_GRAPH_CAPACITY] Only the first T rows of ids are live.
+  const int n = live_tokens(num_tokens, capacity) * k;
+
+  for (int e = tid; e < E; e += kCountThreads) s_count[e] = 0;
+  __syncthreads();
+  // One block, so the loop is bound by L2 latency: kCountBatch independent loads per thread are
+  // issued before any is used, one round trip per batch instead of one per id. Plain shared-memory
+  // atomics: on the H200 they cost the same with all ids equal as with random ids, while
+  // __match_any_sync warp aggregation made this loop 5x slower (measured, T*k = 32768).
+  for (int base = 0; base < n; base += kCountThreads * kCountBatch) {
+    int ids[kCountBatch];
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j) {
+      const int p = base + j * kCountThreads + tid;  // coalesced
+      ids[j] = p < n ? topk_ids[p] : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j)
+      if (static_cast<unsigned>(ids[j]) < static_cast<unsigned>(E)) atomicAdd(&s_count[ids[j]], 1);
+  }
+  __syncthreads();
+
+  // Exclusive scans of the counts and of the counts rounded up to block_m; thread e owns expert e.
+  const int c = tid < E ? s_count[tid] : 0;
+  const int pc = (c + block_m - 1) / block_m * block_m;
+  int inc = c, pinc = pc;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int a = __shfl_up_sync(kFullMask, inc, offset);
+    const int b = __shfl_up_sync(kFullMask, pinc, offset);
+    if (lane >= offset) {
+      inc += a;
+      pinc += b;
+    }
+  }
+  if (lane == 31) {
+    s_warp_sum[warp] = inc;
+    s_warp_padded_sum[warp] = pinc;
+  }
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) {
+    inc += s_warp_sum[w];
+    pinc += s_warp_padded_sum[w];
+  }
+  const bool padded = padded_offsets != nullptr;
+  if (tid < E) {
+    expert_offsets[tid] = inc - c;
+    if (padded) {
+      padded_offsets[tid] = pinc - pc;
+      s_padded_offsets[tid] = pinc - pc;
+    }
+  }
+  if (tid == E - 1) {
+    expert_offsets[E] = inc;
+    if (padded) {
+      padded_offsets[E] = pinc;
+      s_padded_offsets[E] = pinc;
+      *num_tiles = pinc / block_m;
+    }
+  }
+  if (!padded) return;  // uniform over the block
+  __syncthreads();
+  // [TAG_MOE_GRAPH_CAPACITY] Every tile up to the capacity bound gets an owner or -1, so a GEMM
+  // grid sized from the capacity knows which of its blocks to retire.
+  const int padded_total = s_padded_offsets[E];
+  for (int j = tid; j < max_tiles; j += kCountThreads) {
+    const int row = j * block_m;
+    tile_expert[j] = row < padded_total ? owner_of_row(s_padded_offsets, E, row) : -1;
+  }
+}
+
+__global__ void __launch_bounds__(kScatterThreads)
+    moe_align_scatter_kernel(const int32_t* __restrict__ topk_ids,        // [capacity, k]
+                             const int32_t* __restrict__ num_tokens,      // [1]
+                             int capacity, int k,
+                             const int32_t* __restrict__ expert_offsets,  // [E+1]
+                             const int32_t* __restrict__ padded_offsets,  // [E+1] or nullptr
+                             int32_t* __restrict__ sorted_pair_ids,       // [capacity*k]
+                             int32_t* __restrict__ padded_pair_ids) {     // [max_padded] or nullptr
+  __shared__ int s_warp_count[2][kScatterWarps];  // double-buffered: one barrier per chunk
+  const int e = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  // [TAG_MOE_GRAPH_CAPACITY] Only the first T rows of ids are live.
+  const int n = live_tokens(num_tokens, capacity) * k;
+  const int begin = expert_offsets[e];
+  const int count = expert_offsets[e + 1] - begin;
+  const bool padded = padded_pair_ids != nullptr;
+  const int padded_begin = padded ? padded_offsets[e] : 0;
+  if (padded) {  // the tail of this expert's last tile
+    const int padded_end = padded_offsets[e + 1];
+    for (int i = padded_begin + count + threadIdx.x; i < padded_end; i += kScatterThreads) padded_pair_ids[i] = -1;
+  }
+  if (count == 0) return;  // uniform over the block; nothing to place
+
+  int found = 0;  // this expert's pairs in earlier chunks; the same value in every thread
+  for (int chunk = 0, it = 0; chunk < n && found < count; chunk += kScatterChunk, ++it) {
+    const int warp_base = chunk + warp * (kScatterSteps * 32);
+    unsigned hits[kScatterSteps];  // bit l of hits[s]: pair warp_base + s*32 + l belongs to e
+    int warp_count = 0;
+#pragma unroll
+    for (int s = 0; s < kScatterSteps; ++s) {
+      const int p = warp_base + s * 32 + lane;
+      const int id = p < n ? topk_ids[p] : -1;  // coalesced: a warp reads 128 contiguous bytes
+      hits[s] = __ballot_sync(kFullMask, id == e);
+      warp_count += __popc(hits[s]);
+    }
+    const int buf = it & 1;
+    if (lane == 0) s_warp_count[buf][warp] = warp_count;
+    __syncthreads();
+    // Buffer `buf` is rewritten two chunks later, after every thread has passed the next barrier,
+    // so the reads below cannot race with it.
+    int rank = found, chunk_count = 0;
+    for (int w = 0; w < kScatterWarps; ++w) {
+      const int wc = s_warp_count[buf][w];
+      if (w < warp) rank += wc;
+      chunk_count += wc;
+    }
+#pragma unroll
+    for (int s = 0; s < kScatterSteps; ++s) {
+      if ((hits[s] >> lane) & 1u) {
+        const int pos = rank + __popc(hits[s] & lanes_below);
+        const int p = warp_base + s * 32 + lane;
+        sorted_pair_ids[begin + pos] = p;
+        if (padded) padded_pair_ids[padded_begin + pos] = p;
+      }
+      rank += __popc(hits[s]);
+    }
+    found += chunk_count;
+  }
+}
+
+}  // namespace
+
+void launch_moe_route_topk(const __nv_bfloat16* logits, const float* correction_bias, const int32_t* num_tokens,
+                           int capacity, const RouteParams& params, int32_t* topk_ids, float* topk_weights,
+                           cudaStream_t stream) {
+  launch_route(logits, correction_bias, num_tokens, capacity, params, topk_ids, topk_weights, stream);
+}
+
+void launch_moe_route_topk(const float* logits, const float* correction_bias, const int32_t* num_tokens,
+                           int capacity, const RouteParams& params, int32_t* topk_ids, float* topk_weights,
+                           cudaStream_t stream) {
+  launch_route(logits, correction_bias, num_tokens, capacity, params, topk_ids, topk_weights, stream);
+}
+
+void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int capacity, int top_k, int num_experts,
+                      int block_m, int32_t* expert_offsets, int32_t* sorted_pair_ids, int32_t* padded_offsets,
+                      int32_t* padded_pair_ids, int32_t* tile_expert, int32_t* num_tiles, cudaStream_t stream) {
+  const int E = num_experts;
+  MOEBIUS_LAUNCH_ASSERT(E >= 1 && E <= kRouteMaxExperts, "num_experts must be in [1, 512]");
+  MOEBIUS_LAUNCH_ASSERT(top_k >= 1, "top_k must be >= 1");
+  MOEBIUS_LAUNCH_ASSERT(capacity >= 0, "capacity must be >= 0");
+  MOEBIUS_LAUNCH_ASSERT(block_m >= 1, "block_m must be >= 1");
+  // Keeps every index and every loop bound (chunk + 8192) well inside int32.
+  const int64_t max_padded = moe_align_max_padded(capacity, top_k, E, block_m);
+  MOEBIUS_LAUNCH_ASSERT(max_padded < (int64_t{1} << 30), "capacity * top_k + E * (block_m - 1) must be < 2^30");
+  const bool padded = padded_offsets != nullptr;
+  MOEBIUS_LAUNCH_ASSERT(padded == (padded_pair_ids != nullptr) && padded == (tile_expert != nullptr) &&
+                            padded == (num_tiles != nullptr),
+                        "padded_offsets, padded_pair_ids, tile_expert and num_tiles: all set or all null");
+  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr && expert_offsets != nullptr, "num_tokens and expert_offsets must be set");
+  MOEBIUS_LAUNCH_ASSERT(capacity == 0 || (topk_ids != nullptr && sorted_pair_ids != nullptr),
+                        "topk_ids and sorted_pair_ids must be set");
+  const int max_tiles = padded ? static_cast<int>(moe_align_max_tiles(capacity, top_k, E, block_m)) : 0;
+  // [TAG_MOE_GRAPH_CAPACITY] Both grids are fixed by E alone; the live count is read on the device.
+  moe_align_count_kernel<<<1, kCountThreads, 0, stream>>>(topk_ids, num_tokens, capacity, top_k, E, block_m, max_tiles,
+                                                          expert_offsets, padded_offsets, tile_expert, num_tiles);
+  CUDA_CHECK_LAUNCH();
+  moe_align_scatter_kernel<<<E, kScatterThreads, 0, stream>>>(topk_ids, num_tokens, capacity, top_k, expert_offsets,
+                                                              padded_offsets, sorted_pair_ids, padded_pair_ids);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moebius::kernels
