@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_moe_cuda.h"
 #include "cli/commands.h"
 #include "cli/geometry.h"
 #include "core/dtype.h"
@@ -28,6 +29,7 @@ struct BenchMoeOptions {
   std::string tokens = "1,16,128";
   int group_size = 128;
   int iters = 3;
+  std::string combine = "fp32";
   uint64_t seed = 1;
 };
 
@@ -52,9 +54,18 @@ Status run_bench_moe(const BenchMoeOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(MoeGeometry g, parse_geometry(o.geometry));
   MOEBIUS_ASSIGN_OR_RETURN(WeightFormat fmt, parse_format(o.format));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> token_counts, parse_int_list(o.tokens, "--tokens", 1 << 16));
-  if (o.backend == "cuda")
-    return Error("the CUDA MoE backend is not built yet (see the CUDA fused MoE issue); use --backend cpu")
-        .in_field("--backend");
+  if (o.backend == "cuda") {
+    BenchMoeCudaOptions c;
+    c.geometry = g;
+    c.format = o.format;
+    c.tokens = token_counts;
+    c.group_size = o.group_size;
+    c.iters = o.iters;
+    c.atomic_combine = o.combine == "atomic";
+    c.seed = o.seed;
+    return run_bench_moe_cuda(c);
+  }
+  if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
   if (o.iters < 1) return Error("must be at least 1").in_field("--iters");
 
@@ -120,8 +131,12 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--tokens", opts->tokens, "comma-separated token counts")->capture_default_str();
   cmd->add_option("--group-size", opts->group_size, "group size for int formats (32, 64, 128, -1)")
       ->capture_default_str();
-  cmd->add_option("--iters", opts->iters, "timed repetitions per token count (median reported)")->capture_default_str();
+  cmd->add_option("--iters", opts->iters,
+                  "timed repetitions per token count (cpu: median of runs; cuda: graph replays averaged)")
+      ->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
+  cmd->add_option("--combine", opts->combine, "fp32 (deterministic) or atomic (in-kernel bf16 atomics, cuda only)")
+      ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);
     if (!s.ok()) {

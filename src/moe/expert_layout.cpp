@@ -63,14 +63,8 @@ Status check_supported(const QuantMatrix& m, KernelFormat f) {
 // Packs a matrix whose packed row R comes from source_row(R).
 template <typename RowFn>
 PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_size, RowFn source_row) {
-  PackedMatrix p;
-  p.format = f;
-  p.rows = rows;
-  p.cols = cols;
-  p.rows_padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  PackedMatrix p = packed_shape(f, rows, cols, group_size);
   const int kc = chunk_k(f);
-  p.cols_padded = (cols + kc - 1) / kc * kc;
-  p.group_size = (f == KernelFormat::kInt4 || f == KernelFormat::kInt2) ? group_size : 0;
   const int64_t tiles = p.row_tiles(), chunks = p.chunks();
   p.weight.assign(static_cast<size_t>(tiles * chunks * kTileBytes), 0);
   const int steps = kc / 16;
@@ -146,6 +140,32 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
 }
 
 }  // namespace
+
+PackedMatrix packed_shape(KernelFormat format, int64_t rows, int64_t cols, int group_size) {
+  PackedMatrix p;
+  p.format = format;
+  p.rows = rows;
+  p.cols = cols;
+  p.rows_padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const int kc = chunk_k(format);
+  p.cols_padded = (cols + kc - 1) / kc * kc;
+  p.group_size = (format == KernelFormat::kInt4 || format == KernelFormat::kInt2) ? group_size : 0;
+  return p;
+}
+
+size_t packed_weight_bytes(const PackedMatrix& p) {
+  return static_cast<size_t>(p.row_tiles() * p.chunks() * kTileBytes);
+}
+
+size_t packed_scale_bytes(const PackedMatrix& p) {
+  switch (p.format) {
+    case KernelFormat::kNvFp4: return static_cast<size_t>(p.row_tiles() * p.chunks() * 64);
+    case KernelFormat::kInt4:
+    case KernelFormat::kInt2: return static_cast<size_t>(p.row_tiles() * p.groups() * kTileRows * 2);
+    case KernelFormat::kBF16: return 0;
+  }
+  return 0;
+}
 
 const char* kernel_format_name(KernelFormat f) {
   switch (f) {

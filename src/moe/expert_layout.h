@@ -71,6 +71,13 @@ struct PackedMatrix {
   int64_t groups() const { return group_size > 0 ? (cols_padded + group_size - 1) / group_size : 0; }
 };
 
+// The shape of a packed matrix (rows, cols, padding, group size) with no bytes: used to size
+// device buffers for dummy weights. weight/scales stay empty.
+PackedMatrix packed_shape(KernelFormat format, int64_t rows, int64_t cols, int group_size);
+// Bytes of the packed weights and scales, from the shape alone.
+size_t packed_weight_bytes(const PackedMatrix& p);
+size_t packed_scale_bytes(const PackedMatrix& p);
+
 // Packs one matrix (the down projection [H, I]).
 Result<PackedMatrix> pack_matrix(const QuantMatrix& m);
 

@@ -1,0 +1,156 @@
+// Times whole MoE layers (router, routing, GEMM1 + SwiGLU, GEMM2, combine) on the GPU.
+//
+// Method: several layers with different random weights ("weight sets") are captured back to back
+// in one CUDA graph, so consecutive layers touch different experts and the 60 MB L2 cannot serve
+// a layer's weights from the previous replay; enough sets are used that the weights touched per
+// replay exceed 200 MB. The graph is replayed `iters` times between CUDA events and the time is
+// divided by replays x sets.
+//
+// Reported per token count T:
+//   touched   experts routed to by at least one token (measured from the routing, averaged);
+//             the expected value for uniform routing is E * (1 - (1 - k/E)^T)
+//   MB        touched expert bytes (packed weights + scales) + router weights, per layer
+//   floor     max(MB / HBM read bandwidth, flops / bf16 peak), flops = 2*T*k*3*H*I + 2*T*H*E
+//   x floor   measured time / floor
+#include "cli/bench_moe_cuda.h"
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "core/log.h"
+#include "kernels/cuda_check.h"
+#include "kernels/fill.cuh"
+#include "moe/moe_layer_cuda.h"
+
+namespace moebius::cli {
+
+namespace {
+
+Result<moe::KernelFormat> parse_kernel_format(const std::string& s) {
+  if (s == "bf16") return moe::KernelFormat::kBF16;
+  if (s == "nvfp4") return moe::KernelFormat::kNvFp4;
+  if (s == "int4") return moe::KernelFormat::kInt4;
+  if (s == "int2") return moe::KernelFormat::kInt2;
+  return Error::format("the CUDA backend runs bf16, nvfp4, int4 or int2 experts, not '{}'", s).in_field("--format");
+}
+
+}  // namespace
+
+Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
+  if (!cuda_available()) return Error("no CUDA device is visible").in_field("--backend");
+  MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat format, parse_kernel_format(o.format));
+  const MoeGeometry& g = o.geometry;
+  const cpu::MoeShape shape{g.hidden, g.intermediate, g.num_experts, g.top_k};
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("moebius bench moe  backend=cuda (%s)  geometry=%s (H=%lld I=%lld E=%d k=%d)  format=%s%s  combine=%s\n",
+              prop.name, g.name.c_str(), static_cast<long long>(g.hidden), static_cast<long long>(g.intermediate),
+              g.num_experts, g.top_k, o.format.c_str(),
+              (format == moe::KernelFormat::kInt4 || format == moe::KernelFormat::kInt2)
+                  ? (" g=" + std::to_string(o.group_size)).c_str()
+                  : "",
+              o.atomic_combine ? "atomic-bf16" : "fp32-deterministic");
+  std::printf("floors: HBM %.2f TB/s, bf16 %.0f TFLOP/s\n", o.hbm_bytes_per_s / 1e12, o.bf16_flops_per_s / 1e12);
+  std::printf("%7s %4s %5s %10s %8s %9s %9s %9s %9s %8s\n", "tokens", "bm", "sets", "us/layer", "touched", "MB",
+              "GB/s", "TFLOP/s", "floor us", "x floor");
+
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int64_t T : o.tokens) {
+    moe::MoeCudaOptions opt;
+    opt.capacity = static_cast<int>(T);
+    opt.combine = o.atomic_combine ? kernels::MoeCombineMode::kAtomic : kernels::MoeCombineMode::kStore;
+    // Size the weight-set rotation from the expected touched bytes.
+    const double expect_touched = g.num_experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.num_experts,
+                                                                  static_cast<double>(T)));
+    std::vector<std::unique_ptr<moe::MoeLayerCuda>> sets;
+    MOEBIUS_ASSIGN_OR_RETURN(auto first, moe::MoeLayerCuda::create_dummy(shape, format, o.group_size, opt, o.seed));
+    const double per_layer = expect_touched * static_cast<double>(first->expert_bytes());
+    const double layer_total = static_cast<double>(first->expert_bytes()) * g.num_experts;
+    int n_sets = static_cast<int>(std::ceil(200e6 / std::max(per_layer, 1.0)));
+    n_sets = std::clamp(n_sets, 2, 16);
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    n_sets = std::max(1, std::min(n_sets, static_cast<int>(0.6 * static_cast<double>(free_b) / layer_total)));
+    sets.push_back(std::move(first));
+    for (int i = 1; i < n_sets; ++i) {
+      MOEBIUS_ASSIGN_OR_RETURN(auto l, moe::MoeLayerCuda::create_dummy(shape, format, o.group_size, opt, o.seed + 7919 * i));
+      sets.push_back(std::move(l));
+    }
+    void *x = nullptr, *out = nullptr, *n = nullptr;
+    CUDA_CHECK(cudaMalloc(&x, sizeof(uint16_t) * T * g.hidden));
+    CUDA_CHECK(cudaMalloc(&out, sizeof(uint16_t) * T * g.hidden));
+    CUDA_CHECK(cudaMalloc(&n, sizeof(int32_t)));
+    kernels::launch_fill_random_bf16(x, static_cast<size_t>(T * g.hidden), 2.0f, o.seed + 5, stream);
+    const int32_t nt = static_cast<int32_t>(T);
+    CUDA_CHECK(cudaMemcpyAsync(n, &nt, 4, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (auto& l : sets)
+      l->forward(static_cast<const __nv_bfloat16*>(x), static_cast<const int32_t*>(n), static_cast<__nv_bfloat16*>(out),
+                 stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int i = 0; i < o.iters; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaEventRecord(e1, stream));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    const double us = 1e3 * ms / (static_cast<double>(o.iters) * n_sets);
+
+    // Touched experts, from each set's routing of this input.
+    double touched = 0;
+    std::vector<int32_t> ids(static_cast<size_t>(T * g.top_k));
+    for (auto& l : sets) {
+      CUDA_CHECK(cudaMemcpy(ids.data(), l->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+      std::vector<char> used(static_cast<size_t>(g.num_experts), 0);
+      for (int32_t id : ids)
+        if (id >= 0 && id < g.num_experts) used[static_cast<size_t>(id)] = 1;
+      touched += static_cast<double>(std::count(used.begin(), used.end(), 1));
+    }
+    touched /= n_sets;
+    const double bytes = touched * static_cast<double>(sets[0]->expert_bytes()) + 2.0 * g.num_experts * g.hidden;
+    const double flops = 2.0 * T * g.top_k * 3.0 * g.hidden * g.intermediate + 2.0 * T * g.hidden * g.num_experts;
+    const double floor_us = 1e6 * std::max(bytes / o.hbm_bytes_per_s, flops / o.bf16_flops_per_s);
+    std::printf("%7lld %4d %5d %10.2f %8.1f %9.2f %9.1f %9.1f %9.2f %8.2f\n", static_cast<long long>(T),
+                sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
+                flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);
+    std::fflush(stdout);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(out));
+    CUDA_CHECK(cudaFree(n));
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  return Ok{};
+}
+
+}  // namespace moebius::cli
+
+#else
+
+namespace moebius::cli {
+Status run_bench_moe_cuda(const BenchMoeCudaOptions&) {
+  return Error("this build of moebius has no CUDA support; use --backend cpu").in_field("--backend");
+}
+}  // namespace moebius::cli
+
+#endif  // MOEBIUS_HAS_CUDA

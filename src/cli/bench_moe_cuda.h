@@ -1,0 +1,27 @@
+// `moebius bench moe --backend cuda`: the fused MoE layer timed by CUDA-graph replay.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cli/geometry.h"
+#include "core/error.h"
+
+namespace moebius::cli {
+
+struct BenchMoeCudaOptions {
+  MoeGeometry geometry;
+  std::string format;  // bf16, nvfp4, int4, int2
+  std::vector<int64_t> tokens;
+  int group_size = 128;
+  int iters = 50;
+  bool atomic_combine = false;
+  uint64_t seed = 1;
+  // Physical floors measured on the H200 here (docs/PERF.md).
+  double hbm_bytes_per_s = 4.57e12;
+  double bf16_flops_per_s = 791e12;
+};
+
+Status run_bench_moe_cuda(const BenchMoeCudaOptions& o);
+
+}  // namespace moebius::cli

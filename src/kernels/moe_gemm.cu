@@ -1,0 +1,402 @@
+// Grouped expert GEMMs, "swap AB" mma.sync m16n8k16 with in-register dequantization.
+//
+// Block = 4 warps on ONE 16-row weight tile and one token tile (block_m tokens); the warps split
+// K into four contiguous ranges and their partial sums meet in shared memory, summed in warp
+// order so results are bit-identical run to run. grid = (row tiles, token tiles).
+//
+// Why this shape: decode reads each expert's weights once for one or a few tokens, so the kernel
+// must stream weights at HBM speed. Each lane issues one 16-byte evict-first load per 512-byte
+// tile chunk (the layout in src/moe/expert_layout.h puts a lane's whole A fragment for the
+// chunk's k-steps in those 16 bytes), and four chunks are in flight per lane before any math.
+// The weights are the mma A operand (16 rows), tokens the B operand (8 per n-tile), so one token
+// per expert wastes 7/8 of an n8 tile rather than 15/16 of an m16 tile; larger token tiles reuse
+// each dequantized fragment for block_m / 8 mma.
+//
+// Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
+//   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
+//              exact small integers. The group scale multiplies the fp32 accumulator when the
+//              group ends, so weights enter the mma exactly.
+//   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15,
+//              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
+//              0; bf16 mul and mma keep subnormals, checked by dev/cuda/probe_bf16_subnormal.cu).
+//              It is multiplied by bf16(block scale * 2^64), an exact product (2 x 4 significant
+//              bits) in the normal range, and the accumulator by scale_2 * 2^62 at the end.
+//   bf16:      the words are the fragment.
+#include "kernels/moe_gemm.cuh"
+
+#include <cuda_fp8.h>
+
+#include "kernels/cuda_check.h"
+
+namespace moebius::kernels {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+template <MoeWeightFormat F>
+constexpr int kChunkK = F == MoeWeightFormat::kBF16 ? 16 : (F == MoeWeightFormat::kInt2 ? 128 : 64);
+template <MoeWeightFormat F>
+constexpr int kSteps = kChunkK<F> / 16;
+
+// Weights are read exactly once per token tile: stream them past L1 with an evict-first hint so
+// they do not push activations (re-read by every row tile) out of L2.
+__device__ __forceinline__ uint4 load_weights(const uint4* p) { return __ldcs(p); }
+
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shift left for positive n, right for negative n; n is a compile-time constant after unrolling.
+template <int N>
+__device__ __forceinline__ uint32_t shift(uint32_t w) {
+  if constexpr (N >= 0) return w << N;
+  else return w >> (-N);
+}
+
+// A-fragment registers of k-step S of a chunk. sc: nvfp4 scale pairs for rows g and g+8.
+template <MoeWeightFormat F, int S>
+__device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv_scale)[2], uint32_t (&a)[4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  if constexpr (F == MoeWeightFormat::kBF16) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = words[j];
+  } else if constexpr (F == MoeWeightFormat::kInt4) {
+    const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);  // 128 + zero point 8
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = ((words[S] >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
+    }
+  } else if constexpr (F == MoeWeightFormat::kInt2) {
+    const __nv_bfloat162 bias = __floats2bfloat162_rn(130.0f, 130.0f);  // 128 + zero point 2
+    constexpr int u = S & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
+      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
+    }
+  } else {  // kNvFp4
+    const uint32_t wd = words[S];
+    const uint32_t m0 = shift<6>(wd) & 0x01C001C0u, s0 = shift<12>(wd) & 0x80008000u;
+    const uint32_t m1 = shift<2>(wd) & 0x01C001C0u, s1 = shift<8>(wd) & 0x80008000u;
+    const uint32_t m2 = shift<-2>(wd) & 0x01C001C0u, s2 = shift<4>(wd) & 0x80008000u;
+    const uint32_t m3 = shift<-6>(wd) & 0x01C001C0u, s3 = wd & 0x80008000u;
+    a[0] = bf16x2_bits(__hmul2(as_bf16x2(m0 | s0), as_bf16x2(nv_scale[0])));  // row g
+    a[1] = bf16x2_bits(__hmul2(as_bf16x2(m1 | s1), as_bf16x2(nv_scale[1])));  // row g + 8
+    a[2] = bf16x2_bits(__hmul2(as_bf16x2(m2 | s2), as_bf16x2(nv_scale[0])));
+    a[3] = bf16x2_bits(__hmul2(as_bf16x2(m3 | s3), as_bf16x2(nv_scale[1])));
+  }
+}
+
+// bf16 bits of (e4m3 value * 2^64) for every e4m3 byte: block scales become bf16 multipliers.
+__device__ __forceinline__ void build_e4m3_lut(uint16_t* lut) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    const __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(i), __NV_E4M3);
+    const float v = __half2float(__half(hr)) * 18446744073709551616.0f;  // 2^64, exact
+    const __nv_bfloat16 b = __float2bfloat16(v);                           // exact: 4 significant bits
+    lut[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+// The B fragment (two bf16 pairs) of one token row at k0: columns k0+2t, +1 and k0+2t+8, +9.
+// Columns >= K read as 0, so padded weight columns meet zeros.
+template <bool kOddK>
+__device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, int K, uint32_t& b0, uint32_t& b1) {
+  const int c0 = k0 + 2 * t, c1 = c0 + 8;
+  if (row == nullptr) {
+    b0 = b1 = 0;
+    return;
+  }
+  if constexpr (!kOddK) {  // even K and even stride: 4-byte aligned pairs
+    b0 = c0 < K ? __ldg(reinterpret_cast<const uint32_t*>(row + c0)) : 0u;
+    b1 = c1 < K ? __ldg(reinterpret_cast<const uint32_t*>(row + c1)) : 0u;
+  } else {
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+    auto ld = [&](int c) -> uint32_t { return c < K ? static_cast<uint32_t>(__ldg(r + c)) : 0u; };
+    b0 = ld(c0) | (ld(c0 + 1) << 16);
+    b1 = ld(c1) | (ld(c1 + 1) << 16);
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+__device__ __forceinline__ float activation(const MoeActivationParams& act, float g, float u) {
+  switch (act.kind) {
+    case MoeActivation::kSiLU:
+      return silu(g) * u;
+    case MoeActivation::kSiLUClamped:
+      return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
+    case MoeActivation::kGptOss: {
+      const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
+      return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
+    }
+  }
+  return 0.0f;
+}
+
+enum class Epilogue : uint8_t { kGateUp, kDownStore, kDownAtomic };
+
+struct KernelArgs {
+  const ExpertMatrixPtrs* experts;
+  MoeGemmDims dims;
+  MoeTiles tiles;
+  const __nv_bfloat16* act_in;  // GEMM1: x [T, stride]; GEMM2: h [padded, stride]
+  int in_stride;
+  MoeActivationParams act;
+  __nv_bfloat16* h_out;  // GEMM1
+  int h_stride;
+  float* y;  // GEMM2 kStore
+  int y_stride;
+  const float* topk_weights;  // GEMM2 kAtomic
+  __nv_bfloat16* out;
+  int out_stride;
+};
+
+template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK>
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs args) {
+  constexpr int KC = kChunkK<F>;
+  constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightFormat::kInt2;
+  const int tile = blockIdx.y;
+  const int expert = args.tiles.tile_expert[tile];
+  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
+  const int row_tile = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const MoeGemmDims& d = args.dims;
+
+  __shared__ uint16_t e4m3_lut[256];
+  __shared__ float partial[kWarps][NT][32][4];
+  if constexpr (F == MoeWeightFormat::kNvFp4) {
+    build_e4m3_lut(e4m3_lut);
+    __syncthreads();
+  }
+
+  // The token rows this lane feeds into the B operand: token g of each n8 tile.
+  const int bm = args.tiles.block_m;
+  const __nv_bfloat16* b_rows[NT];
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt) {
+    const int pos = tile * bm + tt * 8 + g;
+    const int pair = args.tiles.padded_pair_ids[pos];
+    const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
+    b_rows[tt] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+  }
+
+  const ExpertMatrixPtrs ptrs = args.experts[expert];
+  const uint4* wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(row_tile) * d.chunks * 32 + lane;
+
+  // This warp's contiguous chunk range.
+  const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
+
+  float acc[NT][4];
+  float grp[NT][4];  // int formats: the current scale group's unscaled sums
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[tt][i] = grp[tt][i] = 0.0f;
+
+  auto flush_group = [&](int group) {
+    const __half* sc = static_cast<const __half*>(ptrs.scales) +
+                       (static_cast<int64_t>(row_tile) * d.groups + group) * 16;
+    const float s_lo = __half2float(sc[g]), s_hi = __half2float(sc[g + 8]);
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+      acc[tt][0] += grp[tt][0] * s_lo;
+      acc[tt][1] += grp[tt][1] * s_lo;
+      acc[tt][2] += grp[tt][2] * s_hi;
+      acc[tt][3] += grp[tt][3] * s_hi;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) grp[tt][i] = 0.0f;
+    }
+  };
+
+  constexpr int kPrefetch = 4;  // 16-byte loads in flight per lane before the first use
+  int current_group = kIsInt ? (c_begin * KC) / d.group_size : 0;
+  for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
+    uint4 wv[kPrefetch];
+    uint2 sv[kPrefetch];
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      if (c0 + p < c_end) {
+        wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
+        if constexpr (F == MoeWeightFormat::kNvFp4)
+          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      const int c = c0 + p;
+      if (c >= c_end) break;
+      uint32_t nv_scales[kSteps<F>][2] = {};
+      if constexpr (F == MoeWeightFormat::kNvFp4) {
+        const uint32_t lo = sv[p].x, hi = sv[p].y;  // bytes: row g blocks 0..3, row g+8 blocks 0..3
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t sg = e4m3_lut[(lo >> (8 * s)) & 0xFF], sg8 = e4m3_lut[(hi >> (8 * s)) & 0xFF];
+          nv_scales[s][0] = sg | (sg << 16);
+          nv_scales[s][1] = sg8 | (sg8 << 16);
+        }
+      }
+      auto do_step = [&](auto step_tag) {
+        constexpr int S = decltype(step_tag)::value;
+        uint32_t a[4];
+        dequant_step<F, S>(wv[p], nv_scales[S], a);
+        const int k0 = c * KC + S * 16;
+        if constexpr (kIsInt) {
+          const int group = k0 / d.group_size;
+          if (group != current_group) {
+            flush_group(current_group);
+            current_group = group;
+          }
+        }
+#pragma unroll
+        for (int tt = 0; tt < NT; ++tt) {
+          uint32_t b0, b1;
+          load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
+          if constexpr (kIsInt) mma_bf16(grp[tt], a, b0, b1);
+          else mma_bf16(acc[tt], a, b0, b1);
+        }
+      };
+      [&]<int... S>(std::integer_sequence<int, S...>) {
+        (do_step(std::integral_constant<int, S>{}), ...);
+      }(std::make_integer_sequence<int, kSteps<F>>{});
+    }
+  }
+  if constexpr (kIsInt) {
+    if (c_end > c_begin) flush_group(current_group);
+  }
+
+  // Deterministic split-K reduction: every warp parks its sums, warp 0 adds them in warp order.
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][tt][lane][i] = acc[tt][i];
+  __syncthreads();
+  if (warp != 0) return;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * 4611686018427387904.0f : 1.0f;  // * 2^62
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * 4611686018427387904.0f : 1.0f;
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt) {
+    float c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += partial[w][tt][lane][i];
+      c[i] = s * (i < 2 ? gs_lo : gs_hi);
+    }
+    // c[0], c[1]: tile row g, tokens 2t and 2t+1 of this n8 tile; c[2], c[3]: tile row g + 8.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int pos = tile * bm + tt * 8 + 2 * t + j;
+      const int pair = args.tiles.padded_pair_ids[pos];
+      if (pair < 0) continue;
+      if constexpr (EPI == Epilogue::kGateUp) {
+        const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
+        if (i < d.n_out)
+          args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c[j], c[2 + j]));
+      } else {
+        const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
+        if constexpr (EPI == Epilogue::kDownStore) {
+          float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+          if (n_lo < d.n_out) yrow[n_lo] = c[j];
+          if (n_hi < d.n_out) yrow[n_hi] = c[2 + j];
+        } else {
+          const float w = args.topk_weights[pair];
+          __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
+          if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * c[j]));
+          if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * c[2 + j]));
+        }
+      }
+    }
+  }
+}
+
+template <MoeWeightFormat F, Epilogue EPI>
+void launch_for_format(const KernelArgs& args, bool odd_k, cudaStream_t stream) {
+  const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
+  const int nt = args.tiles.block_m / 8;
+#define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
+  if (nt == NT_) {                                                                              \
+    if (odd_k) moe_gemm_kernel<F, NT_, EPI, true><<<grid, kThreads, 0, stream>>>(args);         \
+    else moe_gemm_kernel<F, NT_, EPI, false><<<grid, kThreads, 0, stream>>>(args);              \
+    CUDA_CHECK_LAUNCH();                                                                        \
+    return;                                                                                     \
+  }
+  // Token tiles per block: 8 tokens for decode, up to 64 to reuse each dequantized fragment.
+  MOEBIUS_MOE_GEMM_CASE(1)
+  MOEBIUS_MOE_GEMM_CASE(2)
+  MOEBIUS_MOE_GEMM_CASE(4)
+  MOEBIUS_MOE_GEMM_CASE(8)
+#undef MOEBIUS_MOE_GEMM_CASE
+  MOEBIUS_LAUNCH_ASSERT(false, "block_m must be 8, 16, 32 or 64");
+}
+
+template <Epilogue EPI>
+void launch(MoeWeightFormat format, const KernelArgs& args, bool odd_k, cudaStream_t stream) {
+  if (args.tiles.grid_tiles == 0 || args.dims.row_tiles == 0) return;
+  switch (format) {
+    case MoeWeightFormat::kBF16: return launch_for_format<MoeWeightFormat::kBF16, EPI>(args, odd_k, stream);
+    case MoeWeightFormat::kNvFp4: return launch_for_format<MoeWeightFormat::kNvFp4, EPI>(args, odd_k, stream);
+    case MoeWeightFormat::kInt4: return launch_for_format<MoeWeightFormat::kInt4, EPI>(args, odd_k, stream);
+    case MoeWeightFormat::kInt2: return launch_for_format<MoeWeightFormat::kInt2, EPI>(args, odd_k, stream);
+  }
+}
+
+void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& tiles) {
+  MOEBIUS_LAUNCH_ASSERT(d.row_tiles >= 0 && d.k > 0 && d.chunks > 0 && d.n_out > 0, "bad GEMM dims");
+  MOEBIUS_LAUNCH_ASSERT(tiles.top_k >= 1 && tiles.grid_tiles <= 65535, "grid_tiles must fit grid.y");
+  if (format == MoeWeightFormat::kInt4 || format == MoeWeightFormat::kInt2)
+    MOEBIUS_LAUNCH_ASSERT(d.group_size > 0 && d.group_size % 16 == 0 && d.groups > 0,
+                          "int formats need a group size that is a multiple of 16");
+}
+
+}  // namespace
+
+void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                             const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,
+                             const MoeActivationParams& act, __nv_bfloat16* h, int h_stride, cudaStream_t stream) {
+  check_dims(format, dims, tiles);
+  KernelArgs a{};
+  a.experts = experts;
+  a.dims = dims;
+  a.tiles = tiles;
+  a.act_in = x;
+  a.in_stride = x_stride;
+  a.act = act;
+  a.h_out = h;
+  a.h_stride = h_stride;
+  launch<Epilogue::kGateUp>(format, a, (dims.k & 1) || (x_stride & 1), stream);
+}
+
+void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                          const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
+                          float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
+                          cudaStream_t stream) {
+  check_dims(format, dims, tiles);
+  KernelArgs a{};
+  a.experts = experts;
+  a.dims = dims;
+  a.tiles = tiles;
+  a.act_in = h;
+  a.in_stride = h_stride;
+  a.y = y;
+  a.y_stride = y_stride;
+  a.topk_weights = topk_weights;
+  a.out = out;
+  a.out_stride = out_stride;
+  const bool odd = (dims.k & 1) || (h_stride & 1);
+  if (mode == MoeCombineMode::kStore) launch<Epilogue::kDownStore>(format, a, odd, stream);
+  else launch<Epilogue::kDownAtomic>(format, a, odd, stream);
+}
+
+}  // namespace moebius::kernels

@@ -1,0 +1,86 @@
+// Grouped expert GEMMs with in-kernel dequantization, for the fused MoE layer. Launchers only.
+//
+// Both GEMMs run over the "tiles" that launch_moe_align (moe_route.cuh) produces: each tile is
+// block_m consecutive entries of padded_pair_ids, all routed to one expert (tile_expert[j]), with
+// -1 marking padding. Activations are gathered through the pair ids: no permuted copy of x.
+//
+//   GEMM1 (gate_up): for tile j, expert e, padded position pos = j*block_m + r, pair p = ids[pos]:
+//     g_i = W_gate[e][i] . x[p / top_k],  u_i = W_up[e][i] . x[p / top_k]
+//     h[pos][i] = bf16(act(g_i, u_i))                              (SwiGLU fused in registers)
+//   GEMM2 (down), same tiles:
+//     kStore:  y[p][n] = W_down[e][n] . h[pos]                     fp32, unweighted; the combine
+//              (moe_combine.cuh) applies the routed weights in fixed slot order: deterministic.
+//     kAtomic: out[p / top_k][n] += bf16(w[p] * (W_down[e][n] . h[pos]))   opt-in, not
+//              deterministic (bf16 atomics in arrival order).
+//
+// Weights are in the tile layout of src/moe/expert_layout.h ([TAG_EXPERT_TILE_LAYOUT]) and are
+// reached through a per-expert pointer table ([TAG_EXPERT_PTR_TABLE]), so an expert may live in
+// device memory or in mapped pinned host memory, and changing residency is a table write.
+// [TAG_MOE_GRAPH_CAPACITY] Grids are sized from host capacities; tiles whose tile_expert is -1
+// exit at once, so one captured graph serves every token count up to the capacity.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moebius::kernels {
+
+// Mirrors moebius::moe::KernelFormat (kernels do not depend on moe/).
+enum class MoeWeightFormat : uint8_t { kBF16, kNvFp4, kInt4, kInt2 };
+
+// [TAG_EXPERT_PTR_TABLE] One expert's matrix: device or mapped-pinned addresses.
+struct ExpertMatrixPtrs {
+  const void* weight = nullptr;   // tile layout, 16-byte aligned
+  const void* scales = nullptr;   // nvfp4: e4m3 tiles (8-byte aligned); int: fp16 tiles; bf16: null
+  float global_scale[2] = {1.0f, 1.0f};  // NVFP4 scale_2 of tile rows 0-7 and 8-15
+};
+
+struct MoeGemmDims {
+  int row_tiles = 0;   // rows_padded / 16 (GEMM1: 2 * ceil(I/8); GEMM2: ceil(H/16))
+  int k = 0;           // logical K: activations are read for k < K only
+  int chunks = 0;      // cols_padded / chunk_k
+  int groups = 0;      // int formats: scale groups along K
+  int group_size = 0;  // int formats: K elements per scale, a multiple of 16
+  int n_out = 0;       // logical output columns written (GEMM1: I, GEMM2: H)
+};
+
+struct MoeTiles {
+  const int32_t* padded_pair_ids = nullptr;  // [max_padded]  from launch_moe_align
+  const int32_t* tile_expert = nullptr;      // [>= grid_tiles]
+  int block_m = 8;      // tokens per tile: 8, 16, 32 or 64
+  int grid_tiles = 0;   // tiles the grid covers (an upper bound on the live tile count)
+  int top_k = 1;
+};
+
+enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };
+struct MoeActivationParams {
+  MoeActivation kind = MoeActivation::kSiLU;
+  float limit = 7.0f;
+  float alpha = 1.702f;
+};
+
+enum class MoeCombineMode : uint8_t { kStore, kAtomic };
+
+// x: [T, x_stride] bf16 (16-byte aligned rows not required). h: [max_padded, h_stride] bf16.
+void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                             const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,
+                             const MoeActivationParams& act, __nv_bfloat16* h, int h_stride, cudaStream_t stream);
+
+// kStore: y [capacity * top_k, y_stride] fp32, rows of live pairs written (columns < n_out).
+// kAtomic: out [capacity, out_stride] bf16 accumulated into (the caller zeroes it first);
+//          topk_weights [capacity * top_k] fp32.
+void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                          const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
+                          float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
+                          cudaStream_t stream);
+
+// Live tiles never exceed this for `capacity` tokens (a tighter bound than moe_align_max_tiles):
+// sum_e ceil(c_e / m) <= sum_e (c_e / m + [c_e > 0]) <= T*k / m + min(E, T*k).
+inline int64_t moe_gemm_grid_tiles(int64_t capacity, int top_k, int num_experts, int block_m) {
+  const int64_t pairs = capacity * top_k;
+  return pairs / block_m + (pairs < num_experts ? pairs : num_experts);
+}
+
+}  // namespace moebius::kernels

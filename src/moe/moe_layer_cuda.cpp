@@ -1,0 +1,263 @@
+#include "moe/moe_layer_cuda.h"
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <cstring>
+
+#include "core/dtype.h"
+#include "kernels/cuda_check.h"
+#include "kernels/fill.cuh"
+#include "kernels/moe_combine.cuh"
+#include "kernels/moe_route.cuh"
+
+namespace moebius::moe {
+
+namespace {
+
+kernels::MoeWeightFormat to_kernel(KernelFormat f) {
+  switch (f) {
+    case KernelFormat::kBF16: return kernels::MoeWeightFormat::kBF16;
+    case KernelFormat::kNvFp4: return kernels::MoeWeightFormat::kNvFp4;
+    case KernelFormat::kInt4: return kernels::MoeWeightFormat::kInt4;
+    case KernelFormat::kInt2: return kernels::MoeWeightFormat::kInt2;
+  }
+  return kernels::MoeWeightFormat::kBF16;
+}
+
+kernels::MoeActivationParams to_kernel(const cpu::ActivationConfig& a) {
+  kernels::MoeActivationParams p;
+  p.kind = a.kind == cpu::Activation::kSiLU          ? kernels::MoeActivation::kSiLU
+           : a.kind == cpu::Activation::kSiLUClamped ? kernels::MoeActivation::kSiLUClamped
+                                                     : kernels::MoeActivation::kGptOss;
+  p.limit = a.limit;
+  p.alpha = a.alpha;
+  return p;
+}
+
+int pick_block_m(int capacity, int top_k, int num_experts) {
+  // Average tokens per expert at full capacity; a tile should hold about that many.
+  const int64_t avg = (static_cast<int64_t>(capacity) * top_k + num_experts - 1) / num_experts;
+  return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+}
+
+}  // namespace
+
+MoeLayerCuda::~MoeLayerCuda() = default;
+
+Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13,
+                              const PackedMatrix& w2, const MoeCudaOptions& opt) {
+  if (opt.capacity < 1) return Error::format("capacity must be >= 1, got {}", opt.capacity);
+  if (shape.num_experts > kernels::kRouteMaxExperts || shape.top_k > kernels::kRouteMaxTopK)
+    return Error::format("the CUDA router supports E <= {} and k <= {}; got E={} k={}", kernels::kRouteMaxExperts,
+                         kernels::kRouteMaxTopK, shape.num_experts, shape.top_k);
+  shape_ = shape;
+  format_ = format;
+  opt_ = opt;
+  const int E = shape.num_experts, k = shape.top_k, cap = opt.capacity;
+  const int64_t H = shape.hidden, I = shape.intermediate;
+  block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
+  if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
+    return Error::format("block_m must be 8, 16, 32 or 64, got {}", block_m_);
+  max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
+  max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
+  grid_tiles_ = kernels::moe_gemm_grid_tiles(cap, k, E, block_m_);
+  if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
+    return Error::format("capacity {} is too large for one MoE launch", cap);
+
+  dims13_ = {static_cast<int>(w13.row_tiles()), static_cast<int>(H), static_cast<int>(w13.chunks()),
+             static_cast<int>(w13.groups()), w13.group_size, static_cast<int>(I)};
+  dims2_ = {static_cast<int>(w2.row_tiles()), static_cast<int>(I), static_cast<int>(w2.chunks()),
+            static_cast<int>(w2.groups()), w2.group_size, static_cast<int>(H)};
+  h_stride_ = static_cast<int>(w2.cols_padded);
+  w13_bytes_ = packed_weight_bytes(w13);
+  s13_bytes_ = packed_scale_bytes(w13);
+  w2_bytes_ = packed_weight_bytes(w2);
+  s2_bytes_ = packed_scale_bytes(w2);
+  expert_bytes_ = w13_bytes_ + s13_bytes_ + w2_bytes_ + s2_bytes_;
+
+  auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
+    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
+    uint8_t* p = b.as<uint8_t>();
+    buffers_.push_back(std::move(b));
+    return p;
+  };
+#define MOEBIUS_ALLOC(ptr, type, count)                                      \
+  do {                                                                       \
+    MOEBIUS_ASSIGN_OR_RETURN(uint8_t* p_, alloc(sizeof(type) * (count)));    \
+    ptr = reinterpret_cast<type*>(p_);                                       \
+  } while (0)
+  MOEBIUS_ALLOC(w13_, uint8_t, w13_bytes_ * E);
+  MOEBIUS_ALLOC(s13_, uint8_t, s13_bytes_ * E);
+  MOEBIUS_ALLOC(w2_, uint8_t, w2_bytes_ * E);
+  MOEBIUS_ALLOC(s2_, uint8_t, s2_bytes_ * E);
+  MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
+  MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
+  MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
+  MOEBIUS_ALLOC(logits_, float, static_cast<size_t>(cap) * E);
+  MOEBIUS_ALLOC(topk_ids_, int32_t, static_cast<size_t>(cap) * k);
+  MOEBIUS_ALLOC(topk_weights_, float, static_cast<size_t>(cap) * k);
+  MOEBIUS_ALLOC(expert_offsets_, int32_t, E + 1);
+  MOEBIUS_ALLOC(sorted_pair_ids_, int32_t, static_cast<size_t>(cap) * k);
+  MOEBIUS_ALLOC(padded_offsets_, int32_t, E + 1);
+  MOEBIUS_ALLOC(padded_pair_ids_, int32_t, max_padded_);
+  MOEBIUS_ALLOC(tile_expert_, int32_t, max_tiles_);
+  MOEBIUS_ALLOC(num_tiles_, int32_t, 1);
+  MOEBIUS_ALLOC(h_, __nv_bfloat16, static_cast<size_t>(max_padded_) * h_stride_);
+  MOEBIUS_ALLOC(y_, float, static_cast<size_t>(cap) * k * H);
+#undef MOEBIUS_ALLOC
+  // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
+  CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
+
+  host_table13_.resize(static_cast<size_t>(E));
+  host_table2_.resize(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    host_table13_[e].weight = w13_ + w13_bytes_ * e;
+    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
+    host_table2_[e].weight = w2_ + w2_bytes_ * e;
+    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
+  }
+  route_.num_experts = E;
+  route_.top_k = k;
+  return Ok{};
+}
+
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerReference& layer,
+                                                           const MoeCudaOptions& opt) {
+  MOEBIUS_TRY(layer.validate());
+  const cpu::MoeShape& s = layer.shape;
+  MOEBIUS_ASSIGN_OR_RETURN(KernelFormat format, kernel_format_for(layer.experts[0].gate.format));
+  std::vector<PackedMatrix> w13(static_cast<size_t>(s.num_experts)), w2(static_cast<size_t>(s.num_experts));
+  for (int e = 0; e < s.num_experts; ++e) {
+    const auto& ex = layer.experts[static_cast<size_t>(e)];
+    auto a = pack_gate_up(ex.gate, ex.up);
+    if (!a.ok()) return std::move(a).error().with_context(fmt::format("expert {} gate/up", e));
+    auto b = pack_matrix(ex.down);
+    if (!b.ok()) return std::move(b).error().with_context(fmt::format("expert {} down", e));
+    if (e > 0 && (a->weight.size() != w13[0].weight.size() || b->weight.size() != w2[0].weight.size() ||
+                  a->format != w13[0].format || b->format != w13[0].format))
+      return Error::format("expert {} has a different format or shape from expert 0", e);
+    w13[static_cast<size_t>(e)] = std::move(a).value();
+    w2[static_cast<size_t>(e)] = std::move(b).value();
+  }
+  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
+  MOEBIUS_TRY(L->allocate(s, format, w13[0], w2[0], opt));
+  const int E = s.num_experts;
+  for (int e = 0; e < E; ++e) {
+    const auto& a = w13[static_cast<size_t>(e)];
+    const auto& b = w2[static_cast<size_t>(e)];
+    MOEBIUS_ASSERT(a.weight.size() == L->w13_bytes_ && a.scales.size() == L->s13_bytes_ &&
+                   b.weight.size() == L->w2_bytes_ && b.scales.size() == L->s2_bytes_);
+    CUDA_CHECK(cudaMemcpy(L->w13_ + L->w13_bytes_ * e, a.weight.data(), a.weight.size(), cudaMemcpyHostToDevice));
+    if (!a.scales.empty())
+      CUDA_CHECK(cudaMemcpy(L->s13_ + L->s13_bytes_ * e, a.scales.data(), a.scales.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L->w2_ + L->w2_bytes_ * e, b.weight.data(), b.weight.size(), cudaMemcpyHostToDevice));
+    if (!b.scales.empty())
+      CUDA_CHECK(cudaMemcpy(L->s2_ + L->s2_bytes_ * e, b.scales.data(), b.scales.size(), cudaMemcpyHostToDevice));
+    L->host_table13_[e].global_scale[0] = a.global_scale[0];
+    L->host_table13_[e].global_scale[1] = a.global_scale[1];
+    L->host_table2_[e].global_scale[0] = b.global_scale[0];
+    L->host_table2_[e].global_scale[1] = b.global_scale[1];
+  }
+  CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+                        cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(L->table2_, L->host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+                        cudaMemcpyHostToDevice));
+  std::vector<uint16_t> rw(layer.router_weight.size());
+  for (size_t i = 0; i < rw.size(); ++i) rw[i] = float_to_bf16_bits(layer.router_weight[i]);
+  CUDA_CHECK(cudaMemcpy(L->router_weight_, rw.data(), rw.size() * 2, cudaMemcpyHostToDevice));
+
+  const cpu::RouterConfig& r = layer.router;
+  L->route_.scoring = r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax
+                                                                : kernels::RouteScoring::kSigmoid;
+  L->route_.renormalize = r.renormalize;
+  L->route_.n_groups = r.n_groups;
+  L->route_.topk_groups = r.topk_groups;
+  L->route_.routed_scaling_factor = r.routed_scaling_factor;
+  if (!r.correction_bias.empty()) {
+    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, sizeof(float) * E));
+    L->correction_bias_ = b.as<float>();
+    L->buffers_.push_back(std::move(b));
+    CUDA_CHECK(cudaMemcpy(L->correction_bias_, r.correction_bias.data(), sizeof(float) * E, cudaMemcpyHostToDevice));
+  }
+  L->act_ = to_kernel(layer.options.activation);
+  return L;
+}
+
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeShape& s, KernelFormat format,
+                                                                 int group_size, const MoeCudaOptions& opt,
+                                                                 uint64_t seed) {
+  if (s.hidden <= 0 || s.intermediate <= 0 || s.num_experts <= 0 || s.top_k <= 0 || s.top_k > s.num_experts)
+    return Error::format("bad MoE shape H={} I={} E={} k={}", s.hidden, s.intermediate, s.num_experts, s.top_k);
+  if (format == KernelFormat::kNvFp4 && (s.hidden % 16 != 0 || s.intermediate % 16 != 0))
+    return Error("NVFP4 needs H and I to be multiples of 16");
+  const int g = (format == KernelFormat::kInt4 || format == KernelFormat::kInt2) ? group_size : 0;
+  if (g != 0 && (g % 16 != 0 || s.hidden % g != 0 || s.intermediate % g != 0))
+    return Error::format("group size {} must be a multiple of 16 dividing H={} and I={}", g, s.hidden, s.intermediate);
+  const int64_t I8 = (s.intermediate + 7) / 8 * 8;
+  const PackedMatrix w13 = packed_shape(format, 2 * I8, s.hidden, g);
+  const PackedMatrix w2 = packed_shape(format, s.hidden, s.intermediate, g);
+  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
+  MOEBIUS_TRY(L->allocate(s, format, w13, w2, opt));
+  const int E = s.num_experts;
+  cudaStream_t st = nullptr;
+  if (format == KernelFormat::kBF16) {
+    kernels::launch_fill_random_bf16(L->w13_, L->w13_bytes_ * E / 2, 0.03f, seed, st);
+    kernels::launch_fill_random_bf16(L->w2_, L->w2_bytes_ * E / 2, 0.03f, seed + 1, st);
+  } else {
+    kernels::launch_fill_random_bytes(L->w13_, L->w13_bytes_ * E, seed, st);
+    kernels::launch_fill_random_bytes(L->w2_, L->w2_bytes_ * E, seed + 1, st);
+  }
+  if (format == KernelFormat::kNvFp4) {  // e4m3 1.0 block scales; global scale 1
+    CUDA_CHECK(cudaMemset(L->s13_, 0x38, L->s13_bytes_ * E));
+    CUDA_CHECK(cudaMemset(L->s2_, 0x38, L->s2_bytes_ * E));
+  } else if (g != 0) {  // fp16 1/64 group scales
+    kernels::launch_fill_u16(L->s13_, L->s13_bytes_ * E / 2, 0x2400, st);
+    kernels::launch_fill_u16(L->s2_, L->s2_bytes_ * E / 2, 0x2400, st);
+  }
+  kernels::launch_fill_random_bf16(L->router_weight_, static_cast<size_t>(E) * s.hidden, 0.05f, seed + 2, st);
+  CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+                        cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(L->table2_, L->host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+                        cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return L;
+}
+
+void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
+                           cudaStream_t stream) {
+  const int E = shape_.num_experts, cap = opt_.capacity;
+  const int H = static_cast<int>(shape_.hidden);
+  kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+  kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_, stream);
+  forward_routed(x, num_tokens, topk_ids_, topk_weights_, out, stream);
+}
+
+void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
+                                  const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+  const int E = shape_.num_experts, k = shape_.top_k, cap = opt_.capacity;
+  const int H = static_cast<int>(shape_.hidden);
+  kernels::launch_moe_align(topk_ids, num_tokens, cap, k, E, block_m_, expert_offsets_, sorted_pair_ids_,
+                            padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
+  kernels::MoeTiles tiles;
+  tiles.padded_pair_ids = padded_pair_ids_;
+  tiles.tile_expert = tile_expert_;
+  tiles.block_m = block_m_;
+  tiles.grid_tiles = static_cast<int>(grid_tiles_);
+  tiles.top_k = k;
+  const kernels::MoeWeightFormat f = to_kernel(format_);
+  kernels::launch_moe_gemm_gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
+  if (opt_.combine == kernels::MoeCombineMode::kStore) {
+    kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_, H,
+                                  nullptr, nullptr, 0, stream);
+    kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream);
+  } else {
+    // The atomic combine accumulates into out, so the capacity rows are zeroed first.
+    CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
+    kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic, nullptr,
+                                  0, topk_weights, out, H, stream);
+  }
+}
+
+}  // namespace moebius::moe
+
+#endif  // MOEBIUS_HAS_CUDA

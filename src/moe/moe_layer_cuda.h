@@ -1,0 +1,105 @@
+// The fused MoE layer on the GPU: router GEMV, top-k routing, sort by expert, GEMM1 with SwiGLU,
+// GEMM2, combine. Everything is enqueued on one stream with no host synchronization, and every
+// buffer is sized to a token capacity fixed at creation, so the whole layer can be captured in a
+// CUDA graph once and replayed for any token count up to the capacity: the live count is read
+// from device memory ([TAG_MOE_GRAPH_CAPACITY]).
+#pragma once
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "cpu/moe_layer.h"
+#include "kernels/moe_gemm.cuh"
+#include "kernels/moe_route.cuh"
+#include "moe/expert_layout.h"
+
+namespace moebius::moe {
+
+struct MoeCudaOptions {
+  int capacity = 1;  // the most tokens one forward may carry
+  kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
+  int block_m = 0;   // tokens per GEMM tile (8, 16, 32, 64); 0 = pick from capacity * k / E
+};
+
+class MoeLayerCuda {
+ public:
+  // Packs the reference layer's experts into the tile layout and uploads everything.
+  static Result<std::unique_ptr<MoeLayerCuda>> create(const cpu::MoeLayerReference& layer, const MoeCudaOptions& opt);
+  // Random weights of the given geometry and format written straight into the packed layout on
+  // the device (benchmarks): codes uniform, neutral scales (global scale 1).
+  static Result<std::unique_ptr<MoeLayerCuda>> create_dummy(const cpu::MoeShape& shape, KernelFormat format,
+                                                           int group_size, const MoeCudaOptions& opt, uint64_t seed);
+  ~MoeLayerCuda();
+  MoeLayerCuda(const MoeLayerCuda&) = delete;
+  MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
+
+  // x [capacity, H] bf16 -> out [capacity, H] bf16, rows [0, *num_tokens). No host sync.
+  void forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out, cudaStream_t stream);
+  // The experts and combine for a routing computed elsewhere (tests; expert parallelism, where
+  // the routing arrives with the tokens): topk_ids/topk_weights [capacity, k] device.
+  void forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
+                      const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
+
+  const cpu::MoeShape& shape() const { return shape_; }
+  KernelFormat format() const { return format_; }
+  int capacity() const { return opt_.capacity; }
+  int block_m() const { return block_m_; }
+  // Routing of the last forward, [capacity, k] (device).
+  const int32_t* topk_ids() const { return topk_ids_; }
+  const float* topk_weights() const { return topk_weights_; }
+  // Packed bytes of one expert (gate_up + down, weights and scales): what a forward reads per
+  // touched expert.
+  size_t expert_bytes() const { return expert_bytes_; }
+
+ private:
+  MoeLayerCuda() = default;
+  Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,
+                  const PackedMatrix& w2_proto, const MoeCudaOptions& opt);
+
+  cpu::MoeShape shape_;
+  KernelFormat format_ = KernelFormat::kBF16;
+  MoeCudaOptions opt_;
+  int block_m_ = 8;
+  kernels::RouteParams route_;
+  kernels::MoeActivationParams act_;
+  kernels::MoeGemmDims dims13_, dims2_;
+  size_t expert_bytes_ = 0;
+  int h_stride_ = 0;
+  int64_t max_padded_ = 0, max_tiles_ = 0, grid_tiles_ = 0;
+
+  std::vector<Buffer> buffers_;  // every device allocation, freed together
+  uint8_t* w13_ = nullptr;       // [E][w13 weight bytes]
+  uint8_t* s13_ = nullptr;       // [E][w13 scale bytes]
+  uint8_t* w2_ = nullptr;
+  uint8_t* s2_ = nullptr;
+  size_t w13_bytes_ = 0, s13_bytes_ = 0, w2_bytes_ = 0, s2_bytes_ = 0;
+  kernels::ExpertMatrixPtrs* table13_ = nullptr;  // [E] device  [TAG_EXPERT_PTR_TABLE]
+  kernels::ExpertMatrixPtrs* table2_ = nullptr;
+  std::vector<kernels::ExpertMatrixPtrs> host_table13_, host_table2_;
+  __nv_bfloat16* router_weight_ = nullptr;  // [E, H]
+  float* correction_bias_ = nullptr;        // [E] or null
+  // Workspace, sized to capacity.
+  float* logits_ = nullptr;          // [cap, E]
+  int32_t* topk_ids_ = nullptr;      // [cap, k]
+  float* topk_weights_ = nullptr;    // [cap, k]
+  int32_t* expert_offsets_ = nullptr;   // [E + 1]
+  int32_t* sorted_pair_ids_ = nullptr;  // [cap * k]
+  int32_t* padded_offsets_ = nullptr;   // [E + 1]
+  int32_t* padded_pair_ids_ = nullptr;  // [max_padded]
+  int32_t* tile_expert_ = nullptr;      // [max_tiles]
+  int32_t* num_tiles_ = nullptr;        // [1]
+  __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
+  float* y_ = nullptr;                  // [cap * k, H]
+};
+
+}  // namespace moebius::moe
+
+#endif  // MOEBIUS_HAS_CUDA
