@@ -39,7 +39,18 @@ step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
-cat "$OUT/bench-moe-cpu.log"
+
+# The CUDA MoE layer benchmarks (docs/PERF.md records them): Qwen3-30B-A3B in every format, and
+# Qwen3-235B-A22B in NVFP4. All go to one log (the device returns at most 8 files).
+bench_cuda() {
+  for fmt in nvfp4 int4 int2 bf16; do
+    "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt --tokens 1,8,64,256,1024,4096 || return 1
+  done
+  "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-235b-a22b --format nvfp4 --tokens 1,8,64,1024 || return 1
+}
+step bench-moe-cuda bench_cuda
+cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -80
+cat "$OUT/bench-moe-cuda.log"
 
 echo
 echo "== summary"
