@@ -24,8 +24,10 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, int y_stride, co
 
 constexpr int kRouterTokens = 8;
 
-// Warp per (expert e, 8 tokens): lanes stride over H in pairs, the expert row element pair is
-// loaded once and used for the 8 tokens; shuffle reduction at the end.
+// Warp per (expert e, 8 tokens). Each lane takes 8 consecutive h per step (one 16-byte load of
+// the expert row, reused for the 8 tokens), so a 2048-wide row is 8 steps, not 64 dependent
+// scalar loads; shuffle reduction at the end. kVec needs H and the x stride to be multiples of 8.
+template <bool kVec>
 __global__ void moe_router_logits_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,
                                          const __nv_bfloat16* __restrict__ wr, const int32_t* __restrict__ num_tokens,
                                          int capacity, int hidden, int num_experts, float* __restrict__ logits) {
@@ -37,11 +39,30 @@ __global__ void moe_router_logits_kernel(const __nv_bfloat16* __restrict__ x, in
   const int nt = min(kRouterTokens, T - t0);
   float acc[kRouterTokens] = {};
   const __nv_bfloat16* wrow = wr + static_cast<int64_t>(e) * hidden;
-  for (int h = lane; h < hidden; h += 32) {
-    const float wv = __bfloat162float(wrow[h]);
+  if constexpr (kVec) {
+    for (int h = lane * 8; h < hidden; h += 256) {
+      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wrow + h));
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
 #pragma unroll
-    for (int j = 0; j < kRouterTokens; ++j)
-      if (j < nt) acc[j] += wv * __bfloat162float(x[static_cast<int64_t>(t0 + j) * x_stride + h]);
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < nt) {
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + j) * x_stride + h));
+          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+            acc[j] += a.x * b.x + a.y * b.y;
+          }
+        }
+      }
+    }
+  } else {
+    for (int h = lane; h < hidden; h += 32) {
+      const float wv = __bfloat162float(wrow[h]);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j)
+        if (j < nt) acc[j] += wv * __bfloat162float(x[static_cast<int64_t>(t0 + j) * x_stride + h]);
+    }
   }
 #pragma unroll
   for (int j = 0; j < kRouterTokens; ++j) {
@@ -70,8 +91,14 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
   if (capacity <= 0) return;
   constexpr int kWarpsPerBlock = 8;
   const dim3 grid((num_experts + kWarpsPerBlock - 1) / kWarpsPerBlock, (capacity + kRouterTokens - 1) / kRouterTokens);
-  moe_router_logits_kernel<<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, x_stride, router_weight, num_tokens, capacity,
-                                                                     hidden, num_experts, logits);
+  const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
+  if (vec)
+    moe_router_logits_kernel<true><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, x_stride, router_weight, num_tokens,
+                                                                           capacity, hidden, num_experts, logits);
+  else
+    moe_router_logits_kernel<false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(x, x_stride, router_weight, num_tokens,
+                                                                            capacity, hidden, num_experts, logits);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -76,7 +76,8 @@ void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* expert
                           float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
                           cudaStream_t stream);
 
-// Live tiles never exceed this for `capacity` tokens (a tighter bound than moe_align_max_tiles):
+// Live tiles never exceed this for `capacity` tokens. Callers take the min with
+// moe_align_max_tiles, the length of tile_expert, which is tighter for large block_m:
 // sum_e ceil(c_e / m) <= sum_e (c_e / m + [c_e > 0]) <= T*k / m + min(E, T*k).
 inline int64_t moe_gemm_grid_tiles(int64_t capacity, int top_k, int num_experts, int block_m) {
   const int64_t pairs = capacity * top_k;

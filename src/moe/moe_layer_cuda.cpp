@@ -2,6 +2,7 @@
 
 #ifdef MOEBIUS_HAS_CUDA
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/dtype.h"
@@ -60,7 +61,8 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
     return Error::format("block_m must be 8, 16, 32 or 64, got {}", block_m_);
   max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
   max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
-  grid_tiles_ = kernels::moe_gemm_grid_tiles(cap, k, E, block_m_);
+  // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
+  grid_tiles_ = std::min(kernels::moe_gemm_grid_tiles(cap, k, E, block_m_), max_tiles_);
   if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
     return Error::format("capacity {} is too large for one MoE launch", cap);
 
