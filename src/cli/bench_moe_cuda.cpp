@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -113,6 +114,35 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     const double us = 1e3 * ms / (static_cast<double>(o.iters) * n_sets);
 
+    // Per-stage times: each stage alone, replayed over all sets (its inputs are in place from the
+    // full replays above). The stages overlap nothing in the full graph, so they add up to about
+    // the layer time; the difference is the dependency latency between kernels.
+    std::string stage_line;
+    double stage_sum = 0;
+    for (int st = 0; st < static_cast<int>(moe::MoeStage::kCount); ++st) {
+      cudaGraph_t sg;
+      cudaGraphExec_t sexec;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (auto& l : sets)
+        l->enqueue_stage(static_cast<moe::MoeStage>(st), static_cast<const __nv_bfloat16*>(x),
+                         static_cast<const int32_t*>(n), l->topk_ids(), l->topk_weights(),
+                         static_cast<__nv_bfloat16*>(out), stream);
+      CUDA_CHECK(cudaStreamEndCapture(stream, &sg));
+      CUDA_CHECK(cudaGraphInstantiate(&sexec, sg, 0));
+      CUDA_CHECK(cudaGraphLaunch(sexec, stream));
+      CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int i = 0; i < o.iters; ++i) CUDA_CHECK(cudaGraphLaunch(sexec, stream));
+      CUDA_CHECK(cudaEventRecord(e1, stream));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float sms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&sms, e0, e1));
+      const double sus = 1e3 * sms / (static_cast<double>(o.iters) * n_sets);
+      stage_sum += sus;
+      stage_line += fmt::format(" {} {:.2f}", moe::moe_stage_name(static_cast<moe::MoeStage>(st)), sus);
+      CUDA_CHECK(cudaGraphExecDestroy(sexec));
+      CUDA_CHECK(cudaGraphDestroy(sg));
+    }
+
     // Touched experts, from each set's routing of this input.
     double touched = 0;
     std::vector<int32_t> ids(static_cast<size_t>(T * g.top_k));
@@ -130,6 +160,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     std::printf("%7lld %4d %5d %10.2f %8.1f %9.2f %9.1f %9.1f %9.2f %8.2f\n", static_cast<long long>(T),
                 sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);
+    std::printf("        stages us:%s (sum %.2f)\n", stage_line.c_str(), stage_sum);
     std::fflush(stdout);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
     CUDA_CHECK(cudaGraphDestroy(graph));

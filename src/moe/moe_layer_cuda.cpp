@@ -43,6 +43,19 @@ int pick_block_m(int capacity, int top_k, int num_experts) {
 
 }  // namespace
 
+const char* moe_stage_name(MoeStage s) {
+  switch (s) {
+    case MoeStage::kRouterLogits: return "router";
+    case MoeStage::kTopK: return "topk";
+    case MoeStage::kAlign: return "align";
+    case MoeStage::kGateUp: return "gemm1";
+    case MoeStage::kDown: return "gemm2";
+    case MoeStage::kCombine: return "combine";
+    case MoeStage::kCount: break;
+  }
+  return "?";
+}
+
 MoeLayerCuda::~MoeLayerCuda() = default;
 
 Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13,
@@ -227,19 +240,21 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
 
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
                            cudaStream_t stream) {
-  const int E = shape_.num_experts, cap = opt_.capacity;
-  const int H = static_cast<int>(shape_.hidden);
-  kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
-  kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_, stream);
-  forward_routed(x, num_tokens, topk_ids_, topk_weights_, out, stream);
+  for (int s = 0; s < static_cast<int>(MoeStage::kCount); ++s)
+    enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids_, topk_weights_, out, stream);
 }
 
 void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                                   const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+  for (int s = static_cast<int>(MoeStage::kAlign); s < static_cast<int>(MoeStage::kCount); ++s)
+    enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids, topk_weights, out, stream);
+}
+
+void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens,
+                                 const int32_t* topk_ids, const float* topk_weights, __nv_bfloat16* out,
+                                 cudaStream_t stream) {
   const int E = shape_.num_experts, k = shape_.top_k, cap = opt_.capacity;
   const int H = static_cast<int>(shape_.hidden);
-  kernels::launch_moe_align(topk_ids, num_tokens, cap, k, E, block_m_, expert_offsets_, sorted_pair_ids_,
-                            padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
   kernels::MoeTiles tiles;
   tiles.padded_pair_ids = padded_pair_ids_;
   tiles.tile_expert = tile_expert_;
@@ -247,16 +262,38 @@ void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tok
   tiles.grid_tiles = static_cast<int>(grid_tiles_);
   tiles.top_k = k;
   const kernels::MoeWeightFormat f = to_kernel(format_);
-  kernels::launch_moe_gemm_gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
-  if (opt_.combine == kernels::MoeCombineMode::kStore) {
-    kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_, H,
-                                  nullptr, nullptr, 0, stream);
-    kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream);
-  } else {
-    // The atomic combine accumulates into out, so the capacity rows are zeroed first.
-    CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
-    kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic, nullptr,
-                                  0, topk_weights, out, H, stream);
+  const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
+  switch (stage) {
+    case MoeStage::kRouterLogits:
+      kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      return;
+    case MoeStage::kTopK:
+      kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_,
+                                     stream);
+      return;
+    case MoeStage::kAlign:
+      kernels::launch_moe_align(topk_ids, num_tokens, cap, k, E, block_m_, expert_offsets_, sorted_pair_ids_,
+                                padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
+      return;
+    case MoeStage::kGateUp:
+      kernels::launch_moe_gemm_gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
+      return;
+    case MoeStage::kDown:
+      if (store) {
+        kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_,
+                                      H, nullptr, nullptr, 0, stream);
+      } else {
+        // The atomic combine accumulates into out, so the capacity rows are zeroed first.
+        CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
+        kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic,
+                                      nullptr, 0, topk_weights, out, H, stream);
+      }
+      return;
+    case MoeStage::kCombine:
+      if (store) kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream);
+      return;
+    case MoeStage::kCount:
+      return;
   }
 }
 

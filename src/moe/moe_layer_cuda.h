@@ -23,6 +23,11 @@
 
 namespace moebius::moe {
 
+// The kernels of one forward, in order. Each reads what the previous ones left in the
+// workspace, so a single stage can be replayed on its own (benchmarks time them one by one).
+enum class MoeStage : int { kRouterLogits, kTopK, kAlign, kGateUp, kDown, kCombine, kCount };
+const char* moe_stage_name(MoeStage s);
+
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
   kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
@@ -47,6 +52,11 @@ class MoeLayerCuda {
   // the routing arrives with the tokens): topk_ids/topk_weights [capacity, k] device.
   void forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                       const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
+
+  // One stage of forward()/forward_routed(); topk_ids/topk_weights are the routing the align,
+  // down and combine stages use (the layer's own after kTopK).
+  void enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
+                     const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
   const cpu::MoeShape& shape() const { return shape_; }
   KernelFormat format() const { return format_; }
