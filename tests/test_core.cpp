@@ -15,6 +15,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/memory.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
@@ -225,6 +226,21 @@ TEST(CoreThreadPool, SubmitReturnsValuesAndExceptionsPropagate) {
   EXPECT_EQ(f.get(), 42);
   EXPECT_THROW(pool.parallel_for(0, 10, [](int64_t i) { if (i == 7) throw std::runtime_error("x"); }),
                std::runtime_error);
+}
+
+// ---- logging ---------------------------------------------------------------------------------
+TEST(CoreLog, LevelFiltersMessages) {
+  const LogLevel saved = log_level();
+  set_log_level(LogLevel::kWarn);
+  ::testing::internal::CaptureStderr();
+  log_info("hidden {}", 1);
+  log_warn("shown {}", 2);
+  log_error("also shown");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  set_log_level(saved);
+  EXPECT_EQ(err.find("hidden"), std::string::npos);
+  EXPECT_NE(err.find("warn] shown 2"), std::string::npos) << err;
+  EXPECT_NE(err.find("error] also shown"), std::string::npos) << err;
 }
 
 }  // namespace
