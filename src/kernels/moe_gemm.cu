@@ -219,7 +219,10 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
     }
   };
 
-  constexpr int kPrefetch = 4;  // 16-byte loads in flight per lane before the first use
+  // 16-byte weight loads in flight per lane before the first use. Decode (one or two token tiles)
+  // has few warps per SM and is latency-bound, so it keeps 8 in flight; larger token tiles need
+  // the registers for accumulators.
+  constexpr int kPrefetch = NT <= 2 ? 8 : 4;
   int current_group = kIsInt ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     uint4 wv[kPrefetch];
