@@ -219,10 +219,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
     }
   };
 
-  // 16-byte weight loads in flight per lane before the first use. Decode (one or two token tiles)
-  // has few warps per SM and is latency-bound, so it keeps 8 in flight; larger token tiles need
-  // the registers for accumulators.
-  constexpr int kPrefetch = NT <= 2 ? 8 : 4;
+  // 16-byte weight loads in flight per lane before the first use. 8 for NT <= 2 was measured
+  // slower than 4 at every batch size (docs/PERF.md, 2026-12-02), so 4 it is.
+  constexpr int kPrefetch = 4;
   int current_group = kIsInt ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     uint4 wv[kPrefetch];
