@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "test_util.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -17,13 +19,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<float> random_normal(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, stddev);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using testing::random_normal;
 
 std::vector<float> dequant_all(const QuantMatrix& m) {
   std::vector<float> out(static_cast<size_t>(m.rows * m.cols), -12345.0f);

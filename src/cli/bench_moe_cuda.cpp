@@ -42,6 +42,33 @@ Result<moe::KernelFormat> parse_kernel_format(const std::string& s) {
   return Error::format("the CUDA backend runs bf16, nvfp4, int4 or int2 experts, not '{}'", s).in_field("--format");
 }
 
+// Captures enqueue() into a graph, replays it once to warm up, then `iters` times between CUDA
+// events; returns microseconds per replay divided by `per_replay` (the layers in the graph).
+template <typename Enqueue>
+double time_graph_us(cudaStream_t stream, int iters, int per_replay, Enqueue enqueue) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  CUDA_CHECK(cudaEventRecord(e0, stream));
+  for (int i = 0; i < iters; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaEventRecord(e1, stream));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return 1e3 * ms / (static_cast<double>(iters) * per_replay);
+}
+
 }  // namespace
 
 Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
@@ -94,53 +121,24 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     CUDA_CHECK(cudaMemcpyAsync(n, &nt, 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
 
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    for (auto& l : sets)
-      l->forward(static_cast<const __nv_bfloat16*>(x), static_cast<const int32_t*>(n), static_cast<__nv_bfloat16*>(out),
-                 stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    CUDA_CHECK(cudaEventRecord(e0, stream));
-    for (int i = 0; i < o.iters; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK(cudaEventRecord(e1, stream));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = 1e3 * ms / (static_cast<double>(o.iters) * n_sets);
-
+    const auto* xb = static_cast<const __nv_bfloat16*>(x);
+    const auto* nd = static_cast<const int32_t*>(n);
+    auto* ob = static_cast<__nv_bfloat16*>(out);
+    const double us = time_graph_us(stream, o.iters, n_sets, [&] {
+      for (auto& l : sets) l->forward(xb, nd, ob, stream);
+    });
     // Per-stage times: each stage alone, replayed over all sets (its inputs are in place from the
     // full replays above). The stages overlap nothing in the full graph, so they add up to about
     // the layer time; the difference is the dependency latency between kernels.
     std::string stage_line;
     double stage_sum = 0;
     for (int st = 0; st < static_cast<int>(moe::MoeStage::kCount); ++st) {
-      cudaGraph_t sg;
-      cudaGraphExec_t sexec;
-      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      for (auto& l : sets)
-        l->enqueue_stage(static_cast<moe::MoeStage>(st), static_cast<const __nv_bfloat16*>(x),
-                         static_cast<const int32_t*>(n), l->topk_ids(), l->topk_weights(),
-                         static_cast<__nv_bfloat16*>(out), stream);
-      CUDA_CHECK(cudaStreamEndCapture(stream, &sg));
-      CUDA_CHECK(cudaGraphInstantiate(&sexec, sg, 0));
-      CUDA_CHECK(cudaGraphLaunch(sexec, stream));
-      CUDA_CHECK(cudaEventRecord(e0, stream));
-      for (int i = 0; i < o.iters; ++i) CUDA_CHECK(cudaGraphLaunch(sexec, stream));
-      CUDA_CHECK(cudaEventRecord(e1, stream));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float sms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&sms, e0, e1));
-      const double sus = 1e3 * sms / (static_cast<double>(o.iters) * n_sets);
+      const auto stage = static_cast<moe::MoeStage>(st);
+      const double sus = time_graph_us(stream, o.iters, n_sets, [&] {
+        for (auto& l : sets) l->enqueue_stage(stage, xb, nd, l->topk_ids(), l->topk_weights(), ob, stream);
+      });
       stage_sum += sus;
-      stage_line += fmt::format(" {} {:.2f}", moe::moe_stage_name(static_cast<moe::MoeStage>(st)), sus);
-      CUDA_CHECK(cudaGraphExecDestroy(sexec));
-      CUDA_CHECK(cudaGraphDestroy(sg));
+      stage_line += fmt::format(" {} {:.2f}", moe::moe_stage_name(stage), sus);
     }
 
     // Touched experts, from each set's routing of this input.
@@ -162,10 +160,6 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
                 flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);
     std::printf("        stages us:%s (sum %.2f)\n", stage_line.c_str(), stage_sum);
     std::fflush(stdout);
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(out));
     CUDA_CHECK(cudaFree(n));

@@ -11,13 +11,6 @@ namespace moebius::gptq {
 
 namespace {
 
-std::string tensor_name(std::string_view prefix, std::string_view suffix) {
-  std::string s(prefix);
-  if (!s.empty()) s += '.';
-  s += suffix;
-  return s;
-}
-
 uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -193,9 +186,9 @@ Status check_trivial_g_idx(const TensorView& g_idx, int64_t k_dim, int group_siz
 
 Result<QuantMatrix> from_checkpoint(const CheckpointTensors& t, const Layout& layout, std::string_view prefix,
                                     std::shared_ptr<const void> owner) {
-  const std::string qwname = tensor_name(prefix, "qweight");
-  const std::string qzname = tensor_name(prefix, "qzeros");
-  const std::string scname = tensor_name(prefix, "scales");
+  const std::string qwname = module_tensor_name(prefix, "qweight");
+  const std::string qzname = module_tensor_name(prefix, "qzeros");
+  const std::string scname = module_tensor_name(prefix, "scales");
   MOEBIUS_ASSIGN_OR_RETURN(const WeightFormat format, int_format_for_bits(layout.bits));
   const int bits = layout.bits, p = pack_factor(bits);
 
@@ -230,7 +223,7 @@ Result<QuantMatrix> from_checkpoint(const CheckpointTensors& t, const Layout& la
   if (!(t.qzeros.shape == Shape{groups, n / p}))
     return Error::format("shape is {}, expected [{}, {}]", t.qzeros.shape.str(), groups, n / p).in_tensor(qzname);
   MOEBIUS_TRY(check_symmetric_qzeros(t.qzeros, bits, layout.zeros, qzname));
-  if (t.g_idx.has_value()) MOEBIUS_TRY(check_trivial_g_idx(*t.g_idx, k, static_cast<int>(g), tensor_name(prefix, "g_idx")));
+  if (t.g_idx.has_value()) MOEBIUS_TRY(check_trivial_g_idx(*t.g_idx, k, static_cast<int>(g), module_tensor_name(prefix, "g_idx")));
 
   QuantMatrix m;
   m.format = format;

@@ -11,13 +11,6 @@ namespace moebius::nvfp4 {
 
 namespace {
 
-std::string tensor_name(std::string_view prefix, std::string_view suffix) {
-  std::string s(prefix);
-  if (!s.empty()) s += '.';
-  s += suffix;
-  return s;
-}
-
 // A scalar F32 tensor: shape [] or [1] (ModelOpt has written both).
 Result<float> read_scalar_f32(const TensorView& v, const std::string& name) {
   if (v.dtype != DType::kF32)
@@ -108,9 +101,9 @@ Result<QuantMatrix> quantize(const float* w, int64_t rows, int64_t cols, std::op
 
 Result<QuantMatrix> from_checkpoint(const CheckpointTensors& t, std::string_view prefix,
                                     std::shared_ptr<const void> owner) {
-  const std::string wname = tensor_name(prefix, "weight");
-  const std::string sname = tensor_name(prefix, "weight_scale");
-  const std::string s2name = tensor_name(prefix, "weight_scale_2");
+  const std::string wname = module_tensor_name(prefix, "weight");
+  const std::string sname = module_tensor_name(prefix, "weight_scale");
+  const std::string s2name = module_tensor_name(prefix, "weight_scale_2");
   if (t.weight.dtype != DType::kU8 || t.weight.shape.rank != 2)
     return Error::format("NVFP4 weight must be U8 [N, K/2], got {} {}", dtype_name(t.weight.dtype),
                          t.weight.shape.str())
@@ -127,7 +120,7 @@ Result<QuantMatrix> from_checkpoint(const CheckpointTensors& t, std::string_view
   if (!std::isfinite(s2) || s2 < 0.0f)
     return Error::format("global scale is {}, expected a finite value >= 0", s2).in_tensor(s2name);
   if (t.input_scale.has_value()) {
-    const std::string iname = tensor_name(prefix, "input_scale");
+    const std::string iname = module_tensor_name(prefix, "input_scale");
     MOEBIUS_ASSIGN_OR_RETURN(const float is, read_scalar_f32(*t.input_scale, iname));
     if (!std::isfinite(is)) return Error::format("input scale is {}", is).in_tensor(iname);
   }

@@ -193,6 +193,13 @@ Result<QuantMatrix> quantize(WeightFormat format, const float* w, int64_t rows, 
   return Error::format("unknown weight format {}", static_cast<int>(format));
 }
 
+std::string module_tensor_name(std::string_view prefix, std::string_view suffix) {
+  std::string s(prefix);
+  if (!s.empty()) s += '.';
+  s += suffix;
+  return s;
+}
+
 size_t weight_bytes(const QuantMatrix& m) {
   return m.weight.size() + m.scales.size() + m.scale_2.size() * sizeof(float);
 }

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -109,6 +110,10 @@ struct QuantizeOptions {
 // shapes the format cannot hold and for non-finite weights.
 Result<QuantMatrix> quantize(WeightFormat format, const float* w, int64_t rows, int64_t cols, int group_size,
                              const QuantizeOptions& options = {});
+
+// "<prefix>.<suffix>", or just the suffix when the prefix is empty: checkpoint tensor names of a
+// module ("model.layers.0.mlp.experts.3.down_proj" + "qweight").
+std::string module_tensor_name(std::string_view prefix, std::string_view suffix);
 
 // Bytes a kernel reads for this matrix: packed weights + scales (+ 4 bytes per NVFP4 segment).
 // GPTQ qzeros and g_idx are not counted: they are validated at load and never read again.
