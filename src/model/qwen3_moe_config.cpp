@@ -1,0 +1,161 @@
+#include "model/qwen3_moe_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace moebius::model {
+namespace {
+
+using nlohmann::json;
+
+// Field readers: nullopt-with-default when absent (for optional fields), an Error naming the
+// field when present with the wrong type or out of range. The caller adds the file.
+const json* find(const json& j, const char* key) {
+  auto it = j.find(key);
+  return it == j.end() ? nullptr : &*it;
+}
+
+Result<int64_t> read_int(const json& j, const char* key, std::optional<int64_t> dflt, int64_t lo, int64_t hi) {
+  const json* v = find(j, key);
+  if (v == nullptr || (v->is_null() && dflt)) {
+    if (dflt) return *dflt;
+    return Error("missing").in_field(key);
+  }
+  if (!v->is_number_integer()) return Error::format("expected an integer, got {}", v->dump()).in_field(key);
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
+    return Error::format("{} is outside [{}, {}]", v->dump(), lo, hi).in_field(key);
+  const int64_t x = v->get<int64_t>();
+  if (x < lo || x > hi) return Error::format("{} is outside [{}, {}]", x, lo, hi).in_field(key);
+  return x;
+}
+
+Result<double> read_float(const json& j, const char* key, std::optional<double> dflt) {
+  const json* v = find(j, key);
+  if (v == nullptr) {
+    if (dflt) return *dflt;
+    return Error("missing").in_field(key);
+  }
+  if (!v->is_number()) return Error::format("expected a number, got {}", v->dump()).in_field(key);
+  const double x = v->get<double>();
+  if (!std::isfinite(x) || x <= 0) return Error::format("expected a positive number, got {}", v->dump()).in_field(key);
+  return x;
+}
+
+Result<bool> read_bool(const json& j, const char* key, bool dflt) {
+  const json* v = find(j, key);
+  if (v == nullptr) return dflt;
+  if (!v->is_boolean()) return Error::format("expected true or false, got {}", v->dump()).in_field(key);
+  return v->get<bool>();
+}
+
+constexpr int64_t kMaxInt = int64_t{1} << 30;  // far above any real dimension; keeps products in int64
+
+Result<Qwen3MoeConfig> parse_json(const json& j) {
+  if (!j.is_object()) return Error("expected a JSON object");
+  // Architecture: "architectures": ["Qwen3MoeForCausalLM"]; model_type, when present, must agree.
+  const json* arch = find(j, "architectures");
+  if (arch == nullptr) return Error("missing").in_field("architectures");
+  if (!arch->is_array() || arch->size() != 1 || !(*arch)[0].is_string())
+    return Error::format("expected a list with one string, got {}", arch->dump()).in_field("architectures");
+  if ((*arch)[0].get<std::string>() != "Qwen3MoeForCausalLM")
+    return Error::format("architecture {} is not supported (supported: Qwen3MoeForCausalLM)", (*arch)[0].dump())
+        .in_field("architectures");
+  if (const json* mt = find(j, "model_type"); mt != nullptr && *mt != "qwen3_moe")
+    return Error::format("expected \"qwen3_moe\", got {}", mt->dump()).in_field("model_type");
+
+  Qwen3MoeConfig c;
+  MOEBIUS_ASSIGN_OR_RETURN(c.vocab_size, read_int(j, "vocab_size", {}, 1, kMaxInt));
+  MOEBIUS_ASSIGN_OR_RETURN(c.hidden_size, read_int(j, "hidden_size", {}, 1, kMaxInt));
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t layers, read_int(j, "num_hidden_layers", {}, 1, 100000));
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t heads, read_int(j, "num_attention_heads", {}, 1, 100000));
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t kv_heads, read_int(j, "num_key_value_heads", heads, 1, 100000));
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t head_dim, read_int(j, "head_dim", c.hidden_size / heads, 1, 100000));
+  c.num_hidden_layers = static_cast<int>(layers);
+  c.num_attention_heads = static_cast<int>(heads);
+  c.num_key_value_heads = static_cast<int>(kv_heads);
+  c.head_dim = static_cast<int>(head_dim);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    return Error::format("{} query heads are not a multiple of {} KV heads", heads, kv_heads)
+        .in_field("num_key_value_heads");
+  if (c.head_dim % 2 != 0) return Error::format("head_dim {} is odd; RoPE needs it even", head_dim).in_field("head_dim");
+  MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(j, "rope_theta", {}));
+  MOEBIUS_ASSIGN_OR_RETURN(double eps, read_float(j, "rms_norm_eps", {}));
+  c.rms_norm_eps = static_cast<float>(eps);
+
+  // rope_scaling: null/absent, or the explicit no-op {"rope_type": "default"}. Everything else
+  // (yarn, linear, dynamic, ...) changes the rotary frequencies, which we do not implement.
+  if (const json* rs = find(j, "rope_scaling"); rs != nullptr && !rs->is_null()) {
+    if (!rs->is_object()) return Error::format("expected null or an object, got {}", rs->dump()).in_field("rope_scaling");
+    const json* type = find(*rs, "rope_type");
+    if (type == nullptr) type = find(*rs, "type");
+    if (type == nullptr || !type->is_string() || *type != "default")
+      return Error::format("rope scaling {} is not supported (only null or rope_type \"default\")",
+                           type ? type->dump() : rs->dump())
+          .in_field("rope_scaling");
+  }
+
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t experts, read_int(j, "num_experts", {}, 0, 1 << 20));
+  c.num_experts = static_cast<int>(experts);
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t topk, read_int(j, "num_experts_per_tok", {}, experts > 0 ? 1 : 0, 1 << 20));
+  c.num_experts_per_tok = static_cast<int>(topk);
+  if (c.num_experts_per_tok > c.num_experts)
+    return Error::format("{} experts per token but only {} experts", topk, experts).in_field("num_experts_per_tok");
+  MOEBIUS_ASSIGN_OR_RETURN(c.moe_intermediate_size, read_int(j, "moe_intermediate_size", {}, 1, kMaxInt));
+  MOEBIUS_ASSIGN_OR_RETURN(c.intermediate_size, read_int(j, "intermediate_size", {}, 1, kMaxInt));
+  MOEBIUS_ASSIGN_OR_RETURN(c.norm_topk_prob, read_bool(j, "norm_topk_prob", false));
+  MOEBIUS_ASSIGN_OR_RETURN(int64_t step, read_int(j, "decoder_sparse_step", 1, 1, 100000));
+  c.decoder_sparse_step = static_cast<int>(step);
+  if (const json* m = find(j, "mlp_only_layers"); m != nullptr && !m->is_null()) {
+    if (!m->is_array()) return Error::format("expected a list of layer indices, got {}", m->dump()).in_field("mlp_only_layers");
+    for (const json& e : *m) {
+      if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() >= layers)
+        return Error::format("entry {} is not a layer index in [0, {})", e.dump(), layers).in_field("mlp_only_layers");
+      c.mlp_only_layers.push_back(e.get<int>());
+    }
+  }
+  MOEBIUS_ASSIGN_OR_RETURN(c.tie_word_embeddings, read_bool(j, "tie_word_embeddings", false));
+  MOEBIUS_ASSIGN_OR_RETURN(c.max_position_embeddings, read_int(j, "max_position_embeddings", 32768, 1, kMaxInt));
+
+  // Refuse what the forward pass would silently get wrong.
+  MOEBIUS_ASSIGN_OR_RETURN(bool bias, read_bool(j, "attention_bias", false));
+  if (bias) return Error("attention biases are not supported").in_field("attention_bias");
+  MOEBIUS_ASSIGN_OR_RETURN(bool sliding, read_bool(j, "use_sliding_window", false));
+  if (sliding) return Error("sliding-window attention is not supported").in_field("use_sliding_window");
+  if (const json* act = find(j, "hidden_act"); act != nullptr && *act != "silu")
+    return Error::format("activation {} is not supported (supported: \"silu\")", act->dump()).in_field("hidden_act");
+  return c;
+}
+
+}  // namespace
+
+bool Qwen3MoeConfig::is_moe_layer(int layer) const {
+  const bool forced_dense = std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end();
+  return !forced_dense && num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::string& source) {
+  const json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Error("not valid JSON").in_file(source);
+  auto r = parse_json(j);
+  if (!r.ok()) return std::move(r).error().in_file(source);
+  return r;
+}
+
+Result<Qwen3MoeConfig> load_qwen3_moe_config(const std::string& path) {
+  std::string file = path;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) file = (std::filesystem::path(path) / "config.json").string();
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return Error("cannot open").in_file(file);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return parse_qwen3_moe_config(ss.str(), file);
+}
+
+}  // namespace moebius::model

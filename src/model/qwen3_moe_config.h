@@ -1,0 +1,50 @@
+// Qwen3-MoE model configuration, parsed from a Hugging Face config.json
+// ("architectures": ["Qwen3MoeForCausalLM"]).
+//
+// Every field the forward pass depends on is read and type-checked; a missing or mistyped field is
+// an Error naming the field and the file. Fields that transformers' Qwen3MoeConfig gives a default
+// (head_dim, num_key_value_heads, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+// tie_word_embeddings, max_position_embeddings, rope_scaling) may be absent and take that default.
+// Features this engine does not implement (rope scaling, sliding-window attention, attention
+// biases, activations other than silu) are refused rather than silently ignored.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+
+namespace moebius::model {
+
+struct Qwen3MoeConfig {
+  int64_t vocab_size = 0;               // V
+  int64_t hidden_size = 0;              // H
+  int num_hidden_layers = 0;            // L
+  int num_attention_heads = 0;          // nh (query heads)
+  int num_key_value_heads = 0;          // nkv; nh % nkv == 0 (GQA)
+  int head_dim = 0;                     // hd; default H / nh; must be even for RoPE
+  double rope_theta = 10000.0;          // RoPE base
+  float rms_norm_eps = 1e-6f;
+  int num_experts = 0;                  // E; 0 means every layer is dense
+  int num_experts_per_tok = 0;          // k
+  int64_t moe_intermediate_size = 0;    // per-expert I
+  int64_t intermediate_size = 0;        // dense-layer I
+  bool norm_topk_prob = false;          // renormalise the k routing weights to sum to 1
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;     // layers forced dense
+  bool tie_word_embeddings = false;     // lm_head shares model.embed_tokens.weight
+  int64_t max_position_embeddings = 32768;
+
+  // transformers' Qwen3MoeDecoderLayer rule: a layer is MoE iff it is not in mlp_only_layers,
+  // num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
+  bool is_moe_layer(int layer) const;
+};
+
+// `text` is the JSON of a config.json; `source` names it in errors (usually its path).
+Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::string& source);
+// Reads `path`, or `path`/config.json when `path` is a directory.
+Result<Qwen3MoeConfig> load_qwen3_moe_config(const std::string& path);
+
+}  // namespace moebius::model

@@ -1,0 +1,377 @@
+// Qwen3-MoE on the CPU against HF transformers: the tiny fixture's reference logits
+// (tests/data/tiny-qwen3-moe, made by tools/fixtures/make_tiny_qwen3_moe.py; fp32 compute on the
+// bf16 weights), for a 20-token prefill and for prefill 12 + 8 KV-cache decode steps. Also the
+// config parser's refusals, the loader's errors and the paged KV cache.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "formats/safetensors.h"
+#include "model/kv_cache.h"
+#include "model/qwen3_moe_config.h"
+#include "model/qwen3_moe_cpu.h"
+#include "test_util.h"
+
+namespace moebius::model {
+namespace {
+
+const std::string kDir = testing::test_data_dir() + "/tiny-qwen3-moe";
+constexpr int kPrompt = 12;  // the fixture's prompt length; 8 teacher-forced ids follow
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Reference {
+  std::vector<int32_t> ids;           // [20]
+  std::vector<float> logits;          // [20, V]
+  std::vector<float> decode_logits;   // [8, V], positions 11..18
+  int64_t vocab = 0;
+};
+
+Reference load_reference() {
+  Reference r;
+  auto f = SafetensorsFile::open(kDir + "/reference.safetensors");
+  EXPECT_TRUE(f.ok()) << f.error().what();
+  auto ids = f->get("input_ids", DType::kI64);
+  auto lg = f->get("logits", DType::kF32);
+  auto dl = f->get("decode_logits", DType::kF32);
+  EXPECT_TRUE(ids.ok() && lg.ok() && dl.ok());
+  for (int64_t i = 0; i < ids->numel(); ++i) {
+    int64_t v;
+    std::memcpy(&v, static_cast<const uint8_t*>(ids->data) + i * 8, 8);
+    r.ids.push_back(static_cast<int32_t>(v));
+  }
+  r.vocab = lg->shape[1];
+  r.logits.resize(static_cast<size_t>(lg->numel()));
+  std::memcpy(r.logits.data(), lg->data, lg->nbytes());
+  r.decode_logits.resize(static_cast<size_t>(dl->numel()));
+  std::memcpy(r.decode_logits.data(), dl->data, dl->nbytes());
+  return r;
+}
+
+float max_abs_diff(const float* a, const float* b, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+int argmax(const float* x, int64_t n) { return static_cast<int>(std::max_element(x, x + n) - x); }
+
+const Qwen3MoeCpu& tiny_model() {
+  static const Qwen3MoeCpu* model = [] {
+    auto m = Qwen3MoeCpu::load(kDir);
+    if (!m.ok()) {
+      ADD_FAILURE() << m.error().what();
+      std::abort();
+    }
+    return new Qwen3MoeCpu(std::move(m).value());
+  }();
+  return *model;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config
+// ---------------------------------------------------------------------------------------------
+
+TEST(Qwen3MoeConfig, ParsesTheFixture) {
+  auto c = load_qwen3_moe_config(kDir);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_EQ(c->vocab_size, 512);
+  EXPECT_EQ(c->hidden_size, 64);
+  EXPECT_EQ(c->num_hidden_layers, 3);
+  EXPECT_EQ(c->num_attention_heads, 4);
+  EXPECT_EQ(c->num_key_value_heads, 2);
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c->num_experts, 16);
+  EXPECT_EQ(c->num_experts_per_tok, 4);
+  EXPECT_EQ(c->moe_intermediate_size, 32);
+  EXPECT_EQ(c->intermediate_size, 128);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->max_position_embeddings, 256);
+  EXPECT_TRUE(c->is_moe_layer(0));
+  EXPECT_FALSE(c->is_moe_layer(1));  // mlp_only_layers
+  EXPECT_TRUE(c->is_moe_layer(2));
+}
+
+nlohmann::json fixture_config() { return nlohmann::json::parse(read_text(kDir + "/config.json")); }
+
+TEST(Qwen3MoeConfig, DefaultsAndSparseStep) {
+  auto j = fixture_config();
+  j.erase("head_dim");
+  j.erase("mlp_only_layers");
+  j.erase("num_key_value_heads");
+  j["num_hidden_layers"] = 4;
+  j["decoder_sparse_step"] = 2;
+  auto c = parse_qwen3_moe_config(j.dump(), "cfg.json");
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_EQ(c->head_dim, 16);  // hidden / heads
+  EXPECT_EQ(c->num_key_value_heads, 4);
+  // transformers: MoE iff (layer + 1) % decoder_sparse_step == 0.
+  EXPECT_FALSE(c->is_moe_layer(0));
+  EXPECT_TRUE(c->is_moe_layer(1));
+  EXPECT_FALSE(c->is_moe_layer(2));
+  EXPECT_TRUE(c->is_moe_layer(3));
+  j["num_experts"] = 0;
+  j["num_experts_per_tok"] = 0;
+  c = parse_qwen3_moe_config(j.dump(), "cfg.json");
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_FALSE(c->is_moe_layer(1));
+  j = fixture_config();
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  EXPECT_TRUE(parse_qwen3_moe_config(j.dump(), "cfg.json").ok());
+}
+
+TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"missing hidden_size", [](auto& j) { j.erase("hidden_size"); }, "hidden_size"},
+      {"hidden_size as a string", [](auto& j) { j["hidden_size"] = "64"; }, "hidden_size"},
+      {"float layer count", [](auto& j) { j["num_hidden_layers"] = 3.5; }, "num_hidden_layers"},
+      {"negative vocab", [](auto& j) { j["vocab_size"] = -1; }, "vocab_size"},
+      {"missing rope_theta", [](auto& j) { j.erase("rope_theta"); }, "rope_theta"},
+      {"rms_norm_eps as a string", [](auto& j) { j["rms_norm_eps"] = "1e-6"; }, "rms_norm_eps"},
+      {"unknown architecture", [](auto& j) { j["architectures"] = {"LlamaForCausalLM"}; }, "architectures"},
+      {"missing architectures", [](auto& j) { j.erase("architectures"); }, "architectures"},
+      {"other model_type", [](auto& j) { j["model_type"] = "qwen2_moe"; }, "model_type"},
+      {"yarn rope scaling", [](auto& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }, "rope_scaling"},
+      {"legacy rope scaling key", [](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }, "rope_scaling"},
+      {"heads not a multiple of kv heads", [](auto& j) { j["num_key_value_heads"] = 3; }, "num_key_value_heads"},
+      {"odd head_dim", [](auto& j) { j["head_dim"] = 15; }, "head_dim"},
+      {"top-k above experts", [](auto& j) { j["num_experts_per_tok"] = 17; }, "num_experts_per_tok"},
+      {"norm_topk_prob as 1", [](auto& j) { j["norm_topk_prob"] = 1; }, "norm_topk_prob"},
+      {"mlp_only_layers out of range", [](auto& j) { j["mlp_only_layers"] = {1, 3}; }, "mlp_only_layers"},
+      {"mlp_only_layers not a list", [](auto& j) { j["mlp_only_layers"] = 1; }, "mlp_only_layers"},
+      {"zero sparse step", [](auto& j) { j["decoder_sparse_step"] = 0; }, "decoder_sparse_step"},
+      {"attention bias", [](auto& j) { j["attention_bias"] = true; }, "attention_bias"},
+      {"sliding window", [](auto& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
+      {"gelu", [](auto& j) { j["hidden_act"] = "gelu"; }, "hidden_act"},
+  };
+  for (const Case& c : cases) {
+    auto j = fixture_config();
+    c.edit(j);
+    auto r = parse_qwen3_moe_config(j.dump(), "some/config.json");
+    ASSERT_FALSE(r.ok()) << c.what;
+    EXPECT_EQ(r.error().field(), c.field) << c.what << ": " << r.error().what();
+    EXPECT_EQ(r.error().file(), "some/config.json") << c.what;
+  }
+  auto bad = parse_qwen3_moe_config("{\"hidden_size\": ", "x.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().file(), "x.json");
+  auto missing = load_qwen3_moe_config("/nonexistent/dir/config.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.error().file(), "/nonexistent/dir/config.json");
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV cache
+// ---------------------------------------------------------------------------------------------
+
+TEST(Qwen3KvCache, PagesInBlocksAndReusesThem) {
+  KvCache c(/*layers=*/2, /*kv heads=*/2, /*hd=*/4, /*max_tokens=*/10, /*block_size=*/4);
+  ASSERT_TRUE(c.reserve(5).ok());
+  EXPECT_EQ(c.num_blocks(), 2);
+  for (int64_t p = 0; p < 5; ++p)
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < 8; ++i) {
+        c.key(l, p)[i] = static_cast<float>(1000 * l + 10 * p + i);
+        c.value(l, p)[i] = -static_cast<float>(1000 * l + 10 * p + i);
+      }
+  c.advance(5);
+  EXPECT_EQ(c.position(), 5);
+  for (int64_t p = 0; p < 5; ++p)  // no row overwrote another
+    for (int l = 0; l < 2; ++l)
+      for (int i = 0; i < 8; ++i) {
+        EXPECT_EQ(c.key(l, p)[i], 1000 * l + 10 * p + i);
+        EXPECT_EQ(c.value(l, p)[i], -(1000 * l + 10 * p + i));
+      }
+  EXPECT_FALSE(c.reserve(11).ok());  // past max_tokens
+  EXPECT_EQ(c.position(), 5);
+  const float* first_row = c.key(0, 0);
+  c.clear();
+  EXPECT_EQ(c.position(), 0);
+  ASSERT_TRUE(c.reserve(1).ok());
+  EXPECT_EQ(c.key(0, 0), first_row);  // the block came back from the free list
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model against transformers
+// ---------------------------------------------------------------------------------------------
+
+// Achieved on the fixture (gcc 12, x86-64): prefill 1.4e-6, decode 1.1e-6, on logits of magnitude
+// up to 4.1; the bound leaves a 14x margin.
+constexpr float kLogitTolerance = 2e-5f;
+
+TEST(Qwen3MoeCpu, PrefillMatchesTransformers) {
+  const Reference ref = load_reference();
+  const Qwen3MoeCpu& m = tiny_model();
+  const int T = static_cast<int>(ref.ids.size());
+  ASSERT_EQ(ref.vocab, m.config().vocab_size);
+  KvCache cache = m.make_cache();
+  std::vector<float> logits(static_cast<size_t>(T * ref.vocab));
+  ASSERT_TRUE(m.forward(ref.ids.data(), T, cache, logits.data()).ok());
+  EXPECT_EQ(cache.position(), T);
+  const float d = max_abs_diff(logits.data(), ref.logits.data(), logits.size());
+  std::printf("prefill of %d tokens: max |logit - transformers fp32| = %.3g\n", T, d);
+  EXPECT_LT(d, kLogitTolerance);
+  for (int t = 0; t < T; ++t)
+    EXPECT_EQ(argmax(logits.data() + t * ref.vocab, ref.vocab), argmax(ref.logits.data() + t * ref.vocab, ref.vocab))
+        << "position " << t;
+}
+
+TEST(Qwen3MoeCpu, DecodeThroughTheKvCacheMatchesTransformers) {
+  const Reference ref = load_reference();
+  const Qwen3MoeCpu& m = tiny_model();
+  const int64_t V = ref.vocab;
+  for (int block_size : {16, 1, 5}) {  // the block size must not matter, and blocks span steps
+    KvCache cache = m.make_cache(64, block_size);
+    std::vector<float> prefill(static_cast<size_t>(kPrompt * V)), step(static_cast<size_t>(V));
+    ASSERT_TRUE(m.forward(ref.ids.data(), kPrompt, cache, prefill.data()).ok());
+    std::vector<float> got(prefill.end() - V, prefill.end());  // position 11
+    for (int i = 0; i < 7; ++i) {  // positions 12..18, one token at a time
+      ASSERT_TRUE(m.forward(ref.ids.data() + kPrompt + i, 1, cache, step.data()).ok());
+      got.insert(got.end(), step.begin(), step.end());
+    }
+    EXPECT_EQ(cache.position(), kPrompt + 7);
+    ASSERT_EQ(got.size(), ref.decode_logits.size());
+    const float d = max_abs_diff(got.data(), ref.decode_logits.data(), got.size());
+    std::printf("block %d: prefill %d + 7 decode steps: max |logit - transformers fp32| = %.3g\n", block_size,
+                kPrompt, d);
+    EXPECT_LT(d, kLogitTolerance);
+    for (int t = 0; t < 8; ++t)
+      EXPECT_EQ(argmax(got.data() + t * V, V), argmax(ref.decode_logits.data() + t * V, V)) << "step " << t;
+  }
+}
+
+TEST(Qwen3MoeCpu, ForwardRefusesBadInputsWithoutTouchingTheCache) {
+  const Qwen3MoeCpu& m = tiny_model();
+  const int64_t V = m.config().vocab_size;
+  KvCache cache = m.make_cache(4);
+  std::vector<float> logits(static_cast<size_t>(8 * V));
+  const int32_t bad_id[] = {1, static_cast<int32_t>(V)};
+  EXPECT_FALSE(m.forward(bad_id, 2, cache, logits.data()).ok());
+  EXPECT_EQ(cache.position(), 0);
+  const int32_t ids[] = {1, 2, 3, 4, 5};
+  ASSERT_TRUE(m.forward(ids, 3, cache, logits.data()).ok());
+  EXPECT_FALSE(m.forward(ids, 2, cache, logits.data()).ok());  // 5 tokens in a cache of 4
+  EXPECT_EQ(cache.position(), 3);
+  KvCache other(2, 2, 16, 8);
+  EXPECT_FALSE(m.forward(ids, 1, other, logits.data()).ok());  // shaped for another model
+}
+
+// The fixture copied to a temporary directory, minus `drop`, with `reshape` given the wrong shape.
+std::string damaged_copy(const std::string& drop, const std::string& reshape) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moebius-qwen3-" + std::to_string(::getpid()) + "-" + drop + reshape);
+  fs::create_directories(dir);
+  fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  auto ck = SafetensorsFile::open(kDir + "/model.safetensors");
+  EXPECT_TRUE(ck.ok());
+  SafetensorsWriter w;
+  for (const TensorInfo& t : ck->tensors()) {
+    if (t.name == drop) continue;
+    Shape s = t.shape;
+    if (t.name == reshape) s = Shape{s.numel()};
+    EXPECT_TRUE(w.add(t.name, t.dtype, s, t.bytes()).ok());
+  }
+  EXPECT_TRUE(w.write((dir / "model.safetensors").string()).ok());
+  return dir.string();
+}
+
+TEST(Qwen3MoeCpu, MissingOrMisshapenTensorIsNamed) {
+  {
+    const std::string name = "model.layers.2.mlp.experts.7.up_proj.weight";
+    const std::string dir = damaged_copy(name, "");
+    auto m = Qwen3MoeCpu::load(dir);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.error().tensor(), name) << m.error().what();
+    EXPECT_NE(m.error().what().find(name), std::string::npos) << m.error().what();
+    std::filesystem::remove_all(dir);
+  }
+  {
+    const std::string name = "model.layers.1.self_attn.k_proj.weight";  // [32, 64] stored as [2048]
+    const std::string dir = damaged_copy("", name);
+    auto m = Qwen3MoeCpu::load(dir);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.error().tensor(), name) << m.error().what();
+    std::filesystem::remove_all(dir);
+  }
+}
+
+TEST(Qwen3MoeCpu, F32CheckpointGivesTheSameLogits) {
+  // The fixture upcast to F32 on disk: experts then load as kF32 instead of zero-copy kBF16, with
+  // the same values, so the logits must be bit-identical.
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moebius-qwen3-f32-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  auto ck = SafetensorsFile::open(kDir + "/model.safetensors");
+  ASSERT_TRUE(ck.ok());
+  SafetensorsWriter w;
+  for (const TensorInfo& t : ck->tensors()) {
+    ASSERT_EQ(t.dtype, DType::kBF16) << t.name;
+    std::vector<float> f(static_cast<size_t>(t.shape.numel()));
+    for (size_t i = 0; i < f.size(); ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, t.data + 2 * i, 2);
+      f[i] = bf16_bits_to_float(bits);
+    }
+    ASSERT_TRUE(w.add(t.name, DType::kF32, t.shape,
+                      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(f.data()), f.size() * 4))
+                    .ok());
+  }
+  ASSERT_TRUE(w.write((dir / "model.safetensors").string()).ok());
+  auto m = Qwen3MoeCpu::load(dir.string());
+  ASSERT_TRUE(m.ok()) << m.error().what();
+  EXPECT_EQ(m->layers()[2].moe.experts[5].down.format, WeightFormat::kF32);
+  const Reference ref = load_reference();
+  const int T = static_cast<int>(ref.ids.size());
+  std::vector<float> a(ref.logits.size()), b(ref.logits.size());
+  KvCache ca = m->make_cache(), cb = tiny_model().make_cache();
+  ASSERT_TRUE(m->forward(ref.ids.data(), T, ca, a.data()).ok());
+  ASSERT_TRUE(tiny_model().forward(ref.ids.data(), T, cb, b.data()).ok());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+  fs::remove_all(dir);
+}
+
+TEST(Qwen3MoeCpu, OnlineExpertQuantizationStaysClose) {
+  // NVFP4 experts: a coarse check that the hook runs and the model still tracks the reference.
+  Qwen3MoeLoadOptions opt;
+  opt.experts_format = WeightFormat::kNvFp4;
+  auto m = Qwen3MoeCpu::load(kDir, opt);
+  ASSERT_TRUE(m.ok()) << m.error().what();
+  EXPECT_EQ(m->layers()[0].moe.experts[0].gate.format, WeightFormat::kNvFp4);
+  EXPECT_EQ(tiny_model().layers()[0].moe.experts[0].gate.format, WeightFormat::kBF16);
+  const Reference ref = load_reference();
+  KvCache cache = m->make_cache();
+  std::vector<float> logits(ref.logits.size());
+  ASSERT_TRUE(m->forward(ref.ids.data(), static_cast<int>(ref.ids.size()), cache, logits.data()).ok());
+  const float d = max_abs_diff(logits.data(), ref.logits.data(), logits.size());
+  std::printf("nvfp4 experts: max |logit - transformers fp32| = %.3g\n", d);
+  EXPECT_GT(d, kLogitTolerance);  // it did quantize
+  EXPECT_LT(d, 1.0f);             // measured 0.40: 4-bit experts move logits, but not wildly
+}
+
+}  // namespace
+}  // namespace moebius::model
