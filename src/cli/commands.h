@@ -7,5 +7,6 @@ namespace moebius::cli {
 
 // `moebius bench moe`: time one MoE layer on a backend.
 void register_bench_moe(CLI::App& bench);
+void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 
 }  // namespace moebius::cli

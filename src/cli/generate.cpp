@@ -1,0 +1,117 @@
+// `moebius generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [sampling flags]`
+//
+// Prompt: --prompt is encoded with DIR/tokenizer.json (required then); --prompt-ids is used as is.
+// Output: generated text streams to stdout through the StreamingDecoder as tokens are sampled;
+// with --prompt-ids and no DIR/tokenizer.json the generated ids are printed instead, space
+// separated. The end-of-run report (token counts, tok/s, GB/s, logits hash) goes to stderr.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "model/generate.h"
+#include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/streaming_decoder.h"
+
+namespace moebius::cli {
+
+namespace {
+
+struct GenerateCliOptions {
+  model::GenerateOptions gen;
+  std::string prompt;
+  std::vector<int32_t> prompt_ids;
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  CLI::Option* prompt_opt = nullptr;
+  CLI::Option* prompt_ids_opt = nullptr;
+  CLI::Option* temperature_opt = nullptr;
+  CLI::Option* top_k_opt = nullptr;
+  CLI::Option* top_p_opt = nullptr;
+};
+
+void write_out(const std::string& s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
+
+Status run(GenerateCliOptions& o) {
+  model::GenerateOptions g = o.gen;
+  const bool has_text = o.prompt_opt->count() > 0, has_ids = o.prompt_ids_opt->count() > 0;
+  if (has_text == has_ids) return Error("give exactly one of --prompt and --prompt-ids").in_field("--prompt");
+  if (o.temperature_opt->count() > 0) g.temperature = o.temperature;
+  if (o.top_k_opt->count() > 0) g.top_k = o.top_k;
+  if (o.top_p_opt->count() > 0) g.top_p = o.top_p;
+
+  const std::string tok_path = (std::filesystem::path(g.model_dir) / "tokenizer.json").string();
+  std::error_code ec;
+  std::optional<tokenizer::BpeTokenizer> tok;
+  if (has_text || std::filesystem::exists(tok_path, ec)) {
+    if (has_text && !std::filesystem::exists(tok_path, ec))
+      return Error::format("--prompt needs a tokenizer, and '{}' does not exist; pass --prompt-ids instead", tok_path)
+          .in_field("--prompt");
+    MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer t, tokenizer::BpeTokenizer::load(tok_path));
+    tok.emplace(std::move(t));
+  }
+  if (has_text) {
+    for (tokenizer::TokenId id : tok->encode(o.prompt)) g.prompt_ids.push_back(static_cast<int32_t>(id));
+    if (g.prompt_ids.empty()) return Error("the prompt encodes to no tokens").in_field("--prompt");
+  } else {
+    g.prompt_ids = o.prompt_ids;
+  }
+
+  std::optional<tokenizer::StreamingDecoder> decoder;
+  if (tok) decoder.emplace(*tok);
+  bool first = true;
+  auto on_token = [&](int32_t id) {
+    if (decoder) {
+      write_out(decoder->feed(static_cast<tokenizer::TokenId>(id)));
+    } else {
+      write_out(fmt::format("{}{}", first ? "" : " ", id));
+      first = false;
+    }
+  };
+  auto stats = model::run_generate(g, on_token);
+  if (!stats.ok()) return std::move(stats).error();
+  if (decoder) write_out(decoder->flush());
+  write_out("\n");
+  std::fputs(model::format_generate_stats(*stats).c_str(), stderr);
+  return Ok{};
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app) {
+  auto o = std::make_shared<GenerateCliOptions>();
+  CLI::App* cmd = app.add_subcommand("generate", "generate text from a prompt (CPU backend)");
+  cmd->add_option("--model", o->gen.model_dir, "model directory (config.json, *.safetensors, tokenizer.json)")
+      ->required();
+  o->prompt_opt = cmd->add_option("--prompt", o->prompt, "prompt text (needs DIR/tokenizer.json)");
+  o->prompt_ids_opt =
+      cmd->add_option("--prompt-ids", o->prompt_ids, "prompt token ids, comma-separated")->delimiter(',');
+  o->prompt_opt->excludes(o->prompt_ids_opt);
+  cmd->add_option("--max-tokens", o->gen.max_tokens, "tokens to generate at most")->capture_default_str();
+  o->temperature_opt = cmd->add_option("--temperature", o->temperature,
+                                       "0 = greedy (default: generation_config.json, else 1)");
+  o->top_k_opt = cmd->add_option("--top-k", o->top_k, "keep the k most likely tokens; 0 = off");
+  o->top_p_opt = cmd->add_option("--top-p", o->top_p, "nucleus sampling mass in (0, 1]; 1 = off");
+  cmd->add_option("--min-p", o->gen.min_p, "drop tokens below min_p * the top probability; 0 = off")
+      ->capture_default_str();
+  cmd->add_option("--seed", o->gen.seed, "RNG seed (std::mt19937_64)")->capture_default_str();
+  cmd->add_option("--experts", o->gen.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
+  cmd->add_option("--backend", o->gen.backend, "cpu (cuda: not yet)")->capture_default_str();
+  cmd->final_callback([o] {
+    Status s = run(*o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "moebius generate: error: %s\n", s.error().what().c_str());
+      throw CLI::RuntimeError(2);
+    }
+  });
+}
+
+}  // namespace moebius::cli

@@ -1,0 +1,157 @@
+#include "model/generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace moebius::model {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+uint64_t float_bytes(const std::vector<float>& v) { return static_cast<uint64_t>(v.size()) * sizeof(float); }
+
+}  // namespace
+
+Result<std::optional<WeightFormat>> parse_experts_format(const std::string& name) {
+  if (name.empty()) return std::optional<WeightFormat>{};
+  if (name == "bf16") return std::optional<WeightFormat>(WeightFormat::kBF16);
+  if (name == "nvfp4") return std::optional<WeightFormat>(WeightFormat::kNvFp4);
+  if (name == "int4") return std::optional<WeightFormat>(WeightFormat::kInt4);
+  if (name == "int2") return std::optional<WeightFormat>(WeightFormat::kInt2);
+  return Error::format("unknown expert format '{}'; expected bf16, nvfp4, int4 or int2", name).in_field("--experts");
+}
+
+Result<SamplerParams> resolve_sampler_params(const GenerateOptions& o, const GenerationConfig& g) {
+  SamplerParams p;
+  if (g.do_sample.has_value() && !*g.do_sample) p.temperature = 0.0f;
+  else if (g.temperature) p.temperature = *g.temperature;
+  if (g.top_k) p.top_k = *g.top_k;
+  if (g.top_p) p.top_p = *g.top_p;
+  if (o.temperature) p.temperature = *o.temperature;
+  if (o.top_k) p.top_k = *o.top_k;
+  if (o.top_p) p.top_p = *o.top_p;
+  p.min_p = o.min_p;
+  p.seed = o.seed;
+  MOEBIUS_TRY(validate_sampler_params(p));
+  return p;
+}
+
+uint32_t fnv1a_logits(std::span<const float> logits) {
+  uint32_t h = 2166136261u;
+  for (float x : logits) {
+    unsigned char b[sizeof(float)];
+    std::memcpy(b, &x, sizeof(float));
+    for (unsigned char c : b) h = (h ^ c) * 16777619u;
+  }
+  return h;
+}
+
+uint64_t decode_weight_bytes(const Qwen3MoeCpu& model) {
+  const Qwen3MoeConfig& c = model.config();
+  // One embedding row; the final norm; lm_head (the embedding itself when tied: all of it).
+  uint64_t bytes = static_cast<uint64_t>(c.hidden_size) * sizeof(float);
+  bytes += static_cast<uint64_t>(c.hidden_size) * sizeof(float);
+  bytes += static_cast<uint64_t>(c.vocab_size) * static_cast<uint64_t>(c.hidden_size) * sizeof(float);
+  for (const Qwen3MoeLayerWeights& w : model.layers()) {
+    bytes += float_bytes(w.input_norm) + float_bytes(w.post_norm) + float_bytes(w.q_proj) + float_bytes(w.k_proj) +
+             float_bytes(w.v_proj) + float_bytes(w.o_proj) + float_bytes(w.q_norm) + float_bytes(w.k_norm);
+    if (w.is_moe) {
+      bytes += float_bytes(w.moe.router_weight);
+      if (!w.moe.experts.empty()) {
+        const cpu::ExpertWeights& e = w.moe.experts.front();
+        const uint64_t expert = weight_bytes(e.gate) + weight_bytes(e.up) + weight_bytes(e.down);
+        bytes += static_cast<uint64_t>(c.num_experts_per_tok) * expert;
+      }
+    } else {
+      bytes += float_bytes(w.gate_proj) + float_bytes(w.up_proj) + float_bytes(w.down_proj);
+    }
+  }
+  return bytes;
+}
+
+Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t> prompt, int max_tokens,
+                               Sampler& sampler, std::span<const int32_t> eos_token_ids,
+                               const TokenCallback& on_token) {
+  const Qwen3MoeConfig& c = model.config();
+  if (prompt.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
+  if (max_tokens < 0) return Error::format("must be >= 0, got {}", max_tokens).in_field("--max-tokens");
+  for (int32_t id : prompt)
+    if (id < 0 || id >= c.vocab_size)
+      return Error::format("token id {} is outside the vocabulary [0, {})", id, c.vocab_size).in_field("--prompt-ids");
+  const int64_t context = c.max_position_embeddings;
+  if (static_cast<int64_t>(prompt.size()) > context)
+    return Error::format("the prompt has {} tokens; the model's context is {}", prompt.size(), context)
+        .in_field("--prompt-ids");
+
+  GenerateStats stats;
+  stats.prompt_tokens = static_cast<int64_t>(prompt.size());
+  stats.weight_bytes_per_token = decode_weight_bytes(model);
+  // The last generated token is never run through the model, hence the - 1.
+  const int64_t cache_tokens = std::min<int64_t>(context, stats.prompt_tokens + std::max(max_tokens - 1, 0));
+  KvCache cache = model.make_cache(cache_tokens);
+  const size_t V = static_cast<size_t>(c.vocab_size);
+  std::vector<float> logits(prompt.size() * V);
+
+  auto t0 = std::chrono::steady_clock::now();
+  MOEBIUS_TRY(model.forward(prompt.data(), static_cast<int>(prompt.size()), cache, logits.data()));
+  stats.prefill_seconds = seconds_since(t0);
+  std::span<const float> last(logits.data() + (prompt.size() - 1) * V, V);
+  stats.logits_hash = fnv1a_logits(last);
+
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < max_tokens; ++i) {
+    MOEBIUS_ASSIGN_OR_RETURN(int32_t id, sampler.sample(last));
+    stats.logits_hash = fnv1a_logits(last);
+    if (std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end()) {
+      stats.stopped_at_eos = true;
+      break;
+    }
+    stats.generated.push_back(id);
+    if (on_token) on_token(id);
+    // Stop when the budget is spent or the context is full (the next step would not fit).
+    if (i + 1 == max_tokens || cache.position() >= cache.max_tokens()) break;
+    MOEBIUS_TRY(model.forward(&id, 1, cache, logits.data()));
+    ++stats.decode_steps;
+    last = std::span<const float>(logits.data(), V);
+  }
+  stats.decode_seconds = stats.decode_steps > 0 ? seconds_since(t0) : 0.0;
+  return stats;
+}
+
+Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback& on_token) {
+  // Everything a flag can get wrong is checked before the (slow) model load.
+  if (o.backend == "cuda")
+    return Error("the cuda backend is not yet supported by generate; use --backend cpu").in_field("--backend");
+  if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu", o.backend).in_field("--backend");
+  if (o.model_dir.empty()) return Error("is required").in_field("--model");
+  if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
+  if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
+  MOEBIUS_ASSIGN_OR_RETURN(GenerationConfig gen_config, load_generation_config(o.model_dir));
+  MOEBIUS_ASSIGN_OR_RETURN(SamplerParams params, resolve_sampler_params(o, gen_config));
+  MOEBIUS_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(params));
+
+  Qwen3MoeLoadOptions load;
+  load.experts_format = experts;
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeCpu model, Qwen3MoeCpu::load(o.model_dir, load));
+  const std::vector<int32_t>& eos = o.eos_token_ids ? *o.eos_token_ids : gen_config.eos_token_ids;
+  return generate(model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
+}
+
+std::string format_generate_stats(const GenerateStats& s) {
+  std::string out;
+  out += fmt::format("prompt tokens:    {}\n", s.prompt_tokens);
+  out += fmt::format("generated tokens: {}{}\n", s.generated.size(), s.stopped_at_eos ? " (stopped at eos)" : "");
+  out += fmt::format("prefill:          {:.2f} tok/s\n", s.prefill_tok_s());
+  out += fmt::format("decode:           {:.2f} tok/s, {:.3f} GB/s ({:.2f} MB of weights per token)\n",
+                     s.decode_tok_s(), s.decode_gb_s(), static_cast<double>(s.weight_bytes_per_token) / 1e6);
+  out += fmt::format("logits hash:      #{:08x}\n", s.logits_hash);
+  return out;
+}
+
+}  // namespace moebius::model

@@ -1,0 +1,154 @@
+// The sampler (src/model/sampler.h) and generation_config.json parsing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "model/generation_config.h"
+#include "model/sampler.h"
+
+namespace moebius::model {
+namespace {
+
+Sampler make(SamplerParams p) {
+  auto s = Sampler::create(p);
+  EXPECT_TRUE(s.ok()) << s.error().what();
+  return std::move(s).value();
+}
+
+std::set<int32_t> candidate_ids(Sampler& s, const std::vector<float>& logits) {
+  auto c = s.candidates(logits);
+  EXPECT_TRUE(c.ok()) << c.error().what();
+  std::set<int32_t> ids;
+  for (const auto& [id, p] : *c) ids.insert(id);
+  return ids;
+}
+
+TEST(Sampler, GreedyPicksArgmaxLowestIdOnTies) {
+  Sampler s = make({.temperature = 0.0f});
+  EXPECT_EQ(*s.sample(std::vector<float>{0.1f, 3.0f, -2.0f, 2.9f}), 1);
+  EXPECT_EQ(*s.sample(std::vector<float>{1.0f, 5.0f, 5.0f, 5.0f}), 1);
+  EXPECT_EQ(*s.sample(std::vector<float>{-INFINITY, -1.0f}), 1);
+  EXPECT_EQ(argmax(std::vector<float>{2.0f, 2.0f}), 0);
+}
+
+TEST(Sampler, TopKOneEqualsGreedy) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  Sampler greedy = make({.temperature = 0.0f});
+  Sampler k1 = make({.temperature = 1.5f, .top_k = 1, .seed = 42});
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<float> logits(64);
+    for (auto& x : logits) x = d(rng);
+    if (trial % 5 == 0) logits[3] = logits[40] = 100.0f;  // a tie: both must pick 3
+    EXPECT_EQ(*k1.sample(logits), *greedy.sample(logits)) << trial;
+  }
+}
+
+TEST(Sampler, SeededSamplingIsReproducible) {
+  const std::vector<float> logits = {0.5f, 1.0f, 0.2f, 0.9f, -0.3f, 0.7f, 0.0f, 1.1f};
+  const SamplerParams p{.temperature = 0.8f, .top_k = 6, .top_p = 0.95f, .min_p = 0.01f, .seed = 1234};
+  Sampler a = make(p), b = make(p);
+  std::vector<int32_t> ra, rb;
+  for (int i = 0; i < 200; ++i) {
+    ra.push_back(*a.sample(logits));
+    rb.push_back(*b.sample(logits));
+  }
+  EXPECT_EQ(ra, rb);
+  Sampler c = make({.temperature = 0.8f, .top_k = 6, .top_p = 0.95f, .min_p = 0.01f, .seed = 1235});
+  std::vector<int32_t> rc;
+  for (int i = 0; i < 200; ++i) rc.push_back(*c.sample(logits));
+  EXPECT_NE(ra, rc);
+}
+
+TEST(Sampler, DistributionMatchesSoftmax) {
+  // 4 tokens, temperature 2: expected p = softmax(logits / 2). 200k draws; chi-square with 3
+  // degrees of freedom exceeds 30 with probability ~1e-6.
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, 4.0f};
+  Sampler s = make({.temperature = 2.0f, .seed = 99});
+  std::vector<double> p(4);
+  double z = 0.0;
+  for (size_t i = 0; i < 4; ++i) z += p[i] = std::exp(logits[i] / 2.0);
+  for (auto& x : p) x /= z;
+  const int n = 200000;
+  std::vector<int> count(4, 0);
+  for (int i = 0; i < n; ++i) ++count[static_cast<size_t>(*s.sample(logits))];
+  double chi2 = 0.0;
+  for (size_t i = 0; i < 4; ++i) chi2 += (count[i] - n * p[i]) * (count[i] - n * p[i]) / (n * p[i]);
+  EXPECT_LT(chi2, 30.0);
+}
+
+TEST(Sampler, TopKTopPMinPKeepTheRightTokens) {
+  // probabilities (temperature 1): log-odds chosen so p = {0.5, 0.25, 0.125, 0.0625, 0.0625}
+  const std::vector<float> logits = {std::log(8.0f), std::log(4.0f), std::log(2.0f), 0.0f, 0.0f};
+  Sampler k2 = make({.top_k = 2});
+  EXPECT_EQ(candidate_ids(k2, logits), (std::set<int32_t>{0, 1}));
+  // top-p: 0.45 is reached by token 0 alone; 0.7 needs 0 and 1; 0.8 needs 0, 1, 2.
+  Sampler p05 = make({.top_p = 0.45f});
+  EXPECT_EQ(candidate_ids(p05, logits), (std::set<int32_t>{0}));
+  Sampler p07 = make({.top_p = 0.7f});
+  EXPECT_EQ(candidate_ids(p07, logits), (std::set<int32_t>{0, 1}));
+  Sampler p08 = make({.top_p = 0.8f});
+  EXPECT_EQ(candidate_ids(p08, logits), (std::set<int32_t>{0, 1, 2}));
+  // min-p 0.2: threshold 0.1 drops the two 0.0625 tokens; 0.3 (0.15) drops token 2 too.
+  Sampler m02 = make({.min_p = 0.2f});
+  EXPECT_EQ(candidate_ids(m02, logits), (std::set<int32_t>{0, 1, 2}));
+  Sampler m03 = make({.min_p = 0.3f});
+  EXPECT_EQ(candidate_ids(m03, logits), (std::set<int32_t>{0, 1}));
+  // Survivors are renormalized, and a sampler never draws outside them.
+  auto c = m03.candidates(logits);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NEAR((*c)[0].second, 2.0 / 3.0, 1e-6);
+  for (int i = 0; i < 1000; ++i) EXPECT_LT(*m03.sample(logits), 2);
+}
+
+TEST(Sampler, RejectsBadParametersAndLogits) {
+  EXPECT_FALSE(Sampler::create({.temperature = -0.1f}).ok());
+  EXPECT_FALSE(Sampler::create({.temperature = NAN}).ok());
+  EXPECT_FALSE(Sampler::create({.top_k = -1}).ok());
+  EXPECT_FALSE(Sampler::create({.top_p = 0.0f}).ok());
+  EXPECT_FALSE(Sampler::create({.top_p = 1.5f}).ok());
+  EXPECT_FALSE(Sampler::create({.min_p = 1.0f}).ok());
+  EXPECT_FALSE(Sampler::create({.min_p = -0.5f}).ok());
+  auto e = Sampler::create({.top_p = 2.0f});
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().what().find("--top-p"), std::string::npos) << e.error().what();
+  Sampler s = make({});
+  EXPECT_FALSE(s.sample(std::vector<float>{}).ok());
+  EXPECT_FALSE(s.sample(std::vector<float>{1.0f, NAN}).ok());
+  EXPECT_FALSE(s.sample(std::vector<float>{-INFINITY, -INFINITY}).ok());
+}
+
+TEST(GenerationConfig, ParsesEosIntOrListAndDefaults) {
+  auto a = parse_generation_config(R"({"eos_token_id": [2, 3], "do_sample": false})", "a.json");
+  ASSERT_TRUE(a.ok()) << a.error().what();
+  EXPECT_EQ(a->eos_token_ids, (std::vector<int32_t>{2, 3}));
+  EXPECT_EQ(a->do_sample, std::optional<bool>(false));
+  EXPECT_FALSE(a->temperature.has_value());
+  auto b = parse_generation_config(R"({"eos_token_id": 7, "temperature": 0.6, "top_p": 0.95, "top_k": 20})", "b");
+  ASSERT_TRUE(b.ok()) << b.error().what();
+  EXPECT_EQ(b->eos_token_ids, (std::vector<int32_t>{7}));
+  EXPECT_FLOAT_EQ(*b->temperature, 0.6f);
+  EXPECT_FLOAT_EQ(*b->top_p, 0.95f);
+  EXPECT_EQ(*b->top_k, 20);
+  auto empty = load_generation_config("/nonexistent-dir-for-moebius-tests");
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->eos_token_ids.empty());
+}
+
+TEST(GenerationConfig, MalformedIsAClearError) {
+  auto bad_json = parse_generation_config("{", "g.json");
+  ASSERT_FALSE(bad_json.ok());
+  EXPECT_NE(bad_json.error().what().find("g.json"), std::string::npos);
+  auto bad_eos = parse_generation_config(R"({"eos_token_id": "x"})", "g.json");
+  ASSERT_FALSE(bad_eos.ok());
+  EXPECT_NE(bad_eos.error().what().find("eos_token_id"), std::string::npos) << bad_eos.error().what();
+  EXPECT_FALSE(parse_generation_config(R"({"eos_token_id": [1, -2]})", "g").ok());
+  EXPECT_FALSE(parse_generation_config(R"({"top_k": 1.5})", "g").ok());
+  EXPECT_FALSE(parse_generation_config(R"({"temperature": "hot"})", "g").ok());
+  EXPECT_FALSE(parse_generation_config(R"([1, 2])", "g").ok());
+}
+
+}  // namespace
+}  // namespace moebius::model
