@@ -1,19 +1,12 @@
 #include "cpu/moe_layer.h"
 
+#include "cpu/linear.h"
+
 namespace moebius::cpu {
 
 void router_logits_reference(const float* router_weight, const float* x, int64_t num_tokens, int64_t hidden,
                              int num_experts, float* logits) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < num_experts; ++e) {
-      const float* w = router_weight + e * hidden;
-      const float* xt = x + t * hidden;
-      double s = 0;
-      for (int64_t h = 0; h < hidden; ++h) s += static_cast<double>(w[h]) * xt[h];
-      logits[t * num_experts + e] = static_cast<float>(s);
-    }
-  }
+  linear_reference(x, router_weight, num_tokens, num_experts, hidden, logits);
 }
 
 Status MoeLayerReference::validate() const {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "cpu/linear.h"
 #include "formats/safetensors.h"
 
 namespace moebius::model {
@@ -122,20 +123,6 @@ Result<Qwen3MoeLayerWeights> load_layer(const std::shared_ptr<const SafetensorsC
 // fp32 ops
 // ---------------------------------------------------------------------------------------------
 
-// y[t, n] = sum_k x[t, k] W[n, k]: x [T, K], W [N, K] (torch's Linear layout), y [T, N].
-// Accumulated in double so the reference is not the noisier side of any comparison.
-void matmul_nt(const float* x, const float* w, int64_t T, int64_t N, int64_t K, float* y) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* xt = x + t * K;
-      const float* wn = w + n * K;
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<double>(xt[k]) * wn[k];
-      y[t * N + n] = static_cast<float>(s);
-    }
-}
-
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, for `rows` rows of n. In place is fine.
 void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -211,9 +198,9 @@ Status Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const fl
   const int64_t H = c.hidden_size, q_dim = int64_t{nh} * hd, kv_dim = int64_t{nkv} * hd;
   std::vector<float> q(static_cast<size_t>(T * q_dim)), k(static_cast<size_t>(T * kv_dim)),
       v(static_cast<size_t>(T * kv_dim)), a(static_cast<size_t>(T * q_dim));
-  matmul_nt(h, w.q_proj.data(), T, q_dim, H, q.data());   // [T, nh, hd]
-  matmul_nt(h, w.k_proj.data(), T, kv_dim, H, k.data());  // [T, nkv, hd]
-  matmul_nt(h, w.v_proj.data(), T, kv_dim, H, v.data());  // [T, nkv, hd]
+  cpu::linear_reference(h, w.q_proj.data(), T, q_dim, H, q.data());   // [T, nh, hd]
+  cpu::linear_reference(h, w.k_proj.data(), T, kv_dim, H, k.data());  // [T, nkv, hd]
+  cpu::linear_reference(h, w.v_proj.data(), T, kv_dim, H, v.data());  // [T, nkv, hd]
   // Qwen3's QK-norm: RMSNorm over each head's hd values, before RoPE.
   rms_norm(q.data(), w.q_norm.data(), int64_t{T} * nh, hd, c.rms_norm_eps, q.data());
   rms_norm(k.data(), w.k_norm.data(), int64_t{T} * nkv, hd, c.rms_norm_eps, k.data());
@@ -253,7 +240,7 @@ Status Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const fl
       float* o = a.data() + (int64_t{t} * nh + qh) * hd;
       for (int d = 0; d < hd; ++d) o[d] = static_cast<float>(acc[static_cast<size_t>(d)]);
     }
-  matmul_nt(a.data(), w.o_proj.data(), T, H, q_dim, out);  // [T, H]
+  cpu::linear_reference(a.data(), w.o_proj.data(), T, H, q_dim, out);  // [T, H]
   return Ok{};
 }
 
@@ -288,15 +275,15 @@ Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* lo
     } else {  // dense SwiGLU: down(silu(gate h) * up h)
       const int64_t I = c.intermediate_size;
       std::vector<float> g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
-      matmul_nt(h.data(), w.gate_proj.data(), T, I, H, g.data());
-      matmul_nt(h.data(), w.up_proj.data(), T, I, H, u.data());
+      cpu::linear_reference(h.data(), w.gate_proj.data(), T, I, H, g.data());
+      cpu::linear_reference(h.data(), w.up_proj.data(), T, I, H, u.data());
       for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
-      matmul_nt(g.data(), w.down_proj.data(), T, H, I, y.data());
+      cpu::linear_reference(g.data(), w.down_proj.data(), T, H, I, y.data());
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
   }
   rms_norm(x.data(), norm_.data(), T, H, c.rms_norm_eps, h.data());
-  matmul_nt(h.data(), (lm_head_.empty() ? embed_ : lm_head_).data(), T, V, H, logits);  // [T, V]
+  cpu::linear_reference(h.data(), (lm_head_.empty() ? embed_ : lm_head_).data(), T, V, H, logits);  // [T, V]
   cache.advance(T);
   return Ok{};
 }
