@@ -49,6 +49,14 @@ bench_cuda() {
   "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-235b-a22b --format nvfp4 --tokens 1,8,64,1024 || return 1
 }
 step bench-moe-cuda bench_cuda
+# Hardware counters for the decode GEMMs (MOEBIUS_NCU=1): where the T=1 time goes. ncu works on
+# the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone.
+if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  step ncu-decode ncu --clock-control none --kernel-name regex:moe_ --launch-skip 40 --launch-count 6 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
+    --tokens 1 --iters 2
+fi
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -80
 cat "$OUT/bench-moe-cuda.log"
 

@@ -1,4 +1,4 @@
-// The MoE combine and the router GEMV: the two small kernels around the expert GEMMs.
+// The MoE combine: the routed weights applied to the expert outputs, after GEMM2.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,12 +16,5 @@ namespace moebius::kernels {
 // [TAG_MOE_GRAPH_CAPACITY] num_tokens is a device pointer; the grid covers `capacity` rows.
 void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream);
-
-// logits[t][e] = sum_h W[e][h] * x[t][h] in fp32 (the router, "mlp.gate").
-//   x       [capacity, x_stride] bf16;  W [E, H] bf16 row-major;  logits [capacity, E] fp32.
-// One warp per (expert, 8 tokens): the warp's expert row is reused from registers for 8 tokens.
-void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
-                              const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
-                              cudaStream_t stream);
 
 }  // namespace moebius::kernels

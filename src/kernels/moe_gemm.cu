@@ -27,6 +27,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
 
@@ -166,8 +167,6 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightFormat::kInt2;
   const int tile = blockIdx.y;
-  const int expert = args.tiles.tile_expert[tile];
-  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
   const int row_tile = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -175,10 +174,13 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
 
   __shared__ uint16_t e4m3_lut[256];
   __shared__ float partial[kWarps][NT][32][4];
-  if constexpr (F == MoeWeightFormat::kNvFp4) {
-    build_e4m3_lut(e4m3_lut);
-    __syncthreads();
-  }
+  // Prologue that needs nothing from the previous kernel: with PDL it runs while that kernel drains.
+  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
+  pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage)
+  pdl_launch_dependents();
+  if constexpr (F == MoeWeightFormat::kNvFp4) __syncthreads();
+  const int expert = args.tiles.tile_expert[tile];
+  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
 
   // The token rows this lane feeds into the B operand: token g of each n8 tile.
   const int bm = args.tiles.block_m;
@@ -329,9 +331,8 @@ void launch_for_format(const KernelArgs& args, bool odd_k, cudaStream_t stream) 
   const int nt = args.tiles.block_m / 8;
 #define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
   if (nt == NT_) {                                                                              \
-    if (odd_k) moe_gemm_kernel<F, NT_, EPI, true><<<grid, kThreads, 0, stream>>>(args);         \
-    else moe_gemm_kernel<F, NT_, EPI, false><<<grid, kThreads, 0, stream>>>(args);              \
-    CUDA_CHECK_LAUNCH();                                                                        \
+    if (odd_k) launch_pdl(moe_gemm_kernel<F, NT_, EPI, true>, grid, dim3(kThreads), 0, stream, args);   \
+    else launch_pdl(moe_gemm_kernel<F, NT_, EPI, false>, grid, dim3(kThreads), 0, stream, args);        \
     return;                                                                                     \
   }
   // Token tiles per block: 8 tokens for decode, up to 64 to reuse each dequantized fragment.

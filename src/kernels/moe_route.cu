@@ -64,6 +64,7 @@
 #include <cmath>
 
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -133,28 +134,16 @@ __device__ __forceinline__ void take_entry(uint32_t& eligible, int entry, int la
 // fp32 exp as the oracle's glibc expf gives it (see the header comment): fp64 exp, rounded once.
 __device__ __forceinline__ float exp_f32(float x) { return __double2float_rn(exp(static_cast<double>(x))); }
 
+// The top-k of one token, computed by one warp: lane j < k ends with winner j's id and weight.
+//   row     [E] the token's logits (global or shared memory)
+//   choice  [VPT*32] fp32 and kept [VPT*32] bytes: this warp's shared-memory scratch, used by
+//           group-limited routing only.
 template <int VPT, typename InT>
-__global__ void __launch_bounds__(kRouteThreads)
-    moe_route_topk_kernel(const InT* __restrict__ logits,            // [capacity, E]
-                          const float* __restrict__ correction_bias,  // [E] or nullptr
-                          const int32_t* __restrict__ num_tokens,     // [1]
-                          int capacity, RouteParams params,
-                          int32_t* __restrict__ topk_ids,      // [capacity, k]
-                          float* __restrict__ topk_weights) {  // [capacity, k]
-  // Group-limited routing only: the warp's biased scores and its kept-group flags.
-  __shared__ float s_choice[kRouteWarps][VPT * 32];           // [E]
-  __shared__ unsigned char s_group_kept[kRouteWarps][VPT * 32];  // [n_groups], n_groups <= E
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int token = blockIdx.x * kRouteWarps + warp;
-  // [TAG_MOE_GRAPH_CAPACITY] Warps past the live count exit here. The whole warp leaves together,
-  // and below there are only warp-level barriers, so no block barrier is left waiting.
-  if (token >= live_tokens(num_tokens, capacity)) return;
-
+__device__ __forceinline__ void route_one_token(const InT* __restrict__ row, const float* __restrict__ correction_bias,
+                                                const RouteParams& params, float* choice, unsigned char* kept, int lane,
+                                                int& my_id, float& my_weight) {
   const int E = params.num_experts;
   const int k = params.top_k;
-  const InT* row = logits + static_cast<int64_t>(token) * E;  // [E]
 
   float x[VPT];
   uint32_t valid = 0;  // bit i: entry i*32 + lane < E
@@ -213,8 +202,6 @@ __global__ void __launch_bounds__(kRouteThreads)
       // same VPT registers suffice) from the warp's copy of the choices in shared memory.
       const int G = params.n_groups;
       const int per = E / G;
-      float* choice = s_choice[warp];           // [E]
-      unsigned char* kept = s_group_kept[warp];  // [G]
 #pragma unroll
       for (int i = 0; i < VPT; ++i)
         if ((valid >> i) & 1u) choice[i * 32 + lane] = key[i];
@@ -264,8 +251,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 
   // k rounds of argmax; winner r is kept by lane r.
-  int my_id = 0;
-  float my_weight = 0.0f;
+  my_id = 0;
+  my_weight = 0.0f;
   for (int r = 0; r < k; ++r) {
     float best_v, w;
     int best_e;
@@ -285,6 +272,33 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   if (params.scoring == RouteScoring::kSigmoid) my_weight = __fmul_rn(my_weight, params.routed_scaling_factor);
 
+}
+
+template <int VPT, typename InT>
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_topk_kernel(const InT* __restrict__ logits,            // [capacity, E]
+                          const float* __restrict__ correction_bias,  // [E] or nullptr
+                          const int32_t* __restrict__ num_tokens,     // [1]
+                          int capacity, RouteParams params,
+                          int32_t* __restrict__ topk_ids,      // [capacity, k]
+                          float* __restrict__ topk_weights) {  // [capacity, k]
+  // Group-limited routing only: the warp's biased scores and its kept-group flags.
+  __shared__ float s_choice[kRouteWarps][VPT * 32];           // [E]
+  __shared__ unsigned char s_group_kept[kRouteWarps][VPT * 32];  // [n_groups], n_groups <= E
+
+  pdl_wait();  // logits come from the previous kernel
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int token = blockIdx.x * kRouteWarps + warp;
+  // [TAG_MOE_GRAPH_CAPACITY] Warps past the live count exit here. The whole warp leaves together,
+  // and below there are only warp-level barriers, so no block barrier is left waiting.
+  if (token >= live_tokens(num_tokens, capacity)) return;
+  const int k = params.top_k;
+  int my_id;
+  float my_weight;
+  route_one_token<VPT>(logits + static_cast<int64_t>(token) * params.num_experts, correction_bias, params,
+                       s_choice[warp], s_group_kept[warp], lane, my_id, my_weight);
   if (lane < k) {
     topk_ids[static_cast<int64_t>(token) * k + lane] = my_id;
     topk_weights[static_cast<int64_t>(token) * k + lane] = my_weight;
@@ -297,9 +311,8 @@ void launch_route_vpt(const InT* logits, const float* bias, const int32_t* num_t
   // [TAG_MOE_GRAPH_CAPACITY] Grid from the capacity, never from the live count. At least one
   // block, so capacity 0 is still a valid (empty) launch.
   const int blocks = capacity > 0 ? (capacity + kRouteWarps - 1) / kRouteWarps : 1;
-  moe_route_topk_kernel<VPT, InT><<<blocks, kRouteThreads, 0, stream>>>(logits, bias, num_tokens, capacity, p, ids,
-                                                                       weights);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(moe_route_topk_kernel<VPT, InT>, dim3(blocks), dim3(kRouteThreads), 0, stream, logits, bias, num_tokens,
+             capacity, p, ids, weights);
 }
 
 template <typename InT>
@@ -367,43 +380,24 @@ __device__ __forceinline__ int owner_of_row(const int* offsets, int E, int row) 
   return lo;
 }
 
-__global__ void __launch_bounds__(kCountThreads)
-    moe_align_count_kernel(const int32_t* __restrict__ topk_ids,    // [capacity, k]
-                           const int32_t* __restrict__ num_tokens,  // [1]
-                           int capacity, int k, int E, int block_m, int max_tiles,
-                           int32_t* __restrict__ expert_offsets,  // [E+1]
-                           int32_t* __restrict__ padded_offsets,  // [E+1] or nullptr (no padded outputs)
-                           int32_t* __restrict__ tile_expert,     // [max_tiles]
-                           int32_t* __restrict__ num_tiles) {     // [1]
-  __shared__ int s_count[kRouteMaxExperts];
-  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
-  __shared__ int s_warp_sum[kCountThreads / 32];
-  __shared__ int s_warp_padded_sum[kCountThreads / 32];
+// Block-wide: per-expert counts -> offsets. Thread e of THREADS (>= E) owns expert e.
+//   s_count           [E] shared, in: pairs per expert.
+//   s_offsets         [E+1] shared, out: exclusive prefix sums (s_offsets[E] = total).
+//   s_padded_offsets  [E+1] shared, out: the same with counts rounded up to block_m (only when
+//                     padded_offsets != nullptr).
+//   expert_offsets, padded_offsets [E+1], tile_expert [max_tiles], num_tiles [1]: global copies;
+//   tile_expert is written whole ([TAG_MOE_GRAPH_CAPACITY]). The shared outputs are complete
+//   (behind a block barrier) when it returns.
+template <int THREADS>
+__device__ void scan_expert_counts(const int* s_count, int E, int block_m, int max_tiles, int* s_offsets,
+                                   int* s_padded_offsets, int32_t* __restrict__ expert_offsets,
+                                   int32_t* __restrict__ padded_offsets, int32_t* __restrict__ tile_expert,
+                                   int32_t* __restrict__ num_tiles) {
+  __shared__ int s_warp_sum[THREADS / 32];
+  __shared__ int s_warp_padded_sum[THREADS / 32];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  // [TAG_MOE_GRAPH_CAPACITY] Only the first T rows of ids are live.
-  const int n = live_tokens(num_tokens, capacity) * k;
-
-  for (int e = tid; e < E; e += kCountThreads) s_count[e] = 0;
-  __syncthreads();
-  // One block, so the loop is bound by L2 latency: kCountBatch independent loads per thread are
-  // issued before any is used, one round trip per batch instead of one per id. Plain shared-memory
-  // atomics: on the H200 they cost the same with all ids equal as with random ids, while
-  // __match_any_sync warp aggregation made this loop 5x slower (measured, T*k = 32768).
-  for (int base = 0; base < n; base += kCountThreads * kCountBatch) {
-    int ids[kCountBatch];
-#pragma unroll
-    for (int j = 0; j < kCountBatch; ++j) {
-      const int p = base + j * kCountThreads + tid;  // coalesced
-      ids[j] = p < n ? topk_ids[p] : -1;
-    }
-#pragma unroll
-    for (int j = 0; j < kCountBatch; ++j)
-      if (static_cast<unsigned>(ids[j]) < static_cast<unsigned>(E)) atomicAdd(&s_count[ids[j]], 1);
-  }
-  __syncthreads();
-
   // Exclusive scans of the counts and of the counts rounded up to block_m; thread e owns expert e.
   const int c = tid < E ? s_count[tid] : 0;
   const int pc = (c + block_m - 1) / block_m * block_m;
@@ -429,6 +423,7 @@ __global__ void __launch_bounds__(kCountThreads)
   const bool padded = padded_offsets != nullptr;
   if (tid < E) {
     expert_offsets[tid] = inc - c;
+    s_offsets[tid] = inc - c;
     if (padded) {
       padded_offsets[tid] = pinc - pc;
       s_padded_offsets[tid] = pinc - pc;
@@ -436,21 +431,62 @@ __global__ void __launch_bounds__(kCountThreads)
   }
   if (tid == E - 1) {
     expert_offsets[E] = inc;
+    s_offsets[E] = inc;
     if (padded) {
       padded_offsets[E] = pinc;
       s_padded_offsets[E] = pinc;
       *num_tiles = pinc / block_m;
     }
   }
-  if (!padded) return;  // uniform over the block
   __syncthreads();
+  if (!padded) return;  // uniform over the block
   // [TAG_MOE_GRAPH_CAPACITY] Every tile up to the capacity bound gets an owner or -1, so a GEMM
   // grid sized from the capacity knows which of its blocks to retire.
   const int padded_total = s_padded_offsets[E];
-  for (int j = tid; j < max_tiles; j += kCountThreads) {
+  for (int j = tid; j < max_tiles; j += THREADS) {
     const int row = j * block_m;
     tile_expert[j] = row < padded_total ? owner_of_row(s_padded_offsets, E, row) : -1;
   }
+}
+
+__global__ void __launch_bounds__(kCountThreads)
+    moe_align_count_kernel(const int32_t* __restrict__ topk_ids,    // [capacity, k]
+                           const int32_t* __restrict__ num_tokens,  // [1]
+                           int capacity, int k, int E, int block_m, int max_tiles,
+                           int32_t* __restrict__ expert_offsets,  // [E+1]
+                           int32_t* __restrict__ padded_offsets,  // [E+1] or nullptr (no padded outputs)
+                           int32_t* __restrict__ tile_expert,     // [max_tiles]
+                           int32_t* __restrict__ num_tiles) {     // [1]
+  __shared__ int s_count[kRouteMaxExperts];
+  __shared__ int s_offsets[kRouteMaxExperts + 1];
+  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
+  pdl_wait();  // the ids come from the previous kernel
+  pdl_launch_dependents();
+  const int tid = threadIdx.x;
+  // [TAG_MOE_GRAPH_CAPACITY] Only the first T rows of ids are live.
+  const int n = live_tokens(num_tokens, capacity) * k;
+
+  for (int e = tid; e < E; e += kCountThreads) s_count[e] = 0;
+  __syncthreads();
+  // One block, so the loop is bound by L2 latency: kCountBatch independent loads per thread are
+  // issued before any is used, one round trip per batch instead of one per id. Plain shared-memory
+  // atomics: on the H200 they cost the same with all ids equal as with random ids, while
+  // __match_any_sync warp aggregation made this loop 5x slower (measured, T*k = 32768).
+  for (int base = 0; base < n; base += kCountThreads * kCountBatch) {
+    int ids[kCountBatch];
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j) {
+      const int p = base + j * kCountThreads + tid;  // coalesced
+      ids[j] = p < n ? topk_ids[p] : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j)
+      if (static_cast<unsigned>(ids[j]) < static_cast<unsigned>(E)) atomicAdd(&s_count[ids[j]], 1);
+  }
+  __syncthreads();
+
+  scan_expert_counts<kCountThreads>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
+                                    padded_offsets, tile_expert, num_tiles);
 }
 
 __global__ void __launch_bounds__(kScatterThreads)
@@ -462,6 +498,8 @@ __global__ void __launch_bounds__(kScatterThreads)
                              int32_t* __restrict__ sorted_pair_ids,       // [capacity*k]
                              int32_t* __restrict__ padded_pair_ids) {     // [max_padded] or nullptr
   __shared__ int s_warp_count[2][kScatterWarps];  // double-buffered: one barrier per chunk
+  pdl_wait();  // offsets come from the count kernel, ids from the one before it
+  pdl_launch_dependents();
   const int e = blockIdx.x;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -515,6 +553,185 @@ __global__ void __launch_bounds__(kScatterThreads)
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Router logits (the "mlp.gate" GEMV)
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kRouterTokens = 8;
+constexpr int kRouterWarps = 8;
+
+// Lane partial sums acc[j] = sum over this lane's h of W[e][h] * x[t0 + j][h], j < nt <= 8. Each
+// lane takes 8 consecutive h per step (one 16-byte load of the expert row, reused for the 8
+// tokens), so a 2048-wide row is 8 steps; unrolled by 4 so the loads of several steps are in
+// flight together (the GEMV is one latency round trip at decode sizes, not 8). Every kernel that
+// computes router logits goes through this function and router_reduce, so the fused small-batch
+// routing and the separate router kernel produce bit-identical logits and therefore routing.
+// kVec needs H and the x stride to be multiples of 8 and 16-byte aligned rows.
+template <bool kVec>
+__device__ __forceinline__ void router_dot8(const __nv_bfloat16* __restrict__ x, int x_stride,
+                                            const __nv_bfloat16* __restrict__ wrow, int hidden, int t0, int nt,
+                                            int lane, float (&acc)[kRouterTokens]) {
+#pragma unroll
+  for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
+  if constexpr (kVec) {
+#pragma unroll 4
+    for (int h = lane * 8; h < hidden; h += 256) {
+      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wrow + h));
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < nt) {
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + j) * x_stride + h));
+          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+            acc[j] += a.x * b.x + a.y * b.y;
+          }
+        }
+      }
+    }
+  } else {
+    for (int h = lane; h < hidden; h += 32) {
+      const float wv = __bfloat162float(wrow[h]);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j)
+        if (j < nt) acc[j] += wv * __bfloat162float(x[static_cast<int64_t>(t0 + j) * x_stride + h]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRouterTokens; ++j)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(kFullMask, acc[j], off);
+}
+
+// Warp per (expert e, 8 tokens): logits[t][e] for t in [t0, t0 + 8).
+template <bool kVec>
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    moe_router_logits_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,    // [capacity, x_stride]
+                             const __nv_bfloat16* __restrict__ wr,                  // [E, H]
+                             const int32_t* __restrict__ num_tokens, int capacity, int hidden, int num_experts,
+                             float* __restrict__ logits) {                          // [capacity, E]
+  pdl_wait();  // x comes from the previous kernel
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e = blockIdx.x * kRouterWarps + warp;
+  const int t0 = blockIdx.y * kRouterTokens;
+  const int T = live_tokens(num_tokens, capacity);
+  if (t0 >= T || e >= num_experts) return;  // [TAG_MOE_GRAPH_CAPACITY]
+  const int nt = min(kRouterTokens, T - t0);
+  float acc[kRouterTokens];
+  router_dot8<kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+#pragma unroll
+  for (int j = 0; j < kRouterTokens; ++j)
+    if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = acc[j];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fused small-batch routing: router logits + top-k + align in one launch
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kSmallWarps = 16;
+constexpr int kSmallThreads = kSmallWarps * 32;
+static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
+static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token: top-k in a single round");
+
+// Phase 1, every block: warp w computes the logits of expert blockIdx.x*16 + w for all T tokens
+// (router_dot8, so the same bits as moe_router_logits_kernel) and stores them to `logits`.
+// Then the block counts itself done on `counter`; the last block to finish (threadfence, then an
+// atomic: the classic "last block" pattern, so no grid barrier and no cooperative launch) does
+// phase 2, the top-k of every token (one warp per token, one round for T <= 16), and phase 3,
+// the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a stable rank by
+// counting equal ids at lower p), and finally re-arms the counter for the next replay.
+// Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it launch
+// and dependency latency (docs/PERF.md); here the router weight (E*H*2 bytes, 512 KiB for
+// Qwen3-30B-A3B) is read once by many warps and the serial tail runs on one SM from L2.
+template <int VPT, bool kVec>
+__global__ void __launch_bounds__(kSmallThreads)
+    moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
+                           const __nv_bfloat16* __restrict__ wr, int hidden,     // [E, H]
+                           const float* __restrict__ correction_bias,            // [E] or nullptr
+                           const int32_t* __restrict__ num_tokens, int capacity, RouteParams params, int block_m,
+                           int max_tiles,
+                           float* __restrict__ logits,        // [capacity, E] scratch
+                           unsigned int* __restrict__ counter,  // [1], 0 between launches
+                           int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights,  // [capacity, k]
+                           int32_t* __restrict__ expert_offsets,                              // [E+1]
+                           int32_t* __restrict__ sorted_pair_ids,                             // [capacity*k]
+                           int32_t* __restrict__ padded_offsets,                              // [E+1]
+                           int32_t* __restrict__ padded_pair_ids,                             // [max_padded]
+                           int32_t* __restrict__ tile_expert,                                 // [max_tiles]
+                           int32_t* __restrict__ num_tiles) {                                 // [1]
+  __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]
+  __shared__ float s_choice[kSmallWarps][VPT * 32];                 // group-limited scratch
+  __shared__ unsigned char s_group_kept[kSmallWarps][VPT * 32];
+  __shared__ int s_ids[kRouteSmallMaxPairs];                        // [T*k]
+  __shared__ int s_count[kRouteSmallMaxExperts];
+  __shared__ int s_offsets[kRouteSmallMaxExperts + 1];
+  __shared__ int s_padded_offsets[kRouteSmallMaxExperts + 1];
+  __shared__ bool s_last;
+
+  pdl_wait();  // x comes from the previous kernel
+  pdl_launch_dependents();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int E = params.num_experts, k = params.top_k;
+  const int T = live_tokens(num_tokens, capacity);  // [TAG_MOE_GRAPH_CAPACITY]
+
+  const int e = blockIdx.x * kSmallWarps + warp;
+  if (e < E) {
+    for (int t0 = 0; t0 < T; t0 += kRouterTokens) {
+      const int nt = min(kRouterTokens, T - t0);
+      float acc[kRouterTokens];
+      router_dot8<kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j)
+        if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * E + e] = acc[j];
+    }
+  }
+  // Release this block's logits, then count it done.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;  // uniform over the block
+  __threadfence();      // acquire: every other block's logits are visible past here
+
+  // Phase 2: top-k. The logits are read from L2 (__ldcg: this SM's L1 never saw the other blocks'
+  // stores) into shared memory, then one warp per token.
+  for (int i = tid; i < T * E; i += kSmallThreads) s_logits[i / E][i % E] = __ldcg(logits + i);
+  __syncthreads();
+  if (warp < T) {
+    int my_id;
+    float my_weight;
+    route_one_token<VPT>(&s_logits[warp][0], correction_bias, params, s_choice[warp], s_group_kept[warp], lane, my_id,
+                         my_weight);
+    if (lane < k) {
+      topk_ids[warp * k + lane] = my_id;
+      topk_weights[warp * k + lane] = my_weight;
+      s_ids[warp * k + lane] = my_id;
+    }
+  }
+  // Phase 3: align the n = T*k pairs (same outputs as moe_align_count + moe_align_scatter).
+  const int n = T * k;
+  for (int i = tid; i < E; i += kSmallThreads) s_count[i] = 0;
+  __syncthreads();
+  for (int p = tid; p < n; p += kSmallThreads) atomicAdd(&s_count[s_ids[p]], 1);
+  __syncthreads();
+  scan_expert_counts<kSmallThreads>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
+                                    padded_offsets, tile_expert, num_tiles);
+  for (int p = tid; p < n; p += kSmallThreads) {
+    const int id = s_ids[p];
+    int rank = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
+    for (int q = 0; q < p; ++q) rank += s_ids[q] == id;
+    sorted_pair_ids[s_offsets[id] + rank] = p;
+    padded_pair_ids[s_padded_offsets[id] + rank] = p;
+  }
+  if (tid < E) {  // the tail of this expert's last tile
+    for (int r = s_padded_offsets[tid] + s_count[tid]; r < s_padded_offsets[tid + 1]; ++r) padded_pair_ids[r] = -1;
+  }
+  if (tid == 0) *counter = 0u;  // re-armed; the kernel boundary publishes it to the next launch
+}
+
 }  // namespace
 
 void launch_moe_route_topk(const __nv_bfloat16* logits, const float* correction_bias, const int32_t* num_tokens,
@@ -549,12 +766,72 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
                         "topk_ids and sorted_pair_ids must be set");
   const int max_tiles = padded ? static_cast<int>(moe_align_max_tiles(capacity, top_k, E, block_m)) : 0;
   // [TAG_MOE_GRAPH_CAPACITY] Both grids are fixed by E alone; the live count is read on the device.
-  moe_align_count_kernel<<<1, kCountThreads, 0, stream>>>(topk_ids, num_tokens, capacity, top_k, E, block_m, max_tiles,
-                                                          expert_offsets, padded_offsets, tile_expert, num_tiles);
-  CUDA_CHECK_LAUNCH();
-  moe_align_scatter_kernel<<<E, kScatterThreads, 0, stream>>>(topk_ids, num_tokens, capacity, top_k, expert_offsets,
-                                                              padded_offsets, sorted_pair_ids, padded_pair_ids);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(moe_align_count_kernel, dim3(1), dim3(kCountThreads), 0, stream, topk_ids, num_tokens, capacity, top_k, E,
+             block_m, max_tiles, expert_offsets, padded_offsets, tile_expert, num_tiles);
+  launch_pdl(moe_align_scatter_kernel, dim3(E), dim3(kScatterThreads), 0, stream, topk_ids, num_tokens, capacity, top_k,
+             expert_offsets, padded_offsets, sorted_pair_ids, padded_pair_ids);
+}
+
+
+void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
+                              const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
+                              cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(hidden >= 1 && num_experts >= 1, "bad router shape");
+  if (capacity <= 0) return;
+  const dim3 grid((num_experts + kRouterWarps - 1) / kRouterWarps, (capacity + kRouterTokens - 1) / kRouterTokens);
+  const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
+  if (vec)
+    launch_pdl(moe_router_logits_kernel<true>, grid, dim3(kRouterWarps * 32), 0, stream, x, x_stride, router_weight,
+               num_tokens, capacity, hidden, num_experts, logits);
+  else
+    launch_pdl(moe_router_logits_kernel<false>, grid, dim3(kRouterWarps * 32), 0, stream, x, x_stride, router_weight,
+               num_tokens, capacity, hidden, num_experts, logits);
+}
+
+bool moe_route_small_supported(int capacity, const RouteParams& p) {
+  return capacity >= 0 && capacity <= kRouteSmallMaxTokens && p.num_experts >= 1 &&
+         p.num_experts <= kRouteSmallMaxExperts && p.top_k >= 1 && p.top_k <= kRouteMaxTopK &&
+         capacity * p.top_k <= kRouteSmallMaxPairs;
+}
+
+void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight, int hidden,
+                            const float* correction_bias, const int32_t* num_tokens, int capacity,
+                            const RouteParams& params, int block_m, float* logits, uint32_t* counter,
+                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                            int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
+                            int32_t* num_tiles, cudaStream_t stream) {
+  const int E = params.num_experts;
+  MOEBIUS_LAUNCH_ASSERT(moe_route_small_supported(capacity, params), "shape outside the fused small-batch routing");
+  MOEBIUS_LAUNCH_ASSERT(hidden >= 1 && block_m >= 1, "bad router shape");
+  MOEBIUS_LAUNCH_ASSERT(params.top_k <= E, "top_k must be <= num_experts");
+  if (params.scoring == RouteScoring::kSoftmax)
+    MOEBIUS_LAUNCH_ASSERT(params.n_groups == 1 && params.topk_groups == 1 && correction_bias == nullptr,
+                          "group-limited routing and correction bias need sigmoid scoring");
+  else
+    MOEBIUS_LAUNCH_ASSERT(params.n_groups >= 1 && E % params.n_groups == 0 && params.topk_groups >= 1 &&
+                              params.topk_groups <= params.n_groups &&
+                              params.top_k <= params.topk_groups * (E / params.n_groups),
+                          "bad group-limited routing parameters");
+  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr && logits != nullptr && counter != nullptr && topk_ids != nullptr &&
+                            topk_weights != nullptr && expert_offsets != nullptr && sorted_pair_ids != nullptr &&
+                            padded_offsets != nullptr && padded_pair_ids != nullptr && tile_expert != nullptr &&
+                            num_tiles != nullptr,
+                        "every output of the fused routing must be set");
+  const int max_tiles = static_cast<int>(moe_align_max_tiles(capacity, params.top_k, E, block_m));
+  const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
+  const dim3 grid((E + kSmallWarps - 1) / kSmallWarps);
+#define MOEBIUS_ROUTE_SMALL(VPT_)                                                                                  \
+  launch_pdl(vec ? moe_route_small_kernel<VPT_, true> : moe_route_small_kernel<VPT_, false>, grid,                 \
+             dim3(kSmallThreads), 0, stream, x, x_stride, router_weight, hidden, correction_bias, num_tokens,       \
+             capacity, params, block_m, max_tiles, logits, counter, topk_ids, topk_weights, expert_offsets,         \
+             sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles)
+  if (E <= 32) MOEBIUS_ROUTE_SMALL(1);
+  else if (E <= 64) MOEBIUS_ROUTE_SMALL(2);
+  else if (E <= 128) MOEBIUS_ROUTE_SMALL(4);
+  else MOEBIUS_ROUTE_SMALL(8);
+#undef MOEBIUS_ROUTE_SMALL
 }
 
 }  // namespace moebius::kernels

@@ -98,4 +98,30 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
                       int block_m, int32_t* expert_offsets, int32_t* sorted_pair_ids, int32_t* padded_offsets,
                       int32_t* padded_pair_ids, int32_t* tile_expert, int32_t* num_tiles, cudaStream_t stream);
 
+// Router logits: logits[t][e] = sum_h W[e][h] * x[t][h] in fp32 (the router, "mlp.gate").
+//   x       [capacity, x_stride] bf16;  W [E, H] bf16 row-major;  logits [capacity, E] fp32.
+// One warp per (expert, 8 tokens): the warp's expert row is reused from registers for 8 tokens.
+void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
+                              const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
+                              cudaStream_t stream);
+
+// Fused small-batch routing: router logits + kernel A + kernel B (padded) in ONE launch, for
+// decode. The outputs are exactly those of launch_moe_router_logits, launch_moe_route_topk and
+// launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
+// Limits, checked by moe_route_small_supported: capacity <= 16, E <= 256, capacity * k <= 256.
+//   logits   [capacity, E] fp32 scratch (also left holding the logits).
+//   counter  [1] uint32, device: must be 0 before the first launch; the kernel leaves it 0. One
+//            counter per concurrently running launch (a layer's workspace owns one).
+//   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
+inline constexpr int kRouteSmallMaxTokens = 16;
+inline constexpr int kRouteSmallMaxExperts = 256;
+inline constexpr int kRouteSmallMaxPairs = 256;
+bool moe_route_small_supported(int capacity, const RouteParams& params);
+void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight, int hidden,
+                            const float* correction_bias, const int32_t* num_tokens, int capacity,
+                            const RouteParams& params, int block_m, float* logits, uint32_t* counter,
+                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                            int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
+                            int32_t* num_tiles, cudaStream_t stream);
+
 }  // namespace moebius::kernels

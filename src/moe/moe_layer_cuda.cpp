@@ -9,7 +9,6 @@
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #include "kernels/moe_combine.cuh"
-#include "kernels/moe_route.cuh"
 
 namespace moebius::moe {
 
@@ -45,6 +44,7 @@ int pick_block_m(int capacity, int top_k, int num_experts) {
 
 const char* moe_stage_name(MoeStage s) {
   switch (s) {
+    case MoeStage::kRouteFused: return "route(fused)";
     case MoeStage::kRouterLogits: return "router";
     case MoeStage::kTopK: return "topk";
     case MoeStage::kAlign: return "align";
@@ -117,9 +117,11 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   MOEBIUS_ALLOC(padded_pair_ids_, int32_t, max_padded_);
   MOEBIUS_ALLOC(tile_expert_, int32_t, max_tiles_);
   MOEBIUS_ALLOC(num_tiles_, int32_t, 1);
+  MOEBIUS_ALLOC(route_counter_, uint32_t, 1);
   MOEBIUS_ALLOC(h_, __nv_bfloat16, static_cast<size_t>(max_padded_) * h_stride_);
   MOEBIUS_ALLOC(y_, float, static_cast<size_t>(cap) * k * H);
 #undef MOEBIUS_ALLOC
+  CUDA_CHECK(cudaMemset(route_counter_, 0, sizeof(uint32_t)));  // the fused routing's resting state
   // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
   CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
 
@@ -133,6 +135,7 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   }
   route_.num_experts = E;
   route_.top_k = k;
+  fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
 }
 
@@ -238,10 +241,22 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
   return L;
 }
 
+bool MoeLayerCuda::uses_stage(MoeStage stage) const {
+  switch (stage) {
+    case MoeStage::kRouteFused: return fused_routing_;
+    case MoeStage::kRouterLogits:
+    case MoeStage::kTopK:
+    case MoeStage::kAlign: return !fused_routing_;
+    case MoeStage::kCombine: return opt_.combine == kernels::MoeCombineMode::kStore;
+    default: return true;
+  }
+}
+
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
                            cudaStream_t stream) {
   for (int s = 0; s < static_cast<int>(MoeStage::kCount); ++s)
-    enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids_, topk_weights_, out, stream);
+    if (uses_stage(static_cast<MoeStage>(s)))
+      enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids_, topk_weights_, out, stream);
 }
 
 void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
@@ -264,6 +279,13 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
   switch (stage) {
+    case MoeStage::kRouteFused:
+      MOEBIUS_ASSERT(fused_routing_);
+      kernels::launch_moe_route_small(x, H, router_weight_, H, correction_bias_, num_tokens, cap, route_, block_m_,
+                                      logits_, route_counter_, topk_ids_, topk_weights_, expert_offsets_,
+                                      sorted_pair_ids_, padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_,
+                                      stream);
+      return;
     case MoeStage::kRouterLogits:
       kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
       return;

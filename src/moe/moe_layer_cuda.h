@@ -25,13 +25,18 @@ namespace moebius::moe {
 
 // The kernels of one forward, in order. Each reads what the previous ones left in the
 // workspace, so a single stage can be replayed on its own (benchmarks time them one by one).
-enum class MoeStage : int { kRouterLogits, kTopK, kAlign, kGateUp, kDown, kCombine, kCount };
+// kRouteFused (router + top-k + align in one kernel, small capacities) replaces the three
+// stages after it; uses_stage() says which a layer runs.
+enum class MoeStage : int { kRouteFused, kRouterLogits, kTopK, kAlign, kGateUp, kDown, kCombine, kCount };
 const char* moe_stage_name(MoeStage s);
 
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
   kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
   int block_m = 0;   // tokens per GEMM tile (8, 16, 32, 64); 0 = pick from capacity * k / E
+  // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
+  // it (kernels::moe_route_small_supported); false forces the three separate kernels.
+  bool fuse_routing = true;
 };
 
 class MoeLayerCuda {
@@ -58,6 +63,10 @@ class MoeLayerCuda {
   void enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                      const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
+  // Whether forward() runs this stage (the fused routing replaces router, top-k and align).
+  bool uses_stage(MoeStage stage) const;
+  bool fused_routing() const { return fused_routing_; }
+
   const cpu::MoeShape& shape() const { return shape_; }
   KernelFormat format() const { return format_; }
   int capacity() const { return opt_.capacity; }
@@ -78,6 +87,7 @@ class MoeLayerCuda {
   KernelFormat format_ = KernelFormat::kBF16;
   MoeCudaOptions opt_;
   int block_m_ = 8;
+  bool fused_routing_ = false;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;
   kernels::MoeGemmDims dims13_, dims2_;
@@ -106,6 +116,7 @@ class MoeLayerCuda {
   int32_t* padded_pair_ids_ = nullptr;  // [max_padded]
   int32_t* tile_expert_ = nullptr;      // [max_tiles]
   int32_t* num_tiles_ = nullptr;        // [1]
+  uint32_t* route_counter_ = nullptr;   // [1] fused routing's last-block counter, 0 at rest
   __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
   float* y_ = nullptr;                  // [cap * k, H]
 };
