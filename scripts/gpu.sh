@@ -38,6 +38,7 @@ ldd "$BUILD/moebius" "$BUILD/tests/moebius_tests" 2>&1 | sort -u | tee "$OUT/ldd
 step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
+[ -x "$BUILD/dev_probe_pdl_graph" ] && step probe-pdl-graph "$BUILD/dev_probe_pdl_graph"
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
 
 # The CUDA MoE layer benchmarks (docs/PERF.md records them): Qwen3-30B-A3B in every format, and
@@ -59,6 +60,7 @@ if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
 fi
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -80
 cat "$OUT/bench-moe-cuda.log"
+[ -f "$OUT/probe-pdl-graph.log" ] && cat "$OUT/probe-pdl-graph.log"
 
 echo
 echo "== summary"

@@ -12,4 +12,5 @@ cp build/release/moebius .device/release/
 for t in moebius_tests moebius_cuda_host_tests moebius_gpu_tests; do
   [ -x "build/release/tests/$t" ] && cp "build/release/tests/$t" .device/release/tests/
 done
+for d in build/release/dev_*; do [ -x "$d" ] && cp "$d" .device/release/; done
 du -sh .device/release

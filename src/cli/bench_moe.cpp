@@ -28,7 +28,7 @@ struct BenchMoeOptions {
   std::string format = "nvfp4";
   std::string tokens = "1,16,128";
   int group_size = 128;
-  int iters = 3;
+  int iters = 0;  // 0: the backend default (cpu 3 runs, cuda 30 graph replays)
   std::string combine = "fp32";
   uint64_t seed = 1;
 };
@@ -60,14 +60,15 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     c.format = o.format;
     c.tokens = token_counts;
     c.group_size = o.group_size;
-    c.iters = o.iters;
+    c.iters = o.iters > 0 ? o.iters : 30;
     c.atomic_combine = o.combine == "atomic";
     c.seed = o.seed;
     return run_bench_moe_cuda(c);
   }
   if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
-  if (o.iters < 1) return Error("must be at least 1").in_field("--iters");
+  if (o.iters < 0) return Error("must be at least 1 (or 0 for the default)").in_field("--iters");
+  const int iters = o.iters > 0 ? o.iters : 3;
 
   cpu::MoeLayerReference layer;
   layer.shape = {g.hidden, g.intermediate, g.num_experts, g.top_k};
@@ -101,7 +102,7 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     std::vector<float> w(static_cast<size_t>(T * g.top_k));
     MOEBIUS_TRY(layer.forward(x.data(), T, out.data(), ids.data(), w.data()));  // warm-up
     std::vector<double> times;
-    for (int it = 0; it < o.iters; ++it) {
+    for (int it = 0; it < iters; ++it) {
       const auto t0 = std::chrono::steady_clock::now();
       MOEBIUS_TRY(layer.forward(x.data(), T, out.data(), ids.data(), w.data()));
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -132,7 +133,7 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--group-size", opts->group_size, "group size for int formats (32, 64, 128, -1)")
       ->capture_default_str();
   cmd->add_option("--iters", opts->iters,
-                  "timed repetitions per token count (cpu: median of runs; cuda: graph replays averaged)")
+                  "timed repetitions per token count (cpu: median of runs, default 3; cuda: graph replays averaged, default 30)")
       ->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
   cmd->add_option("--combine", opts->combine, "fp32 (deterministic) or atomic (in-kernel bf16 atomics, cuda only)")

@@ -7,21 +7,58 @@ namespace moebius::kernels {
 
 namespace {
 
-// One block per token row; threads stride over the hidden dimension. Reads k fp32 rows of y once.
-__global__ void moe_combine_kernel(const float* __restrict__ y, int y_stride, const float* __restrict__ w,
-                                   const int32_t* __restrict__ num_tokens, int capacity, int top_k, int hidden,
-                                   __nv_bfloat16* __restrict__ out, int out_stride) {
+constexpr int kCombineThreads = 128;
+
+// Grid (column blocks, capacity): a thread owns 4 consecutive columns of one token (kVec: one
+// 16-byte load per slot) and issues all k slot loads before the first add, so a decode token is
+// one L2 round trip spread over H/512 blocks instead of a single block walking the row (the first
+// version, one 256-thread block per token, measured 6.5 us at T=1 on the H200; docs/PERF.md).
+// The sum runs in slot order j = 0..k-1 in fp32, the same order for every thread and every run.
+template <bool kVec>
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const float* __restrict__ y, int y_stride,  // [capacity*k, y_stride]
+                       const float* __restrict__ w,                // [capacity*k]
+                       const int32_t* __restrict__ num_tokens, int capacity, int top_k, int hidden,
+                       __nv_bfloat16* __restrict__ out, int out_stride) {  // [capacity, out_stride]
   pdl_wait();  // y comes from GEMM2
   pdl_launch_dependents();
-  const int t = blockIdx.x;
+  const int t = blockIdx.y;
   const int T = min(max(*num_tokens, 0), capacity);
   if (t >= T) return;  // [TAG_MOE_GRAPH_CAPACITY]
-  const float* yt = y + static_cast<int64_t>(t) * top_k * y_stride;
+  const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * 4;
+  if (n0 >= hidden) return;
+  const float* yt = y + static_cast<int64_t>(t) * top_k * y_stride + n0;
   const float* wt = w + static_cast<int64_t>(t) * top_k;
-  for (int n = threadIdx.x; n < hidden; n += blockDim.x) {
-    float s = 0.0f;
-    for (int j = 0; j < top_k; ++j) s += wt[j] * yt[static_cast<int64_t>(j) * y_stride + n];
-    out[static_cast<int64_t>(t) * out_stride + n] = __float2bfloat16(s);
+  __nv_bfloat16* o = out + static_cast<int64_t>(t) * out_stride + n0;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (kVec) {  // hidden, y_stride multiples of 4 and y 16-byte aligned: whole quads
+    constexpr int kBatch = 8;  // slots in flight per thread
+    for (int j0 = 0; j0 < top_k; j0 += kBatch) {
+      float4 v[kBatch];
+      float wj[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (j0 + j < top_k) {
+          v[j] = __ldcs(reinterpret_cast<const float4*>(yt + static_cast<int64_t>(j0 + j) * y_stride));
+          wj[j] = wt[j0 + j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (j0 + j < top_k) {
+          s[0] += wj[j] * v[j].x;
+          s[1] += wj[j] * v[j].y;
+          s[2] += wj[j] * v[j].z;
+          s[3] += wj[j] * v[j].w;
+        }
+      }
+    }
+    for (int c = 0; c < 4; ++c) o[c] = __float2bfloat16(s[c]);
+  } else {
+    const int nc = min(4, hidden - n0);
+    for (int j = 0; j < top_k; ++j)
+      for (int c = 0; c < nc; ++c) s[c] += wt[j] * yt[static_cast<int64_t>(j) * y_stride + c];
+    for (int c = 0; c < nc; ++c) o[c] = __float2bfloat16(s[c]);
   }
 }
 
@@ -30,9 +67,16 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, int y_stride, co
 void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(top_k >= 1 && hidden >= 1, "bad combine shape");
+  MOEBIUS_LAUNCH_ASSERT(capacity <= 65535, "capacity must fit grid.y");
   if (capacity <= 0) return;
-  launch_pdl(moe_combine_kernel, dim3(capacity), dim3(256), 0, stream, y, y_stride, topk_weights, num_tokens, capacity,
-             top_k, hidden, out, out_stride);
+  const dim3 grid((hidden + kCombineThreads * 4 - 1) / (kCombineThreads * 4), capacity);
+  const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  if (vec)
+    launch_pdl(moe_combine_kernel<true>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights, num_tokens,
+               capacity, top_k, hidden, out, out_stride);
+  else
+    launch_pdl(moe_combine_kernel<false>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights,
+               num_tokens, capacity, top_k, hidden, out, out_stride);
 }
 
 }  // namespace moebius::kernels
