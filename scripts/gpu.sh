@@ -11,7 +11,8 @@
 #   1. the CPU test suite from the carried build (shows the carried binaries run there);
 #   2. the CUDA-header parity tests;
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
-#   4. the CPU MoE benchmark on a small geometry.
+#   4. the CPU MoE benchmark on a small geometry;
+#   5. the CUDA MoE layer and attention benchmarks.
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,8 +59,17 @@ if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
     --section LaunchStats "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
     --tokens 1 --iters 2
 fi
-cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -80
+
+# The paged attention kernels, Qwen3-30B-A3B attention (nh 32, nkv 4, hd 128): decode GB/s of KV
+# bytes and prefill TFLOP/s, a few configurations.
+bench_attention() {
+  "$BUILD/moebius" bench attention --mode decode --heads 32 --kv-heads 4 --head-dim 128 --context 1024,10240 --batch 1,8,64 || return 1
+  "$BUILD/moebius" bench attention --mode prefill --heads 32 --kv-heads 4 --head-dim 128 --context 1024,8192 --batch 1,4 || return 1
+}
+step bench-attention bench_attention
+cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
+cat "$OUT/bench-attention.log"
 [ -f "$OUT/probe-pdl-graph.log" ] && cat "$OUT/probe-pdl-graph.log"
 
 echo

@@ -7,6 +7,8 @@ namespace moebius::cli {
 
 // `moebius bench moe`: time one MoE layer on a backend.
 void register_bench_moe(CLI::App& bench);
+// `moebius bench attention`: time the CUDA paged attention kernels (bench_attention.cpp).
+void register_bench_attention(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 
 }  // namespace moebius::cli

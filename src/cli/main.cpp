@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "benchmarks");
   bench->require_subcommand(1);
   moebius::cli::register_bench_moe(*bench);
+  moebius::cli::register_bench_attention(*bench);
   moebius::cli::register_generate(app);
 
   try {

@@ -5,7 +5,10 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "cpu/attention.h"
 #include "cpu/linear.h"
+#include "cpu/norm.h"
+#include "cpu/rope.h"
 #include "formats/safetensors.h"
 
 namespace moebius::model {
@@ -120,40 +123,8 @@ Result<Qwen3MoeLayerWeights> load_layer(const std::shared_ptr<const SafetensorsC
 }
 
 // ---------------------------------------------------------------------------------------------
-// fp32 ops
+// fp32 ops (norm, RoPE and attention are the shared references in src/cpu/)
 // ---------------------------------------------------------------------------------------------
-
-// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, for `rows` rows of n. In place is fine.
-void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    double ss = 0;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
-    for (int64_t i = 0; i < n; ++i) out[r * n + i] = xr[i] * inv * w[i];
-  }
-}
-
-// RoPE, neox layout, on x [T, heads, hd] at positions p0 + t: the pair (x[i], x[i + hd/2]) is
-// rotated by angle p * inv_freq[i]. The angle is formed in fp32 as transformers does, so long
-// positions round the same way; cos/sin of that angle are exact.
-void rope(float* x, int64_t T, int heads, int hd, int64_t p0, const std::vector<float>& inv_freq) {
-  const int half = hd / 2;
-  for (int64_t t = 0; t < T; ++t) {
-    const float pos = static_cast<float>(p0 + t);
-    for (int i = 0; i < half; ++i) {
-      const float angle = pos * inv_freq[static_cast<size_t>(i)];
-      const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
-      const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
-      for (int h = 0; h < heads; ++h) {
-        float* v = x + (t * heads + h) * hd;
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c - b * s;
-        v[i + half] = b * c + a * s;
-      }
-    }
-  }
-}
 
 float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -180,9 +151,7 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
     MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_layer(ck, c, l, options));
     m.layers_.push_back(std::move(w));
   }
-  // inv_freq[i] = theta^(-2i / hd), rounded to fp32 as transformers stores it.
-  for (int i = 0; i < c.head_dim / 2; ++i)
-    m.inv_freq_.push_back(static_cast<float>(std::pow(c.rope_theta, -2.0 * i / c.head_dim)));
+  m.inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.head_dim);
   return m;
 }
 
@@ -202,44 +171,24 @@ Status Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const fl
   cpu::linear_reference(h, w.k_proj.data(), T, kv_dim, H, k.data());  // [T, nkv, hd]
   cpu::linear_reference(h, w.v_proj.data(), T, kv_dim, H, v.data());  // [T, nkv, hd]
   // Qwen3's QK-norm: RMSNorm over each head's hd values, before RoPE.
-  rms_norm(q.data(), w.q_norm.data(), int64_t{T} * nh, hd, c.rms_norm_eps, q.data());
-  rms_norm(k.data(), w.k_norm.data(), int64_t{T} * nkv, hd, c.rms_norm_eps, k.data());
-  rope(q.data(), T, nh, hd, p0, inv_freq_);
-  rope(k.data(), T, nkv, hd, p0, inv_freq_);
+  cpu::rms_norm_reference(q.data(), w.q_norm.data(), int64_t{T} * nh, hd, c.rms_norm_eps, q.data());
+  cpu::rms_norm_reference(k.data(), w.k_norm.data(), int64_t{T} * nkv, hd, c.rms_norm_eps, k.data());
+  std::vector<int64_t> positions(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) positions[static_cast<size_t>(t)] = p0 + t;
+  cpu::rope_neox_reference(q.data(), T, nh, hd, positions.data(), inv_freq_.data());
+  cpu::rope_neox_reference(k.data(), T, nkv, hd, positions.data(), inv_freq_.data());
   for (int t = 0; t < T; ++t) {  // rows [p0, p0 + T) were reserved by forward()
     std::copy_n(k.data() + t * kv_dim, kv_dim, cache.key(layer, p0 + t));
     std::copy_n(v.data() + t * kv_dim, kv_dim, cache.value(layer, p0 + t));
   }
-  // Causal GQA: query head qh reads KV head qh / (nh / nkv); token t sees positions [0, p0 + t].
-  const int group = nh / nkv;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  // Causal GQA over the cache rows [0, p0 + T), by row pointers into the paged cache.
   const KvCache& kc = cache;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int t = 0; t < T; ++t)
-    for (int qh = 0; qh < nh; ++qh) {
-      const int64_t last = p0 + t;
-      const int kvh = qh / group;
-      const float* qv = q.data() + (int64_t{t} * nh + qh) * hd;
-      std::vector<double> p(static_cast<size_t>(last + 1));
-      double mx = -INFINITY;
-      for (int64_t j = 0; j <= last; ++j) {
-        const float* kv = kc.key(layer, j) + int64_t{kvh} * hd;
-        double s = 0;
-        for (int d = 0; d < hd; ++d) s += static_cast<double>(qv[d]) * kv[d];
-        p[static_cast<size_t>(j)] = s * scale;
-        mx = std::max(mx, s * scale);
-      }
-      double sum = 0;
-      for (double& x : p) sum += (x = std::exp(x - mx));
-      std::vector<double> acc(static_cast<size_t>(hd), 0.0);
-      for (int64_t j = 0; j <= last; ++j) {
-        const float* vv = kc.value(layer, j) + int64_t{kvh} * hd;
-        const double pj = p[static_cast<size_t>(j)] / sum;
-        for (int d = 0; d < hd; ++d) acc[static_cast<size_t>(d)] += pj * vv[d];
-      }
-      float* o = a.data() + (int64_t{t} * nh + qh) * hd;
-      for (int d = 0; d < hd; ++d) o[d] = static_cast<float>(acc[static_cast<size_t>(d)]);
-    }
+  std::vector<const float*> k_rows(static_cast<size_t>(p0 + T)), v_rows(static_cast<size_t>(p0 + T));
+  for (int64_t j = 0; j < p0 + T; ++j) {
+    k_rows[static_cast<size_t>(j)] = kc.key(layer, j);
+    v_rows[static_cast<size_t>(j)] = kc.value(layer, j);
+  }
+  cpu::attention_reference(q.data(), T, nh, nkv, hd, p0, k_rows.data(), v_rows.data(), a.data());
   cpu::linear_reference(a.data(), w.o_proj.data(), T, H, q_dim, out);  // [T, H]
   return Ok{};
 }
@@ -265,10 +214,10 @@ Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* lo
   for (int t = 0; t < T; ++t) std::copy_n(embed_.data() + int64_t{ids[t]} * H, H, x.data() + t * H);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Qwen3MoeLayerWeights& w = layers_[static_cast<size_t>(l)];
-    rms_norm(x.data(), w.input_norm.data(), T, H, c.rms_norm_eps, h.data());
+    cpu::rms_norm_reference(x.data(), w.input_norm.data(), T, H, c.rms_norm_eps, h.data());
     MOEBIUS_TRY(attention(w, l, h.data(), T, p0, cache, y.data()));
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
-    rms_norm(x.data(), w.post_norm.data(), T, H, c.rms_norm_eps, h.data());
+    cpu::rms_norm_reference(x.data(), w.post_norm.data(), T, H, c.rms_norm_eps, h.data());
     if (w.is_moe) {
       if (auto st = w.moe.forward(h.data(), T, y.data()); !st.ok())
         return std::move(st).error().with_context("layer " + std::to_string(l));
@@ -282,7 +231,7 @@ Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* lo
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
   }
-  rms_norm(x.data(), norm_.data(), T, H, c.rms_norm_eps, h.data());
+  cpu::rms_norm_reference(x.data(), norm_.data(), T, H, c.rms_norm_eps, h.data());
   cpu::linear_reference(h.data(), (lm_head_.empty() ? embed_ : lm_head_).data(), T, V, H, logits);  // [T, V]
   cache.advance(T);
   return Ok{};

@@ -1,0 +1,657 @@
+// Flash-style attention kernels over the paged KV cache; launchers declared in attention.cuh.
+//
+// Shared machinery (both kernels):
+//  - Query rows are (token, head-in-group) pairs of ONE kv head: row r of a sequence's tile is
+//    token r / G, query head kvh * G + r % G (G = nh / nkv). A K/V tile in shared memory then
+//    serves all G heads that read it (FlashInfer's GQA packing), G times fewer K/V bytes per
+//    query than one block per query head, and decode gets G real rows into each m16 mma tile.
+//  - mma.sync m16n8k16 bf16 -> fp32 (HMMA; wgmma would need warpgroup-wide 64-row tiles and TMA
+//    descriptors per cache block, left for later). A warp owns 16 query rows: S = Q K^T with Q
+//    fragments held in registers for the whole key loop, the online softmax in the log2 domain on
+//    the S accumulator fragments (rows g and g+8 of the lane, reduced over the quad with two
+//    shuffles), then P (the same registers repacked to bf16 A fragments, no shared memory) times V.
+//  - K/V tiles come from the cache with 16-byte cp.async.cg (L2 only: each tile is used once per
+//    block; other blocks of the same kv head find it in L2), zero-filled past the valid keys so a
+//    masked P of 0 never meets garbage (0 * NaN = NaN). Rows are hd bf16 = hd/8 16-byte chunks;
+//    chunk c of row r is stored at chunk c ^ f(r) (XOR swizzle) so that the 8 row addresses of an
+//    ldmatrix phase fall in 8 distinct bank groups for every hd (16, 64, 128).
+//  - Q K^T B fragments via ldmatrix.x4 (K rows are keys, contiguous in d: the "col" B layout);
+//    P V B fragments via ldmatrix.x4.trans (V rows are keys, the mma wants k = key pairs).
+//
+// Prefill kernel: block = 4 warps = 64 query rows of one (sequence, kv head); key tiles of 64,
+// double-buffered (the next tile's cp.async is in flight during the current tile's math).
+// Grid (ceil(max_q_len * G / 64), nkv, max_num_seqs); tile x is taken in reverse so the blocks with
+// the most keys (last rows of the causal triangle) start first. Only tiles that cross the causal
+// diagonal (or the end of the context) evaluate the mask. Shared memory: Q 64 x hd + 2 stages x
+// (K + V) 64 x hd, bf16 = 80 KiB at hd 128.
+//
+// Decode kernel: block = 4 warps for one (split, kv head, sequence); the G <= 16 query heads of
+// the token fill one m16 tile (rows >= G are zero and never written). The warps take the split's
+// 16-key tiles round-robin, each with its own 4-stage cp.async ring (three tiles in flight per
+// warp: decode is a stream of K/V bytes, and bytes in flight are what hide HBM latency), and merge
+// their (max, sum, acc) states through shared memory at the end. A 16-key tile is one whole
+// cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
+// Shared memory: 4 warps x 4 stages x (K + V) 16 x hd bf16 + Q 16 x hd = 132 KiB at hd 128.
+// With one split per sequence the block writes bf16 directly; otherwise fp32 (acc, max, sum) per
+// split go to the workspace and attention_merge_kernel combines them: one block per (head, seq),
+// hd threads.
+#include "kernels/attention.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda_check.h"
+#include "kernels/kv_cache.cuh"
+
+namespace moebius::kernels {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+constexpr int kPrefillBM = kWarps * 16;  // query rows per block
+constexpr int kPrefillBN = 64;           // keys per tile
+constexpr int kDecodeBN = 16;            // keys per tile (per warp)
+constexpr int kDecodeStages = 4;
+constexpr int kDecodeMaxGroup = 16;      // query heads per kv head that fit one m16 tile
+
+// ------------------------------------------------------------------------------------------------
+// PTX wrappers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared; src_bytes 0 zero-fills the destination without reading src.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo: the lower column
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared-memory tiles: [rows][HD] bf16, 16-byte chunks XOR-swizzled
+// ------------------------------------------------------------------------------------------------
+
+// Byte offset of chunk c of row r. With C = HD/8 chunks a row, the 8 rows an ldmatrix phase reads
+// at one logical chunk land in distinct 16-byte bank groups: C >= 8 XORs the low 3 bits with
+// r % 8; C < 8 (hd 16: 32-byte rows, 4 rows per 128 bytes) XORs with (r / (8/C)) % C.
+template <int HD>
+__device__ __forceinline__ uint32_t tile_offset(int r, int c) {
+  constexpr int C = HD / 8;
+  int pc;
+  if constexpr (C >= 8) pc = c ^ (r & 7);
+  else pc = c ^ ((r / (8 / C)) % C);
+  return static_cast<uint32_t>((r * C + pc) * 16);
+}
+
+// ROWS keys [key0, key0 + ROWS) of kv head kvh into a swizzled tile, by NT threads (tid in
+// [0, NT)); keys >= kv_end are zero-filled. [TAG_KV_CACHE_LAYOUT]
+template <int HD, int ROWS, int NT>
+__device__ __forceinline__ void load_kv_tile(uint32_t dst, const __nv_bfloat16* __restrict__ pool,
+                                             const int32_t* __restrict__ table_row, int kvh, int key0, int kv_end,
+                                             int nkv, int block_size, int tid) {
+  constexpr int C = HD / 8;
+#pragma unroll
+  for (int idx = tid; idx < ROWS * C; idx += NT) {
+    const int r = idx / C, c = idx % C, key = key0 + r;
+    const __nv_bfloat16* src = pool;
+    int bytes = 0;
+    if (key < kv_end) {
+      const int block = table_row[key / block_size];
+      src = pool + kv_cache_offset(block, kvh, key % block_size, nkv, block_size, HD) + c * 8;
+      bytes = 16;
+    }
+    cp_async16(dst + tile_offset<HD>(r, c), src, bytes);
+  }
+}
+
+// A fragments of Q (16 rows of the tile starting at row0) for every k-step of hd.
+template <int HD>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qa)[HD / 16][4], uint32_t q_tile, int row0, int lane) {
+  const int mat = lane >> 3;
+  const int r = row0 + (lane & 7) + ((mat & 1) << 3);
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) ldmatrix_x4(qa[ks], q_tile + tile_offset<HD>(r, 2 * ks + (mat >> 1)));
+}
+
+// Online-softmax state of a warp's 16 rows; the lane holds rows g = lane/4 and g + 8.
+template <int HD>
+struct WarpState {
+  float o[HD / 8][4];  // accumulator fragments: d-tile j covers dims 8j .. 8j+7
+  float m[2];          // running max (log2 domain, quad-uniform)
+  float l[2];          // running sum, this lane's columns only (the quad is summed at the end)
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+};
+
+// One key tile of BN keys (tile rows 0 .. BN-1 = keys key0 ..) for the warp's 16 rows. lim[h]: the
+// last key row g + 8h may see; applied only when `mask`. scale_log2 = log2(e) / sqrt(hd).
+template <int HD, int BN>
+__device__ __forceinline__ void attend_tile(WarpState<HD>& st, const uint32_t (&qa)[HD / 16][4], uint32_t k_tile,
+                                            uint32_t v_tile, int key0, const int (&lim)[2], bool mask,
+                                            float scale_log2, int lane) {
+  const int mat = lane >> 3, t = lane & 3;
+  // S = Q K^T: [16, BN]
+  float s[BN / 8][4];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks)
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, k_tile + tile_offset<HD>(np * 16 + (lane & 7) + ((mat >> 1) << 3), 2 * ks + (mat & 1)));
+      mma_bf16(s[2 * np], qa[ks], b[0], b[1]);
+      mma_bf16(s[2 * np + 1], qa[ks], b[2], b[3]);
+    }
+  // Scale into the log2 domain, mask, and update the running max.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = s[j][2 * h + e] * scale_log2;
+        if (mask && key0 + j * 8 + 2 * t + e > lim[h]) v = -INFINITY;
+        s[j][2 * h + e] = v;
+        mx = fmaxf(mx, v);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m[h], mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet: no NaN
+    const float alpha = exp2f(st.m[h] - m_use);
+    st.m[h] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2f(s[j][2 * h + e] - m_use);
+        s[j][2 * h + e] = p;
+        sum += p;
+      }
+    st.l[h] = st.l[h] * alpha + sum;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      st.o[j][2 * h] *= alpha;
+      st.o[j][2 * h + 1] *= alpha;
+    }
+  }
+  // O += P V: P's accumulator fragments are the A fragments of the next mma, repacked to bf16.
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks) {
+    const uint32_t a[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
+                           pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]), pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < HD / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v_tile + tile_offset<HD>(ks * 16 + (lane & 7) + ((mat & 1) << 3), 2 * dp + (mat >> 1)));
+      mma_bf16(st.o[2 * dp], a, b[0], b[1]);
+      mma_bf16(st.o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Sums the lane-partial l over the quad.
+template <int HD>
+__device__ __forceinline__ void finish_sums(WarpState<HD>& st) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    st.l[h] += __shfl_xor_sync(0xffffffffu, st.l[h], 1);
+    st.l[h] += __shfl_xor_sync(0xffffffffu, st.l[h], 2);
+  }
+}
+
+__device__ __forceinline__ int live_seqs(const int32_t* num_seqs, int max_num_seqs) {
+  const int n = *num_seqs;
+  return n < 0 ? 0 : (n > max_num_seqs ? max_num_seqs : n);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prefill
+// ------------------------------------------------------------------------------------------------
+
+struct PrefillArgs {
+  const __nv_bfloat16* q;  // [T, q_stride]
+  int64_t q_stride;
+  const int32_t* cu_seqlens_q;  // [max_num_seqs + 1]
+  const int32_t* seq_lens;      // [max_num_seqs]
+  const int32_t* num_seqs;      // [1]
+  const __nv_bfloat16* k_cache;  // [num_blocks, nkv, block_size, hd]
+  const __nv_bfloat16* v_cache;
+  const int32_t* block_table;  // [max_num_seqs, max_blocks_per_seq]
+  AttentionDims dims;
+  int max_num_seqs;
+  float scale_log2;
+  __nv_bfloat16* out;  // [T, nh, hd]
+};
+
+template <int HD>
+constexpr int prefill_smem_bytes() {
+  return (kPrefillBM + 2 * 2 * kPrefillBN) * HD * 2;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const PrefillArgs args) {
+  constexpr int kTileBytes = kPrefillBN * HD * 2;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int s = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) row tiles first
+  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
+  const AttentionDims& d = args.dims;
+  const int G = d.num_q_heads / d.num_kv_heads;
+  const int q_start = args.cu_seqlens_q[s];
+  const int q_len = args.cu_seqlens_q[s + 1] - q_start;
+  const int rows = q_len * G;
+  const int row0 = tile * kPrefillBM;
+  if (row0 >= rows) return;
+  const int ctx0 = args.seq_lens[s] - q_len;  // position of the first new token
+  const int last_row = min(row0 + kPrefillBM, rows) - 1;
+  const int kv_end = ctx0 + last_row / G + 1;   // keys this block needs: [0, kv_end)
+  const int mask_from = ctx0 + row0 / G;        // keys <= this are visible to every row
+  const int n_tiles = (kv_end + kPrefillBN - 1) / kPrefillBN;
+  const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
+
+  const uint32_t q_tile = smem_addr(smem);
+  const uint32_t kv_base = q_tile + kPrefillBM * HD * 2;  // stage i: K at +2i*kTileBytes, V after it
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  // Q rows (token r / G, head kvh * G + r % G), zero past the sequence's rows.
+  {
+    constexpr int C = HD / 8;
+    for (int idx = tid; idx < kPrefillBM * C; idx += kThreads) {
+      const int r = idx / C, c = idx % C, pr = row0 + r;
+      const __nv_bfloat16* src = args.q;
+      int bytes = 0;
+      if (pr < rows) {
+        src = args.q + (q_start + pr / G) * args.q_stride + static_cast<int64_t>(kvh * G + pr % G) * HD + c * 8;
+        bytes = 16;
+      }
+      cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
+    }
+  }
+  auto load_stage = [&](int it) {
+    const uint32_t k_dst = kv_base + (it & 1) * 2 * kTileBytes;
+    load_kv_tile<HD, kPrefillBN, kThreads>(k_dst, args.k_cache, table_row, kvh, it * kPrefillBN, kv_end,
+                                           d.num_kv_heads, d.block_size, tid);
+    load_kv_tile<HD, kPrefillBN, kThreads>(k_dst + kTileBytes, args.v_cache, table_row, kvh, it * kPrefillBN,
+                                           kv_end, d.num_kv_heads, d.block_size, tid);
+  };
+  load_stage(0);
+  cp_async_commit();
+
+  const int g = lane >> 2;
+  int lim[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pr = row0 + warp * 16 + g + 8 * h;
+    lim[h] = pr < rows ? ctx0 + pr / G : -1;
+  }
+  WarpState<HD> st;
+  st.init();
+  uint32_t qa[HD / 16][4];
+  for (int it = 0; it < n_tiles; ++it) {
+    if (it + 1 < n_tiles) load_stage(it + 1);
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+    cp_async_wait<1>();
+    __syncthreads();
+    if (it == 0) load_q_frags<HD>(qa, q_tile, warp * 16, lane);
+    const uint32_t k_tile = kv_base + (it & 1) * 2 * kTileBytes;
+    const int key0 = it * kPrefillBN;
+    attend_tile<HD, kPrefillBN>(st, qa, k_tile, k_tile + kTileBytes, key0, lim, key0 + kPrefillBN - 1 > mask_from,
+                                args.scale_log2, lane);
+    __syncthreads();  // the stage is overwritten by the next iteration's loads
+  }
+  finish_sums(st);
+
+  // out[row] = o / l, bf16 pairs.
+  const int t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pr = row0 + warp * 16 + g + 8 * h;
+    if (pr >= rows) continue;
+    const float inv = st.l[h] > 0.0f ? 1.0f / st.l[h] : 0.0f;
+    __nv_bfloat16* o = args.out + (static_cast<int64_t>(q_start + pr / G) * d.num_q_heads + kvh * G + pr % G) * HD;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+      *reinterpret_cast<uint32_t*>(o + j * 8 + 2 * t) = pack_bf16(st.o[j][2 * h] * inv, st.o[j][2 * h + 1] * inv);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode
+// ------------------------------------------------------------------------------------------------
+
+struct DecodeArgs {
+  const __nv_bfloat16* q;  // [max_num_seqs, q_stride]
+  int64_t q_stride;
+  const int32_t* seq_lens;  // [max_num_seqs]
+  const int32_t* num_seqs;  // [1]
+  const __nv_bfloat16* k_cache;
+  const __nv_bfloat16* v_cache;
+  const int32_t* block_table;  // [max_num_seqs, max_blocks_per_seq]
+  AttentionDims dims;
+  int max_num_seqs;
+  int partition;
+  int num_splits;
+  float scale_log2;
+  float* ws_o;  // [max_num_seqs, nh, num_splits, hd]   (split mode)
+  float* ws_m;  // [max_num_seqs, nh, num_splits]
+  float* ws_l;  // [max_num_seqs, nh, num_splits]
+  __nv_bfloat16* out;  // [max_num_seqs, nh, hd]
+};
+
+template <int HD>
+constexpr int decode_smem_bytes() {
+  return 16 * HD * 2 + kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;
+}
+
+template <int HD, bool kSplit>
+__global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeArgs args) {
+  constexpr int kTileBytes = kDecodeBN * HD * 2;
+  constexpr int kWarpBytes = kDecodeStages * 2 * kTileBytes;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float s_m[kWarps][16], s_l[kWarps][16];
+  const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
+  const AttentionDims& d = args.dims;
+  const int G = d.num_q_heads / d.num_kv_heads;
+  const int ctx = args.seq_lens[s];
+  const int k_begin = split * args.partition;
+  if (k_begin >= ctx) return;  // the merge reads only the splits that hold keys
+  const int k_end = min(ctx, k_begin + args.partition);
+  const int n_tiles = (k_end - k_begin + kDecodeBN - 1) / kDecodeBN;
+  const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  const uint32_t q_tile = smem_addr(smem);
+  const uint32_t warp_base = q_tile + 16 * HD * 2 + warp * kWarpBytes;
+  {
+    constexpr int C = HD / 8;
+    for (int idx = tid; idx < 16 * C; idx += kThreads) {
+      const int r = idx / C, c = idx % C;
+      const __nv_bfloat16* src = args.q;
+      int bytes = 0;
+      if (r < G) {
+        src = args.q + s * args.q_stride + static_cast<int64_t>(kvh * G + r) * HD + c * 8;
+        bytes = 16;
+      }
+      cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
+    }
+    cp_async_commit();
+  }
+  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages.
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  auto load_stage = [&](int i) {
+    const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
+    const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
+    load_kv_tile<HD, kDecodeBN, 32>(dst, args.k_cache, table_row, kvh, key0, k_end, d.num_kv_heads, d.block_size,
+                                    lane);
+    load_kv_tile<HD, kDecodeBN, 32>(dst + kTileBytes, args.v_cache, table_row, kvh, key0, k_end, d.num_kv_heads,
+                                    d.block_size, lane);
+  };
+#pragma unroll
+  for (int i = 0; i < kDecodeStages - 1; ++i) {
+    if (i < my_tiles) load_stage(i);
+    cp_async_commit();
+  }
+  // Q: the first group committed; every thread waits for its own part, then the block barrier.
+  cp_async_wait<kDecodeStages - 1>();
+  __syncthreads();
+  uint32_t qa[HD / 16][4];
+  load_q_frags<HD>(qa, q_tile, 0, lane);
+
+  WarpState<HD> st;
+  st.init();
+  const int lim[2] = {k_end - 1, k_end - 1};
+  for (int i = 0; i < my_tiles; ++i) {
+    if (i + kDecodeStages - 1 < my_tiles) load_stage(i + kDecodeStages - 1);
+    cp_async_commit();
+    cp_async_wait<kDecodeStages - 1>();
+    __syncwarp();
+    const uint32_t k_tile = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
+    const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
+    attend_tile<HD, kDecodeBN>(st, qa, k_tile, k_tile + kTileBytes, key0, lim, key0 + kDecodeBN > k_end,
+                               args.scale_log2, lane);
+    __syncwarp();  // every lane is done with the stage before it is refilled
+  }
+  cp_async_wait<0>();
+  finish_sums(st);
+
+  // Merge the 4 warps: their states go to shared memory (over the K/V stages, now unused).
+  __syncthreads();
+  float* s_o = reinterpret_cast<float*>(smem + 16 * HD * 2);  // [kWarps][16][HD]
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    if (t == 0) {
+      s_m[warp][r] = st.m[h];
+      s_l[warp][r] = st.l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      s_o[(warp * 16 + r) * HD + j * 8 + 2 * t] = st.o[j][2 * h];
+      s_o[(warp * 16 + r) * HD + j * 8 + 2 * t + 1] = st.o[j][2 * h + 1];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * HD; idx += kThreads) {
+    const int r = idx / HD, c = idx % HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][r]);
+    float L = 0.0f, O = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = s_m[w][r] == -INFINITY ? 0.0f : exp2f(s_m[w][r] - M);  // a warp without tiles
+      L += s_l[w][r] * f;
+      O += s_o[(w * 16 + r) * HD + c] * f;
+    }
+    const int head = kvh * G + r;
+    if constexpr (kSplit) {
+      const int64_t slot = (static_cast<int64_t>(s) * d.num_q_heads + head) * args.num_splits + split;
+      args.ws_o[slot * HD + c] = O;
+      if (c == 0) {
+        args.ws_m[slot] = M;
+        args.ws_l[slot] = L;
+      }
+    } else {
+      args.out[(static_cast<int64_t>(s) * d.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+    }
+  }
+}
+
+// One block per (query head, sequence), hd threads: merges the splits that hold keys.
+template <int HD>
+__global__ void __launch_bounds__(HD) attention_merge_kernel(const DecodeArgs args) {
+  const int head = blockIdx.x, s = blockIdx.y, c = threadIdx.x;
+  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
+  const int ctx = args.seq_lens[s];
+  if (ctx <= 0) return;
+  const int n = min((ctx + args.partition - 1) / args.partition, args.num_splits);
+  const int64_t base = (static_cast<int64_t>(s) * args.dims.num_q_heads + head) * args.num_splits;
+  float M = -INFINITY;
+  for (int i = 0; i < n; ++i) M = fmaxf(M, args.ws_m[base + i]);
+  float L = 0.0f, O = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float f = exp2f(args.ws_m[base + i] - M);
+    L += args.ws_l[base + i] * f;
+    O += args.ws_o[(base + i) * HD + c] * f;
+  }
+  args.out[(static_cast<int64_t>(s) * args.dims.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Launch helpers
+// ------------------------------------------------------------------------------------------------
+
+void check_common(const AttentionDims& d, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                  const void* out) {
+  MOEBIUS_LAUNCH_ASSERT(d.head_dim == 16 || d.head_dim == 64 || d.head_dim == 128, "attention: hd must be 16, 64 or 128");
+  MOEBIUS_LAUNCH_ASSERT(d.num_kv_heads > 0 && d.num_q_heads > 0 && d.num_q_heads % d.num_kv_heads == 0,
+                        "attention: nkv must divide nh");
+  MOEBIUS_LAUNCH_ASSERT(d.block_size > 0 && d.max_blocks_per_seq > 0, "attention: bad block_size / block table");
+  MOEBIUS_LAUNCH_ASSERT(q_stride % 8 == 0 && q_stride >= static_cast<int64_t>(d.num_q_heads) * d.head_dim,
+                        "attention: q_stride must be a multiple of 8 and >= nh * hd");
+  for (const void* p : {q, k_cache, v_cache, out})
+    MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(p) % 16 == 0, "attention: pointers must be 16-byte aligned");
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  // Once per instantiation would do; the call is cheap and not a stream operation, so it is legal
+  // during graph capture.
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int HD>
+void launch_prefill_hd(const PrefillArgs& a, int max_q_len, cudaStream_t stream) {
+  const int G = a.dims.num_q_heads / a.dims.num_kv_heads;
+  const int64_t tiles = (static_cast<int64_t>(max_q_len) * G + kPrefillBM - 1) / kPrefillBM;
+  MOEBIUS_LAUNCH_ASSERT(tiles < (int64_t{1} << 31), "attention prefill: too many query rows");
+  constexpr int smem = prefill_smem_bytes<HD>();
+  set_smem(attention_prefill_kernel<HD>, smem);
+  const dim3 grid(static_cast<unsigned>(tiles), a.dims.num_kv_heads, a.max_num_seqs);
+  attention_prefill_kernel<HD><<<grid, kThreads, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int HD>
+void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr int smem = decode_smem_bytes<HD>();
+  const dim3 grid(a.num_splits, a.dims.num_kv_heads, a.max_num_seqs);
+  if (a.num_splits == 1) {
+    set_smem(attention_decode_kernel<HD, false>, smem);
+    attention_decode_kernel<HD, false><<<grid, kThreads, smem, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  set_smem(attention_decode_kernel<HD, true>, smem);
+  attention_decode_kernel<HD, true><<<grid, kThreads, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+  attention_merge_kernel<HD><<<dim3(a.dims.num_q_heads, a.max_num_seqs), HD, 0, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_attention_prefill(const __nv_bfloat16* q, int64_t q_stride, const int32_t* cu_seqlens_q,
+                              const int32_t* seq_lens, const int32_t* num_seqs, const __nv_bfloat16* k_cache,
+                              const __nv_bfloat16* v_cache, const int32_t* block_table, const AttentionDims& dims,
+                              int max_num_seqs, int max_q_len, __nv_bfloat16* out, cudaStream_t stream) {
+  check_common(dims, q, q_stride, k_cache, v_cache, out);
+  MOEBIUS_LAUNCH_ASSERT(max_num_seqs >= 0 && max_num_seqs <= 65535 && max_q_len >= 0,
+                        "attention prefill: max_num_seqs must be in [0, 65535]");
+  if (max_num_seqs == 0 || max_q_len == 0) return;
+  const PrefillArgs a{q,       q_stride, cu_seqlens_q, seq_lens,     num_seqs,
+                      k_cache, v_cache,  block_table,  dims,         max_num_seqs,
+                      kLog2e / std::sqrt(static_cast<float>(dims.head_dim)), out};
+  switch (dims.head_dim) {
+    case 16: launch_prefill_hd<16>(a, max_q_len, stream); break;
+    case 64: launch_prefill_hd<64>(a, max_q_len, stream); break;
+    default: launch_prefill_hd<128>(a, max_q_len, stream); break;
+  }
+}
+
+AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms) {
+  MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && max_context > 0 && num_sms > 0 && dims.num_kv_heads > 0,
+                        "plan_attention_decode: bad sizes");
+  AttentionDecodePlan p;
+  p.max_num_seqs = max_num_seqs;
+  p.max_context = max_context;
+  // Blocks without splitting; split until about two waves, but never below one 16-key tile per
+  // warp (a shorter split only adds merge work).
+  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  const int64_t want = std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + base - 1) / base);
+  int64_t part = (max_context + want - 1) / want;
+  part = (part + kDecodeBN - 1) / kDecodeBN * kDecodeBN;
+  part = std::max<int64_t>(part, kWarps * kDecodeBN);
+  p.partition = static_cast<int>(part);
+  p.num_splits = static_cast<int>((max_context + part - 1) / part);
+  return p;
+}
+
+size_t attention_decode_workspace_bytes(const AttentionDims& dims, const AttentionDecodePlan& plan) {
+  if (plan.num_splits <= 1) return 0;
+  const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
+  const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
+  return o_bytes + 2 * ((slots * 4 + 255) / 256 * 256);
+}
+
+void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int32_t* seq_lens,
+                             const int32_t* num_seqs, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                             const int32_t* block_table, const AttentionDims& dims, const AttentionDecodePlan& plan,
+                             void* workspace, __nv_bfloat16* out, cudaStream_t stream) {
+  check_common(dims, q, q_stride, k_cache, v_cache, out);
+  MOEBIUS_LAUNCH_ASSERT(dims.num_q_heads / dims.num_kv_heads <= kDecodeMaxGroup,
+                        "attention decode: at most 16 query heads per kv head");
+  MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.num_splits >= 1 &&
+                            plan.partition % kDecodeBN == 0 &&
+                            static_cast<int64_t>(plan.partition) * plan.num_splits >= plan.max_context,
+                        "attention decode: bad plan (use plan_attention_decode)");
+  MOEBIUS_LAUNCH_ASSERT(plan.num_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
+                        "attention decode: a split plan needs a 16-byte aligned workspace");
+  DecodeArgs a{};
+  a.q = q;
+  a.q_stride = q_stride;
+  a.seq_lens = seq_lens;
+  a.num_seqs = num_seqs;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.block_table = block_table;
+  a.dims = dims;
+  a.max_num_seqs = plan.max_num_seqs;
+  a.partition = plan.partition;
+  a.num_splits = plan.num_splits;
+  a.scale_log2 = kLog2e / std::sqrt(static_cast<float>(dims.head_dim));
+  a.out = out;
+  if (plan.num_splits > 1) {
+    const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
+    const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
+    auto* base = static_cast<uint8_t*>(workspace);
+    a.ws_o = reinterpret_cast<float*>(base);
+    a.ws_m = reinterpret_cast<float*>(base + o_bytes);
+    a.ws_l = reinterpret_cast<float*>(base + o_bytes + (slots * 4 + 255) / 256 * 256);
+  }
+  switch (dims.head_dim) {
+    case 16: launch_decode_hd<16>(a, stream); break;
+    case 64: launch_decode_hd<64>(a, stream); break;
+    default: launch_decode_hd<128>(a, stream); break;
+  }
+}
+
+}  // namespace moebius::kernels

@@ -1,0 +1,134 @@
+// The fused QK-norm + RoPE + KV-cache write; the launcher is declared in rope.cuh.
+//
+// One block of 4 warps per token. The block first fills cos/sin of its position for the hd/2
+// frequencies in shared memory (double sincos, ~hd/2 per token instead of per head: Qwen3-30B-A3B
+// has 36 q/k heads sharing each value), then each warp takes whole heads: the nh q heads, the nkv
+// k heads and the nkv v heads of the token, round-robin. A lane holds the pairs i = 2*lane + 64*j
+// and i + 1 of the first half and the same pairs of the second half (one 4-byte bf16x2 load
+// each), so the rotation partner of every value is in the same lane and a head needs one
+// warp-shuffle sum of squares and no shared memory. Rows are 256 bytes at hd 128: the warp's
+// loads are fully coalesced. Compute is negligible; the kernel moves (nh + 2 nkv) * hd * 2 bytes
+// in and out per token.
+#include "kernels/rope.cuh"
+
+#include "kernels/cuda_check.h"
+#include "kernels/kv_cache.cuh"
+
+namespace moebius::kernels {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxHeadDim = 256;
+constexpr int kIters = kMaxHeadDim / 128;  // pairs of pairs per lane per half at the largest hd
+
+__global__ void __launch_bounds__(kWarps * 32)
+    qk_norm_rope_kv_kernel(__nv_bfloat16* __restrict__ q, int64_t q_stride,        // [T, q_stride]
+                           const __nv_bfloat16* __restrict__ k, int64_t k_stride,  // [T, k_stride]
+                           const __nv_bfloat16* __restrict__ v, int64_t v_stride,  // [T, v_stride]
+                           const float* __restrict__ q_norm,                       // [hd] or nullptr
+                           const float* __restrict__ k_norm,                       // [hd] or nullptr
+                           const int32_t* __restrict__ positions,                  // [T]
+                           const float* __restrict__ inv_freq,                     // [hd / 2]
+                           const int32_t* __restrict__ slot_mapping,               // [T]
+                           __nv_bfloat16* __restrict__ k_cache,  // [num_blocks, nkv, block_size, hd]
+                           __nv_bfloat16* __restrict__ v_cache,  // [num_blocks, nkv, block_size, hd]
+                           int nh, int nkv, int hd, int block_size, float eps) {
+  __shared__ float s_cos[kMaxHeadDim / 2], s_sin[kMaxHeadDim / 2];
+  const int t = blockIdx.x;
+  const int half = hd / 2;
+  const float pos = static_cast<float>(positions[t]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = pos * inv_freq[i];  // fp32 product, like the reference
+    double s, c;
+    sincos(static_cast<double>(angle), &s, &c);
+    s_cos[i] = static_cast<float>(c);
+    s_sin[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  const int slot = slot_mapping[t];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int items = nh + 2 * nkv;
+  for (int item = warp; item < items; item += kWarps) {
+    // Which head, where it comes from and where it goes.
+    const __nv_bfloat16* src;
+    __nv_bfloat16* dst;
+    const float* norm_w = nullptr;
+    bool rotate = true;
+    if (item < nh) {
+      src = dst = q + t * q_stride + static_cast<int64_t>(item) * hd;
+      norm_w = q_norm;
+    } else {
+      if (slot < 0) break;  // padding token: q only (k/v items come after every q item)
+      const int kvh = item < nh + nkv ? item - nh : item - nh - nkv;
+      const int64_t off = kv_cache_offset(slot / block_size, kvh, slot % block_size, nkv, block_size, hd);
+      if (item < nh + nkv) {
+        src = k + t * k_stride + static_cast<int64_t>(kvh) * hd;
+        dst = k_cache + off;
+        norm_w = k_norm;
+      } else {
+        src = v + t * v_stride + static_cast<int64_t>(kvh) * hd;
+        dst = v_cache + off;
+        rotate = false;
+      }
+    }
+    float2 a[kIters], b[kIters];  // (x[i], x[i+1]) and (x[half+i], x[half+i+1]), i = 2*lane + 64*j
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int i = 2 * lane + 64 * j;
+      if (i < half) {
+        a[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
+        b[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + half + i));
+        ss += a[j].x * a[j].x + a[j].y * a[j].y + b[j].x * b[j].x + b[j].y * b[j].y;
+      }
+    }
+    float inv = 1.0f;
+    if (norm_w != nullptr) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      inv = 1.0f / sqrtf(ss / static_cast<float>(hd) + eps);
+    }
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int i = 2 * lane + 64 * j;
+      if (i >= half) continue;
+      float2 x = a[j], y = b[j];
+      if (norm_w != nullptr) {  // (x * inv) * w, the reference's order
+        x = make_float2(x.x * inv * norm_w[i], x.y * inv * norm_w[i + 1]);
+        y = make_float2(y.x * inv * norm_w[half + i], y.y * inv * norm_w[half + i + 1]);
+      }
+      if (rotate) {
+        const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
+        const float2 xr = make_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
+        const float2 yr = make_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
+        x = xr;
+        y = yr;
+      }
+      *reinterpret_cast<__nv_bfloat162*>(dst + i) = __floats2bfloat162_rn(x.x, x.y);
+      *reinterpret_cast<__nv_bfloat162*>(dst + half + i) = __floats2bfloat162_rn(y.x, y.y);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_qk_norm_rope_kv(__nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k, int64_t k_stride,
+                            const __nv_bfloat16* v, int64_t v_stride, const float* q_norm, const float* k_norm,
+                            const int32_t* positions, const float* inv_freq, const int32_t* slot_mapping,
+                            __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, int T, int nh, int nkv, int hd,
+                            int block_size, float eps, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(T >= 0 && nh > 0 && nkv > 0 && block_size > 0, "qk_norm_rope_kv: bad dims");
+  MOEBIUS_LAUNCH_ASSERT(hd > 0 && hd % 4 == 0 && hd <= kMaxHeadDim, "qk_norm_rope_kv: hd must be a multiple of 4, <= 256");
+  MOEBIUS_LAUNCH_ASSERT(q_stride % 2 == 0 && k_stride % 2 == 0 && v_stride % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(q) % 4 == 0 && reinterpret_cast<uintptr_t>(k) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(v) % 4 == 0,
+                        "qk_norm_rope_kv: q/k/v and their strides must be 4-byte aligned");
+  if (T == 0) return;
+  qk_norm_rope_kv_kernel<<<T, kWarps * 32, 0, stream>>>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm,
+                                                        positions, inv_freq, slot_mapping, k_cache, v_cache, nh, nkv,
+                                                        hd, block_size, eps);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moebius::kernels
