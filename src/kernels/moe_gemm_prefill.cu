@@ -50,8 +50,12 @@
 //   BN = 128: bf16 241, nvfp4 216-220 (128 fp32 accumulators per thread)
 // Shared memory per block (dynamic, stages x stage bytes): bf16 BN=64 4 x 40 KiB, BN=128 4 x 48 KiB;
 // nvfp4 6 x 17 KiB (BN=128: 6 x 25 KiB); int4 6 x 16 KiB; int2 6 x 24 KiB; plus <= 2 KiB static.
-// The SASS instruction mix (HMMA vs dequant ALU vs LDSM) has not been inspected: this machine
-// has no cuobjdump; see docs/MOE_KERNELS.md for the command.
+// PTX per unrolled stage (nvcc -ptx): 64 mma + 16 ldmatrix.x4 at BN = 64 (int2's 128-k stage:
+// 128 + 32; BN = 128: 128 + 32), i.e. each ldmatrix.x4 feeds 4 mma. The SASS mix (HMMA density
+// against SHF/LOP3/HMUL2 of the dequant) has not been inspected: this machine has no cuobjdump;
+// docs/MOE_KERNELS.md gives the command. Estimate for nvfp4 at BN = 64, per warp and k-step:
+// 16 HMMA against ~45 other instructions (2 SHF + 1 LOP3 + 1 HMUL2 per A register, 4 LDSM,
+// block-scale lookups), which leaves issue slots to spare at mma.sync's Hopper rate.
 #include "kernels/moe_gemm_prefill.cuh"
 
 #include <utility>
