@@ -30,6 +30,7 @@ struct BenchMoeOptions {
   int group_size = 128;
   int iters = 0;  // 0: the backend default (cpu 3 runs, cuda 30 graph replays)
   std::string combine = "fp32";
+  std::string gemm_path = "auto";
   uint64_t seed = 1;
 };
 
@@ -62,10 +63,12 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     c.group_size = o.group_size;
     c.iters = o.iters > 0 ? o.iters : 30;
     c.atomic_combine = o.combine == "atomic";
+    c.gemm_path = o.gemm_path;
     c.seed = o.seed;
     return run_bench_moe_cuda(c);
   }
   if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
+  if (o.gemm_path != "auto") return Error("the CPU backend has one expert path").in_field("--gemm-path");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
   if (o.iters < 0) return Error("must be at least 1 (or 0 for the default)").in_field("--iters");
   const int iters = o.iters > 0 ? o.iters : 3;
@@ -137,6 +140,9 @@ void register_bench_moe(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
   cmd->add_option("--combine", opts->combine, "fp32 (deterministic) or atomic (in-kernel bf16 atomics, cuda only)")
+      ->capture_default_str();
+  cmd->add_option("--gemm-path", opts->gemm_path,
+                  "expert GEMM kernels: auto (by tokens per expert), decode or prefill (cuda only)")
       ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);

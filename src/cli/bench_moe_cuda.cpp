@@ -12,6 +12,8 @@
 //   MB        touched expert bytes (packed weights + scales) + router weights, per layer
 //   floor     max(MB / HBM read bandwidth, flops / bf16 peak), flops = 2*T*k*3*H*I + 2*T*H*E
 //   x floor   measured time / floor
+// and per stage: microseconds, and the TFLOP/s of each expert GEMM on the routed pairs
+// (GEMM1 2*T*k*2I*H, GEMM2 2*T*k*H*I).
 #include "cli/bench_moe_cuda.h"
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -40,6 +42,13 @@ Result<moe::KernelFormat> parse_kernel_format(const std::string& s) {
   if (s == "int4") return moe::KernelFormat::kInt4;
   if (s == "int2") return moe::KernelFormat::kInt2;
   return Error::format("the CUDA backend runs bf16, nvfp4, int4 or int2 experts, not '{}'", s).in_field("--format");
+}
+
+Result<moe::MoeGemmPath> parse_gemm_path(const std::string& s) {
+  if (s == "auto") return moe::MoeGemmPath::kAuto;
+  if (s == "decode") return moe::MoeGemmPath::kDecode;
+  if (s == "prefill") return moe::MoeGemmPath::kPrefill;
+  return Error::format("expected auto, decode or prefill, not '{}'", s).in_field("--gemm-path");
 }
 
 // Captures enqueue() into a graph, replays it once to warm up, then `iters` times between CUDA
@@ -74,19 +83,21 @@ double time_graph_us(cudaStream_t stream, int iters, int per_replay, Enqueue enq
 Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
   if (!cuda_available()) return Error("no CUDA device is visible").in_field("--backend");
   MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat format, parse_kernel_format(o.format));
+  MOEBIUS_ASSIGN_OR_RETURN(moe::MoeGemmPath gemm_path, parse_gemm_path(o.gemm_path));
   const MoeGeometry& g = o.geometry;
   const cpu::MoeShape shape{g.hidden, g.intermediate, g.num_experts, g.top_k};
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("moebius bench moe  backend=cuda (%s)  geometry=%s (H=%lld I=%lld E=%d k=%d)  format=%s%s  combine=%s\n",
+  std::printf("moebius bench moe  backend=cuda (%s)  geometry=%s (H=%lld I=%lld E=%d k=%d)  format=%s%s  combine=%s"
+              "  gemm-path=%s\n",
               prop.name, g.name.c_str(), static_cast<long long>(g.hidden), static_cast<long long>(g.intermediate),
               g.num_experts, g.top_k, o.format.c_str(),
               (format == moe::KernelFormat::kInt4 || format == moe::KernelFormat::kInt2)
                   ? (" g=" + std::to_string(o.group_size)).c_str()
                   : "",
-              o.atomic_combine ? "atomic-bf16" : "fp32-deterministic");
+              o.atomic_combine ? "atomic-bf16" : "fp32-deterministic", o.gemm_path.c_str());
   std::printf("floors: HBM %.2f TB/s, bf16 %.0f TFLOP/s\n", o.hbm_bytes_per_s / 1e12, o.bf16_flops_per_s / 1e12);
-  std::printf("%7s %4s %5s %10s %8s %9s %9s %9s %9s %8s\n", "tokens", "bm", "sets", "us/layer", "touched", "MB",
+  std::printf("%7s %7s %4s %5s %10s %8s %9s %9s %9s %9s %8s\n", "tokens", "path", "bm", "sets", "us/layer", "touched", "MB",
               "GB/s", "TFLOP/s", "floor us", "x floor");
 
   cudaStream_t stream;
@@ -95,6 +106,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     moe::MoeCudaOptions opt;
     opt.capacity = static_cast<int>(T);
     opt.combine = o.atomic_combine ? kernels::MoeCombineMode::kAtomic : kernels::MoeCombineMode::kStore;
+    opt.gemm_path = gemm_path;
     // Size the weight-set rotation from the expected touched bytes.
     const double expect_touched = g.num_experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.num_experts,
                                                                   static_cast<double>(T)));
@@ -131,7 +143,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     // full replays above). The stages overlap nothing in the full graph, so they add up to about
     // the layer time; the difference is the dependency latency between kernels.
     std::string stage_line;
-    double stage_sum = 0;
+    double stage_sum = 0, gemm1_us = 0, gemm2_us = 0;
     for (int st = 0; st < static_cast<int>(moe::MoeStage::kCount); ++st) {
       const auto stage = static_cast<moe::MoeStage>(st);
       if (!sets[0]->uses_stage(stage)) continue;
@@ -139,6 +151,8 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
         for (auto& l : sets) l->enqueue_stage(stage, xb, nd, l->topk_ids(), l->topk_weights(), ob, stream);
       });
       stage_sum += sus;
+      if (stage == moe::MoeStage::kGateUp) gemm1_us = sus;
+      if (stage == moe::MoeStage::kDown) gemm2_us = sus;
       stage_line += fmt::format(" {} {:.2f}", moe::moe_stage_name(stage), sus);
     }
 
@@ -156,10 +170,14 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     const double bytes = touched * static_cast<double>(sets[0]->expert_bytes()) + 2.0 * g.num_experts * g.hidden;
     const double flops = 2.0 * T * g.top_k * 3.0 * g.hidden * g.intermediate + 2.0 * T * g.hidden * g.num_experts;
     const double floor_us = 1e6 * std::max(bytes / o.hbm_bytes_per_s, flops / o.bf16_flops_per_s);
-    std::printf("%7lld %4d %5d %10.2f %8.1f %9.2f %9.1f %9.1f %9.2f %8.2f\n", static_cast<long long>(T),
-                sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
+    std::printf("%7lld %7s %4d %5d %10.2f %8.1f %9.2f %9.1f %9.1f %9.2f %8.2f\n", static_cast<long long>(T),
+                moe::moe_gemm_path_name(sets[0]->gemm_path()), sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);
     std::printf("        stages us:%s (sum %.2f)\n", stage_line.c_str(), stage_sum);
+    // The expert GEMMs alone, on the routed pairs only (padding rows not counted as work).
+    const double pair_flops = 2.0 * T * g.top_k * g.hidden * g.intermediate;
+    std::printf("        gemm TFLOP/s: gemm1 %.1f  gemm2 %.1f\n", 2.0 * pair_flops / (gemm1_us * 1e-6) / 1e12,
+                pair_flops / (gemm2_us * 1e-6) / 1e12);
     std::fflush(stdout);
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(out));

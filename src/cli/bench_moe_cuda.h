@@ -16,6 +16,7 @@ struct BenchMoeCudaOptions {
   int group_size = 128;
   int iters = 50;
   bool atomic_combine = false;
+  std::string gemm_path = "auto";  // auto, decode or prefill (moe::MoeGemmPath)
   uint64_t seed = 1;
   // Physical floors measured on the H200 here (docs/PERF.md).
   double hbm_bytes_per_s = 4.57e12;

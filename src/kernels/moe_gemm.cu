@@ -12,21 +12,11 @@
 // per expert wastes 7/8 of an n8 tile rather than 15/16 of an m16 tile; larger token tiles reuse
 // each dequantized fragment for block_m / 8 mma.
 //
-// Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
-//   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
-//              exact small integers. The group scale multiplies the fp32 accumulator when the
-//              group ends, so weights enter the mma exactly.
-//   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15,
-//              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
-//              0; bf16 mul and mma keep subnormals, checked by dev/cuda/probe_bf16_subnormal.cu).
-//              It is multiplied by bf16(block scale * 2^64), an exact product (2 x 4 significant
-//              bits) in the normal range, and the accumulator by scale_2 * 2^62 at the end.
-//   bf16:      the words are the fragment.
+// Dequantization (shared with the prefill kernel) is described in kernels/moe_dequant.cuh.
 #include "kernels/moe_gemm.cuh"
 
-#include <cuda_fp8.h>
-
 #include "kernels/cuda_check.h"
+#include "kernels/moe_dequant.cuh"
 #include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
@@ -36,77 +26,11 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 
-template <MoeWeightFormat F>
-constexpr int kChunkK = F == MoeWeightFormat::kBF16 ? 16 : (F == MoeWeightFormat::kInt2 ? 128 : 64);
-template <MoeWeightFormat F>
-constexpr int kSteps = kChunkK<F> / 16;
+using namespace moe_detail;
 
 // Weights are read exactly once per token tile: stream them past L1 with an evict-first hint so
 // they do not push activations (re-read by every row tile) out of L2.
 __device__ __forceinline__ uint4 load_weights(const uint4* p) { return __ldcs(p); }
-
-__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Shift left for positive n, right for negative n; n is a compile-time constant after unrolling.
-template <int N>
-__device__ __forceinline__ uint32_t shift(uint32_t w) {
-  if constexpr (N >= 0) return w << N;
-  else return w >> (-N);
-}
-
-// A-fragment registers of k-step S of a chunk. sc: nvfp4 scale pairs for rows g and g+8.
-template <MoeWeightFormat F, int S>
-__device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv_scale)[2], uint32_t (&a)[4]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-  if constexpr (F == MoeWeightFormat::kBF16) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) a[j] = words[j];
-  } else if constexpr (F == MoeWeightFormat::kInt4) {
-    const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);  // 128 + zero point 8
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t v = ((words[S] >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
-      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
-    }
-  } else if constexpr (F == MoeWeightFormat::kInt2) {
-    const __nv_bfloat162 bias = __floats2bfloat162_rn(130.0f, 130.0f);  // 128 + zero point 2
-    constexpr int u = S & 1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
-      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
-    }
-  } else {  // kNvFp4
-    const uint32_t wd = words[S];
-    const uint32_t m0 = shift<6>(wd) & 0x01C001C0u, s0 = shift<12>(wd) & 0x80008000u;
-    const uint32_t m1 = shift<2>(wd) & 0x01C001C0u, s1 = shift<8>(wd) & 0x80008000u;
-    const uint32_t m2 = shift<-2>(wd) & 0x01C001C0u, s2 = shift<4>(wd) & 0x80008000u;
-    const uint32_t m3 = shift<-6>(wd) & 0x01C001C0u, s3 = wd & 0x80008000u;
-    a[0] = bf16x2_bits(__hmul2(as_bf16x2(m0 | s0), as_bf16x2(nv_scale[0])));  // row g
-    a[1] = bf16x2_bits(__hmul2(as_bf16x2(m1 | s1), as_bf16x2(nv_scale[1])));  // row g + 8
-    a[2] = bf16x2_bits(__hmul2(as_bf16x2(m2 | s2), as_bf16x2(nv_scale[0])));
-    a[3] = bf16x2_bits(__hmul2(as_bf16x2(m3 | s3), as_bf16x2(nv_scale[1])));
-  }
-}
-
-// bf16 bits of (e4m3 value * 2^64) for every e4m3 byte: block scales become bf16 multipliers.
-__device__ __forceinline__ void build_e4m3_lut(uint16_t* lut) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    const __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(i), __NV_E4M3);
-    const float v = __half2float(__half(hr)) * 18446744073709551616.0f;  // 2^64, exact
-    const __nv_bfloat16 b = __float2bfloat16(v);                           // exact: 4 significant bits
-    lut[i] = *reinterpret_cast<const uint16_t*>(&b);
-  }
-}
 
 // The B fragment (two bf16 pairs) of one token row at k0: columns k0+2t, +1 and k0+2t+8, +9.
 // Columns >= K read as 0, so padded weight columns meet zeros.
@@ -126,22 +50,6 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
     b0 = ld(c0) | (ld(c0 + 1) << 16);
     b1 = ld(c1) | (ld(c1 + 1) << 16);
   }
-}
-
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
-
-__device__ __forceinline__ float activation(const MoeActivationParams& act, float g, float u) {
-  switch (act.kind) {
-    case MoeActivation::kSiLU:
-      return silu(g) * u;
-    case MoeActivation::kSiLUClamped:
-      return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
-    case MoeActivation::kGptOss: {
-      const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
-      return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
-    }
-  }
-  return 0.0f;
 }
 
 enum class Epilogue : uint8_t { kGateUp, kDownStore, kDownAtomic };
@@ -165,7 +73,7 @@ struct KernelArgs {
 template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs args) {
   constexpr int KC = kChunkK<F>;
-  constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightFormat::kInt2;
+  constexpr bool kIsIntF = kIsInt<F>;
   const int tile = blockIdx.y;
   const int row_tile = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -224,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
   // 16-byte weight loads in flight per lane before the first use. 8 for NT <= 2 was measured
   // slower than 4 at every batch size (docs/PERF.md, 2026-12-02), so 4 it is.
   constexpr int kPrefetch = 4;
-  int current_group = kIsInt ? (c_begin * KC) / d.group_size : 0;
+  int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     uint4 wv[kPrefetch];
     uint2 sv[kPrefetch];
@@ -242,20 +150,14 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
       if (c >= c_end) break;
       uint32_t nv_scales[kSteps<F>][2] = {};
       if constexpr (F == MoeWeightFormat::kNvFp4) {
-        const uint32_t lo = sv[p].x, hi = sv[p].y;  // bytes: row g blocks 0..3, row g+8 blocks 0..3
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t sg = e4m3_lut[(lo >> (8 * s)) & 0xFF], sg8 = e4m3_lut[(hi >> (8 * s)) & 0xFF];
-          nv_scales[s][0] = sg | (sg << 16);
-          nv_scales[s][1] = sg8 | (sg8 << 16);
-        }
+        nvfp4_step_scales(e4m3_lut, sv[p], nv_scales);
       }
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
         uint32_t a[4];
         dequant_step<F, S>(wv[p], nv_scales[S], a);
         const int k0 = c * KC + S * 16;
-        if constexpr (kIsInt) {
+        if constexpr (kIsIntF) {
           const int group = k0 / d.group_size;
           if (group != current_group) {
             flush_group(current_group);
@@ -266,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
         for (int tt = 0; tt < NT; ++tt) {
           uint32_t b0, b1;
           load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
-          if constexpr (kIsInt) mma_bf16(grp[tt], a, b0, b1);
+          if constexpr (kIsIntF) mma_bf16(grp[tt], a, b0, b1);
           else mma_bf16(acc[tt], a, b0, b1);
         }
       };
@@ -275,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
       }(std::make_integer_sequence<int, kSteps<F>>{});
     }
   }
-  if constexpr (kIsInt) {
+  if constexpr (kIsIntF) {
     if (c_end > c_begin) flush_group(current_group);
   }
 
@@ -286,8 +188,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
     for (int i = 0; i < 4; ++i) partial[warp][tt][lane][i] = acc[tt][i];
   __syncthreads();
   if (warp != 0) return;
-  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * 4611686018427387904.0f : 1.0f;  // * 2^62
-  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * 4611686018427387904.0f : 1.0f;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
 #pragma unroll
   for (int tt = 0; tt < NT; ++tt) {
     float c[4];

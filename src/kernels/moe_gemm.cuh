@@ -49,7 +49,7 @@ struct MoeGemmDims {
 struct MoeTiles {
   const int32_t* padded_pair_ids = nullptr;  // [max_padded]  from launch_moe_align
   const int32_t* tile_expert = nullptr;      // [>= grid_tiles]
-  int block_m = 8;      // tokens per tile: 8, 16, 32 or 64
+  int block_m = 8;      // tokens per tile: 8, 16, 32 or 64 (decode); 64 or 128 (moe_gemm_prefill.cuh)
   int grid_tiles = 0;   // tiles the grid covers (an upper bound on the live tile count)
   int top_k = 1;
 };

@@ -9,6 +9,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #include "kernels/moe_combine.cuh"
+#include "kernels/moe_gemm_prefill.cuh"
 
 namespace moebius::moe {
 
@@ -34,13 +35,36 @@ kernels::MoeActivationParams to_kernel(const cpu::ActivationConfig& a) {
   return p;
 }
 
+// Average tokens per expert at full capacity, rounded up.
+int64_t tokens_per_expert(int capacity, int top_k, int num_experts) {
+  return (static_cast<int64_t>(capacity) * top_k + num_experts - 1) / num_experts;
+}
+
+// Decode: a tile should hold about the average tokens per expert.
 int pick_block_m(int capacity, int top_k, int num_experts) {
-  // Average tokens per expert at full capacity; a tile should hold about that many.
-  const int64_t avg = (static_cast<int64_t>(capacity) * top_k + num_experts - 1) / num_experts;
+  const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
   return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
 }
 
+// Prefill: 64 tokens, except bf16 with >= 128 tokens per expert, whose weights are 4x the bytes
+// of nvfp4/int4 per flop, so it needs 128-token tiles to keep L2 traffic below the L2 bandwidth
+// (moe_gemm_prefill.cu). Padding costs (block_m - 1) / 2 rows per expert on average, which is why
+// the quantized formats stay at 64.
+int pick_prefill_block_m(KernelFormat format, int capacity, int top_k, int num_experts) {
+  const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
+  return format == KernelFormat::kBF16 && avg >= 128 ? 128 : 64;
+}
+
 }  // namespace
+
+const char* moe_gemm_path_name(MoeGemmPath p) {
+  switch (p) {
+    case MoeGemmPath::kAuto: return "auto";
+    case MoeGemmPath::kDecode: return "decode";
+    case MoeGemmPath::kPrefill: return "prefill";
+  }
+  return "?";
+}
 
 const char* moe_stage_name(MoeStage s) {
   switch (s) {
@@ -69,9 +93,28 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   opt_ = opt;
   const int E = shape.num_experts, k = shape.top_k, cap = opt.capacity;
   const int64_t H = shape.hidden, I = shape.intermediate;
-  block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
-  if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
-    return Error::format("block_m must be 8, 16, 32 or 64, got {}", block_m_);
+  const kernels::MoeWeightFormat kf = to_kernel(format);
+  switch (opt.gemm_path) {
+    case MoeGemmPath::kDecode: path_ = MoeGemmPath::kDecode; break;
+    case MoeGemmPath::kPrefill: path_ = MoeGemmPath::kPrefill; break;
+    case MoeGemmPath::kAuto:
+      if (opt.block_m != 0 && opt.block_m != 64)  // a block_m only one path runs decides it
+        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? MoeGemmPath::kPrefill : MoeGemmPath::kDecode;
+      else
+        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? MoeGemmPath::kPrefill
+                                                                           : MoeGemmPath::kDecode;
+      break;
+  }
+  if (path_ == MoeGemmPath::kPrefill) {
+    block_m_ = opt.block_m ? opt.block_m : pick_prefill_block_m(format, cap, k, E);
+    if (!kernels::moe_gemm_prefill_supports(kf, block_m_))
+      return Error::format("the prefill GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
+                           block_m_, kernel_format_name(format));
+  } else {
+    block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
+    if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
+      return Error::format("the decode GEMMs take block_m 8, 16, 32 or 64; got {}", block_m_);
+  }
   max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
   max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
   // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
@@ -278,6 +321,10 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.top_k = k;
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
+  const bool prefill = path_ == MoeGemmPath::kPrefill;
+  // Both paths take the same arguments; pick the launcher pair once.
+  auto* gate_up = prefill ? &kernels::launch_moe_gemm_prefill_gate_up : &kernels::launch_moe_gemm_gate_up;
+  auto* down = prefill ? &kernels::launch_moe_gemm_prefill_down : &kernels::launch_moe_gemm_down;
   switch (stage) {
     case MoeStage::kRouteFused:
       MOEBIUS_ASSERT(fused_routing_);
@@ -298,17 +345,17 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                 padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
       return;
     case MoeStage::kGateUp:
-      kernels::launch_moe_gemm_gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
+      gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
       return;
     case MoeStage::kDown:
       if (store) {
-        kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_,
-                                      H, nullptr, nullptr, 0, stream);
+        down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_, H, nullptr, nullptr, 0,
+             stream);
       } else {
         // The atomic combine accumulates into out, so the capacity rows are zeroed first.
         CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
-        kernels::launch_moe_gemm_down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic,
-                                      nullptr, 0, topk_weights, out, H, stream);
+        down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic, nullptr, 0, topk_weights, out,
+             H, stream);
       }
       return;
     case MoeStage::kCombine:

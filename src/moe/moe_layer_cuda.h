@@ -30,10 +30,27 @@ namespace moebius::moe {
 enum class MoeStage : int { kRouteFused, kRouterLogits, kTopK, kAlign, kGateUp, kDown, kCombine, kCount };
 const char* moe_stage_name(MoeStage s);
 
+// Which expert GEMM kernels a layer runs. kDecode: moe_gemm.cuh (swap-AB, one 16-row weight tile
+// per block, streams weights; for few tokens per expert). kPrefill: moe_gemm_prefill.cuh (256 x
+// block_m block tiles over a cp.async pipeline; for many tokens per expert). kAuto picks from the
+// expected tokens per expert at full capacity (see kPrefillMinTokensPerExpert). Both read the
+// same packed weights; results agree to the bf16 rounding of h.
+enum class MoeGemmPath : uint8_t { kAuto, kDecode, kPrefill };
+const char* moe_gemm_path_name(MoeGemmPath p);
+
+// kAuto takes the prefill kernels when capacity * k / E (the average tokens per expert at full
+// capacity) is at least this. A first heuristic, not measured: below it the prefill kernel's
+// 64-token tiles are mostly padding and the decode kernel streams the weights; the autotuner
+// issue replaces it with measured crossovers per format and geometry.
+inline constexpr int kPrefillMinTokensPerExpert = 32;
+
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
   kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
-  int block_m = 0;   // tokens per GEMM tile (8, 16, 32, 64); 0 = pick from capacity * k / E
+  // Tokens per GEMM tile; 0 = pick from capacity * k / E and the path. Decode: 8, 16, 32, 64.
+  // Prefill: 64, or 128 for bf16 and nvfp4.
+  int block_m = 0;
+  MoeGemmPath gemm_path = MoeGemmPath::kAuto;
   // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
   // it (kernels::moe_route_small_supported); false forces the three separate kernels.
   bool fuse_routing = true;
@@ -71,6 +88,8 @@ class MoeLayerCuda {
   KernelFormat format() const { return format_; }
   int capacity() const { return opt_.capacity; }
   int block_m() const { return block_m_; }
+  // The path the GEMM stages run (kDecode or kPrefill; kAuto is resolved at creation).
+  MoeGemmPath gemm_path() const { return path_; }
   // Routing of the last forward, [capacity, k] (device).
   const int32_t* topk_ids() const { return topk_ids_; }
   const float* topk_weights() const { return topk_weights_; }
@@ -88,6 +107,7 @@ class MoeLayerCuda {
   MoeCudaOptions opt_;
   int block_m_ = 8;
   bool fused_routing_ = false;
+  MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;
   kernels::MoeGemmDims dims13_, dims2_;

@@ -103,18 +103,38 @@ LayerRun run_gpu(MoeLayerCuda& layer, const std::vector<uint16_t>& x, int64_t T,
   return r;
 }
 
+// The oracle's output on a given routing, [T, H] fp32.
+std::vector<float> oracle_out(const cpu::MoeLayerReference& L, const std::vector<uint16_t>& x, int64_t T,
+                              const std::vector<int32_t>& ids, const std::vector<float>& w) {
+  const auto xf = to_float(x);
+  std::vector<float> ref(static_cast<size_t>(T * L.shape.hidden));
+  EXPECT_TRUE(cpu::moe_experts_reference(L.shape, L.experts, L.options, xf.data(), T, ids.data(), w.data(), ref.data()).ok());
+  return ref;
+}
+
+// Compares a GPU output with an oracle output; prints the NMSE.
+void expect_close_to(const std::vector<float>& ref, const std::vector<uint16_t>& gpu_out, const std::string& what) {
+  const auto got = to_float(gpu_out);
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << what << ": unwritten output " << i;
+  const double e = testing::nmse(got.data(), ref.data(), got.size());
+  EXPECT_LT(e, kNmseBound) << what;
+  std::printf("  %-48s nmse %.2e\n", what.c_str(), e);
+}
+
 // Compares a GPU output with the oracle run on the same routing; prints the NMSE.
 void expect_matches_oracle(const cpu::MoeLayerReference& L, const std::vector<uint16_t>& x, int64_t T,
                            const std::vector<int32_t>& ids, const std::vector<float>& w,
                            const std::vector<uint16_t>& gpu_out, const std::string& what) {
-  const auto xf = to_float(x);
-  std::vector<float> ref(static_cast<size_t>(T * L.shape.hidden));
-  ASSERT_TRUE(cpu::moe_experts_reference(L.shape, L.experts, L.options, xf.data(), T, ids.data(), w.data(), ref.data()).ok());
-  const auto got = to_float(gpu_out);
-  for (size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << what << ": unwritten output " << i;
-  const double e = testing::nmse(got.data(), ref.data(), got.size());
-  EXPECT_LT(e, kNmseBound) << what;
-  std::printf("  %-40s nmse %.2e\n", what.c_str(), e);
+  expect_close_to(oracle_out(L, x, T, ids, w), gpu_out, what);
+}
+
+// Both expert GEMM paths are checked at every size: the decode kernel (moe_gemm.cuh) and the
+// prefill kernel (moe_gemm_prefill.cuh), forced, whatever the automatic choice would be.
+constexpr MoeGemmPath kPaths[] = {MoeGemmPath::kDecode, MoeGemmPath::kPrefill};
+
+std::string path_label(const MoeLayerCuda& layer) {
+  return std::string(moe_gemm_path_name(layer.gemm_path())) + " bm=" + std::to_string(layer.block_m());
 }
 
 struct LayerCase {
@@ -132,26 +152,38 @@ TEST_P(MoeLayerGpu, MatchesCpuReference) {
   const auto& c = GetParam();
   const cpu::MoeLayerReference L = make_layer(c.format, c.g, c.group, 17);
   for (int64_t T : c.tokens) {
-    MoeCudaOptions opt;
-    opt.capacity = static_cast<int>(T);
-    auto layer = MoeLayerCuda::create(L, opt);
-    ASSERT_TRUE(layer.ok()) << layer.error().what();
     const auto x = random_x(T, c.g.H, 100 + T);
-    const LayerRun r = run_gpu(**layer, x, T);
-    // Routing: the GPU router (bf16 weights, fp32 sums) against the CPU router on the same logits
-    // up to summation order; near-ties may flip, so demand 99% of ids, then check the experts on
-    // the GPU's own routing, which isolates the GEMMs from the router.
-    std::vector<float> logits(static_cast<size_t>(T * c.g.E));
-    const auto xf = to_float(x);
-    cpu::router_logits_reference(L.router_weight.data(), xf.data(), T, c.g.H, c.g.E, logits.data());
-    std::vector<int32_t> ids(r.ids.size());
-    std::vector<float> w(r.ids.size());
-    ASSERT_TRUE(cpu::route_reference(L.router, logits.data(), T, ids.data(), w.data()).ok());
-    size_t same = 0;
-    for (size_t i = 0; i < ids.size(); ++i) same += ids[i] == r.ids[i];
-    EXPECT_GE(same, ids.size() * 99 / 100) << "router ids agree on " << same << " of " << ids.size();
-    expect_matches_oracle(L, x, T, r.ids, r.weights, r.out,
-                          std::string(c.name) + " T=" + std::to_string(T) + " bm=" + std::to_string((*layer)->block_m()));
+    std::vector<int32_t> first_ids;
+    std::vector<float> ref;
+    for (MoeGemmPath path : kPaths) {
+      MoeCudaOptions opt;
+      opt.capacity = static_cast<int>(T);
+      opt.gemm_path = path;
+      auto layer = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(layer.ok()) << layer.error().what();
+      ASSERT_EQ((*layer)->gemm_path(), path);
+      const LayerRun r = run_gpu(**layer, x, T);
+      if (first_ids.empty()) {
+        // Routing: the GPU router (bf16 weights, fp32 sums) against the CPU router on the same
+        // logits up to summation order; near-ties may flip, so demand 99% of ids, then check the
+        // experts on the GPU's own routing, which isolates the GEMMs from the router.
+        std::vector<float> logits(static_cast<size_t>(T * c.g.E));
+        const auto xf = to_float(x);
+        cpu::router_logits_reference(L.router_weight.data(), xf.data(), T, c.g.H, c.g.E, logits.data());
+        std::vector<int32_t> ids(r.ids.size());
+        std::vector<float> w(r.ids.size());
+        ASSERT_TRUE(cpu::route_reference(L.router, logits.data(), T, ids.data(), w.data()).ok());
+        size_t same = 0;
+        for (size_t i = 0; i < ids.size(); ++i) same += ids[i] == r.ids[i];
+        EXPECT_GE(same, ids.size() * 99 / 100) << "router ids agree on " << same << " of " << ids.size();
+        first_ids = r.ids;
+        ref = oracle_out(L, x, T, r.ids, r.weights);
+      } else {
+        // The router does not depend on the GEMM path: same ids, so the same oracle output.
+        ASSERT_EQ(first_ids, r.ids);
+      }
+      expect_close_to(ref, r.out, std::string(c.name) + " T=" + std::to_string(T) + " " + path_label(**layer));
+    }
   }
 }
 
@@ -164,41 +196,57 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{"nvfp4_E128_k8", WeightFormat::kNvFp4, 16, {256, 128, 128, 8}, {1, 2, 3, 8, 16, 64, 256, 1000, 4096}},
         LayerCase{"int4_E128_k8", WeightFormat::kInt4, 128, {256, 128, 128, 8}, {1, 2, 3, 8, 16, 64, 256, 1000, 4096}},
         LayerCase{"int2_E128_k8", WeightFormat::kInt2, 128, {256, 128, 128, 8}, {1, 2, 3, 8, 16, 64, 256, 1000, 4096}},
-        LayerCase{"nvfp4_E8_k2", WeightFormat::kNvFp4, 16, {128, 64, 8, 2}, {1, 16, 1000}},
+        LayerCase{"nvfp4_E8_k2", WeightFormat::kNvFp4, 16, {128, 64, 8, 2}, {1, 3, 16, 64, 256, 1000, 4096}},
+        LayerCase{"bf16_E8_k2", WeightFormat::kBF16, 0, {128, 64, 8, 2}, {1, 3, 64, 256, 1000, 4096}},
+        LayerCase{"int4_E8_k2", WeightFormat::kInt4, 64, {128, 64, 8, 2}, {1, 3, 64, 256, 1000, 4096}},
+        LayerCase{"int2_E8_k2", WeightFormat::kInt2, 64, {128, 64, 8, 2}, {1, 3, 64, 256, 1000, 4096}},
         LayerCase{"int4_E64_k2", WeightFormat::kInt4, 128, {256, 256, 64, 2}, {3, 256}},
         LayerCase{"int2_E256_k8", WeightFormat::kInt2, 128, {256, 128, 256, 8}, {1, 64, 1000}},
         LayerCase{"bf16_odd_H129_I67", WeightFormat::kBF16, 0, {129, 67, 16, 4}, {1, 5, 100}},
         LayerCase{"nvfp4_H144_I80", WeightFormat::kNvFp4, 16, {144, 80, 16, 4}, {1, 7, 300}},
-        LayerCase{"int4_g32", WeightFormat::kInt4, 32, {128, 96, 16, 2}, {1, 33}}),
+        LayerCase{"int4_g32", WeightFormat::kInt4, 32, {128, 96, 16, 2}, {1, 33}},
+        // Odd int shapes (int4 needs H, I % 8, int2 % 16): groups that straddle the prefill
+        // kernel's 64-k stages and a partial last group (K=200, g=48), padded K chunks (int2
+        // K=176 in 256), g=16 (a group every k-step).
+        LayerCase{"int4_H200_I40_g48", WeightFormat::kInt4, 48, {200, 40, 8, 2}, {1, 5, 300}},
+        LayerCase{"int2_H176_I48_g32", WeightFormat::kInt2, 32, {176, 48, 8, 2}, {1, 5, 300}},
+        LayerCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 16, 4}, {7, 500}}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Skewed routing through forward_routed: every token to expert 3 (plus its other slots to one
-// more expert), and half the experts empty.
+// Skewed routing through forward_routed, on both GEMM paths: every token to expert 3 (plus its
+// other slots to one more expert); half the experts empty; every token to the same k experts
+// (300 tokens on each of 4 experts, 60 empty).
 TEST(MoeLayerGpuRouted, SkewedAndEmptyExperts) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{256, 128, 64, 4};
   for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2, WeightFormat::kBF16}) {
     const cpu::MoeLayerReference L = make_layer(f, g, 128, 5);
     const int64_t T = 300;
-    MoeCudaOptions opt;
-    opt.capacity = static_cast<int>(T);
-    auto layer = MoeLayerCuda::create(L, opt);
-    ASSERT_TRUE(layer.ok()) << layer.error().what();
     const auto x = random_x(T, g.H, 9);
-    for (int pattern = 0; pattern < 2; ++pattern) {
+    for (int pattern = 0; pattern < 3; ++pattern) {
       std::vector<int32_t> ids(static_cast<size_t>(T * g.k));
       std::vector<float> w(ids.size());
       std::mt19937 rng(pattern);
       for (int64_t t = 0; t < T; ++t)
         for (int j = 0; j < g.k; ++j) {
-          // pattern 0: slot 0 always expert 3, the rest distinct others; pattern 1: even experts only
-          ids[t * g.k + j] = pattern == 0 ? (j == 0 ? 3 : (3 + j * 7 + static_cast<int>(t)) % g.E)
-                                          : static_cast<int32_t>((2 * (t + j * 5)) % g.E);
+          // pattern 0: slot 0 always expert 3, the rest distinct others; 1: even experts only;
+          // 2: slot j always expert j
+          ids[t * g.k + j] = pattern == 0   ? (j == 0 ? 3 : (3 + j * 7 + static_cast<int>(t)) % g.E)
+                             : pattern == 1 ? static_cast<int32_t>((2 * (t + j * 5)) % g.E)
+                                            : j;
           w[t * g.k + j] = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
         }
-      const LayerRun r = run_gpu(**layer, x, T, ids.data(), w.data());
-      expect_matches_oracle(L, x, T, ids, w, r.out,
-                            std::string(weight_format_name(f)) + (pattern == 0 ? " hot expert 3" : " odd experts empty"));
+      const std::vector<float> ref = oracle_out(L, x, T, ids, w);
+      const char* name = pattern == 0 ? " hot expert 3" : pattern == 1 ? " odd experts empty" : " all on experts 0-3";
+      for (MoeGemmPath path : kPaths) {
+        MoeCudaOptions opt;
+        opt.capacity = static_cast<int>(T);
+        opt.gemm_path = path;
+        auto layer = MoeLayerCuda::create(L, opt);
+        ASSERT_TRUE(layer.ok()) << layer.error().what();
+        const LayerRun r = run_gpu(**layer, x, T, ids.data(), w.data());
+        expect_close_to(ref, r.out, std::string(weight_format_name(f)) + name + " " + path_label(**layer));
+      }
     }
   }
 }
@@ -207,60 +255,113 @@ TEST(MoeLayerGpuDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{512, 256, 128, 8};
   const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 16, 3);
-  const int64_t T = 200;
-  MoeCudaOptions opt;
-  opt.capacity = static_cast<int>(T);
-  auto layer = MoeLayerCuda::create(L, opt);
-  ASSERT_TRUE(layer.ok());
-  const auto x = random_x(T, g.H, 4);
-  const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
-  EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2)) << "store mode must be bit-identical";
-  opt.combine = kernels::MoeCombineMode::kAtomic;
-  auto atomic = MoeLayerCuda::create(L, opt);
-  ASSERT_TRUE(atomic.ok());
-  const LayerRun c = run_gpu(**atomic, x, T);
-  expect_matches_oracle(L, x, T, a.ids, a.weights, c.out, "nvfp4 atomic combine");
+  for (int64_t T : {200, 1000}) {
+    const auto x = random_x(T, g.H, 4);
+    for (MoeGemmPath path : kPaths) {
+      MoeCudaOptions opt;
+      opt.capacity = static_cast<int>(T);
+      opt.gemm_path = path;
+      auto layer = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(layer.ok());
+      const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
+      const std::string label = path_label(**layer) + " T=" + std::to_string(T);
+      EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2))
+          << "store mode must be bit-identical (" << label << ")";
+      opt.combine = kernels::MoeCombineMode::kAtomic;
+      auto atomic = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(atomic.ok());
+      const LayerRun c = run_gpu(**atomic, x, T);
+      expect_matches_oracle(L, x, T, a.ids, a.weights, c.out, "nvfp4 atomic combine " + label);
+    }
+  }
+}
+
+// The automatic choice takes the prefill kernels for many tokens per expert, with 128-token
+// tiles for bf16; explicit 128-token tiles also run nvfp4, and are refused for the int formats.
+TEST(MoeLayerGpuPath, AutoChoiceAndPrefillTiles128) {
+  MOEBIUS_REQUIRE_GPU();
+  const Geometry g{256, 128, 128, 8};
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kNvFp4, WeightFormat::kInt4}) {
+    const cpu::MoeLayerReference L = make_layer(f, g, 128, 21);
+    MoeCudaOptions opt;
+    opt.capacity = 4096;  // 256 tokens per expert
+    auto big = MoeLayerCuda::create(L, opt);
+    ASSERT_TRUE(big.ok());
+    EXPECT_EQ((*big)->gemm_path(), MoeGemmPath::kPrefill);
+    EXPECT_EQ((*big)->block_m(), f == WeightFormat::kBF16 ? 128 : 64);
+    opt.capacity = 64;  // 4 tokens per expert
+    auto small = MoeLayerCuda::create(L, opt);
+    ASSERT_TRUE(small.ok());
+    EXPECT_EQ((*small)->gemm_path(), MoeGemmPath::kDecode);
+    opt.capacity = 700;
+    opt.block_m = 128;
+    opt.gemm_path = MoeGemmPath::kPrefill;
+    auto wide = MoeLayerCuda::create(L, opt);
+    if (f == WeightFormat::kInt4) {
+      EXPECT_FALSE(wide.ok());
+      continue;
+    }
+    ASSERT_TRUE(wide.ok()) << wide.error().what();
+    for (int64_t T : {700, 129, 1}) {
+      const auto x = random_x(T, g.H, 30 + T);
+      const LayerRun r = run_gpu(**wide, x, T);
+      expect_matches_oracle(L, x, T, r.ids, r.weights, r.out,
+                            std::string(weight_format_name(f)) + " T=" + std::to_string(T) + " " + path_label(**wide));
+    }
+  }
 }
 
 TEST(MoeLayerGpuGraph, OneCaptureServesEveryTokenCount) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{256, 128, 128, 8};
   const cpu::MoeLayerReference L = make_layer(WeightFormat::kInt4, g, 128, 8);
-  const int cap = 256;
-  MoeCudaOptions opt;
-  opt.capacity = cap;
-  auto layer = MoeLayerCuda::create(L, opt);
-  ASSERT_TRUE(layer.ok());
-  CudaStream stream;
-  DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * g.H), dout(static_cast<size_t>(cap) * g.H);
-  DeviceBuffer<int32_t> dn(1);
-  const auto x = random_x(cap, g.H, 12);
-  dx.upload(x);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  (*layer)->forward(dx.data(), dn.data(), dout.data(), stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int32_t T : {1, 77, 256, 5}) {
-    CUDA_CHECK(cudaMemcpyAsync(dn.data(), &T, 4, cudaMemcpyHostToDevice, stream));
-    dout.poison(0xFF, stream);
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    stream.sync();
-    std::vector<uint16_t> out(static_cast<size_t>(cap) * g.H);
-    CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
-    std::vector<int32_t> ids(static_cast<size_t>(T) * g.k);
-    std::vector<float> w(ids.size());
-    CUDA_CHECK(cudaMemcpy(ids.data(), (*layer)->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(w.data(), (*layer)->topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-    std::vector<uint16_t> live(out.begin(), out.begin() + static_cast<int64_t>(T) * g.H);
-    std::vector<uint16_t> xs(x.begin(), x.begin() + static_cast<int64_t>(T) * g.H);
-    expect_matches_oracle(L, xs, T, ids, w, live, "graph replay T=" + std::to_string(T));
-    // Rows past T stay poisoned: the replay wrote nothing there.
-    EXPECT_TRUE(testing::bytes_are(out.data() + static_cast<int64_t>(T) * g.H, (cap - T) * g.H, 0xFF));
+  struct GraphCase {
+    MoeGemmPath path;
+    int cap;
+    std::vector<int32_t> tokens;
+  };
+  // capacity 1024 is 64 tokens per expert: kAuto takes the prefill kernels there.
+  for (const GraphCase& gc : {GraphCase{MoeGemmPath::kDecode, 256, {1, 77, 256, 5}},
+                              GraphCase{MoeGemmPath::kPrefill, 256, {1, 77, 256, 5}},
+                              GraphCase{MoeGemmPath::kAuto, 1024, {1024, 3, 500, 64}}}) {
+    const int cap = gc.cap;
+    MoeCudaOptions opt;
+    opt.capacity = cap;
+    opt.gemm_path = gc.path;
+    auto layer = MoeLayerCuda::create(L, opt);
+    ASSERT_TRUE(layer.ok());
+    if (gc.path == MoeGemmPath::kAuto) EXPECT_EQ((*layer)->gemm_path(), MoeGemmPath::kPrefill);
+    CudaStream stream;
+    DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * g.H), dout(static_cast<size_t>(cap) * g.H);
+    DeviceBuffer<int32_t> dn(1);
+    const auto x = random_x(cap, g.H, 12);
+    dx.upload(x);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    (*layer)->forward(dx.data(), dn.data(), dout.data(), stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int32_t T : gc.tokens) {
+      CUDA_CHECK(cudaMemcpyAsync(dn.data(), &T, 4, cudaMemcpyHostToDevice, stream));
+      dout.poison(0xFF, stream);
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      stream.sync();
+      std::vector<uint16_t> out(static_cast<size_t>(cap) * g.H);
+      CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<int32_t> ids(static_cast<size_t>(T) * g.k);
+      std::vector<float> w(ids.size());
+      CUDA_CHECK(cudaMemcpy(ids.data(), (*layer)->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(w.data(), (*layer)->topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+      std::vector<uint16_t> live(out.begin(), out.begin() + static_cast<int64_t>(T) * g.H);
+      std::vector<uint16_t> xs(x.begin(), x.begin() + static_cast<int64_t>(T) * g.H);
+      expect_matches_oracle(L, xs, T, ids, w, live, "graph replay T=" + std::to_string(T) + " " + path_label(**layer));
+      // Rows past T stay poisoned: the replay wrote nothing there.
+      EXPECT_TRUE(testing::bytes_are(out.data() + static_cast<int64_t>(T) * g.H, (cap - T) * g.H, 0xFF));
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
   }
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 }  // namespace

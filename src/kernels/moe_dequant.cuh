@@ -1,0 +1,141 @@
+// Device helpers shared by the expert GEMM kernels (moe_gemm.cu, decode; moe_gemm_prefill.cu,
+// prefill): the mma.sync wrapper, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT]
+// lane slice into A fragments, the e4m3 block-scale table and the fused activations. Device code
+// only; include it from .cu files, never from a launcher header.
+//
+// Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
+//   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
+//              exact small integers. The group scale multiplies the fp32 accumulator when the
+//              group ends, so weights enter the mma exactly.
+//   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15,
+//              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
+//              0; bf16 mul and mma keep subnormals, checked by dev/cuda/probe_bf16_subnormal.cu).
+//              It is multiplied by bf16(block scale * 2^64), an exact product (2 x 4 significant
+//              bits) in the normal range, and the accumulator by scale_2 * 2^62 at the end.
+//   bf16:      the words are the fragment.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/moe_gemm.cuh"
+
+namespace moebius::kernels::moe_detail {
+
+// K elements per 16-byte lane slice of a tile chunk; mirrors moe::chunk_k (expert_layout.h).
+template <MoeWeightFormat F>
+inline constexpr int kChunkK = F == MoeWeightFormat::kBF16 ? 16 : (F == MoeWeightFormat::kInt2 ? 128 : 64);
+// mma k-steps (16 deep) per chunk.
+template <MoeWeightFormat F>
+inline constexpr int kSteps = kChunkK<F> / 16;
+template <MoeWeightFormat F>
+inline constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightFormat::kInt2;
+
+// 2^64 and 2^62: the nvfp4 block scales enter bf16 times 2^64 and the subnormal code trick
+// contributes 2^-126, so the accumulator is rescaled by scale_2 * 2^62 (= 2^126 / 2^64).
+inline constexpr float kTwo64 = 18446744073709551616.0f;
+inline constexpr float kTwo62 = 4611686018427387904.0f;
+
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// c += A * B, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shift left for positive n, right for negative n; n is a compile-time constant after unrolling.
+template <int N>
+__device__ __forceinline__ uint32_t shift(uint32_t w) {
+  if constexpr (N >= 0) return w << N;
+  else return w >> (-N);
+}
+
+// A-fragment registers of k-step S of a chunk. nv_scale: nvfp4 bf16x2 block-scale pairs for rows
+// g and g+8 (ignored by the other formats).
+template <MoeWeightFormat F, int S>
+__device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv_scale)[2], uint32_t (&a)[4]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  if constexpr (F == MoeWeightFormat::kBF16) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = words[j];
+  } else if constexpr (F == MoeWeightFormat::kInt4) {
+    const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);  // 128 + zero point 8
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = ((words[S] >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
+      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
+    }
+  } else if constexpr (F == MoeWeightFormat::kInt2) {
+    const __nv_bfloat162 bias = __floats2bfloat162_rn(130.0f, 130.0f);  // 128 + zero point 2
+    constexpr int u = S & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
+      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
+    }
+  } else {  // kNvFp4
+    const uint32_t wd = words[S];
+    const uint32_t m0 = shift<6>(wd) & 0x01C001C0u, s0 = shift<12>(wd) & 0x80008000u;
+    const uint32_t m1 = shift<2>(wd) & 0x01C001C0u, s1 = shift<8>(wd) & 0x80008000u;
+    const uint32_t m2 = shift<-2>(wd) & 0x01C001C0u, s2 = shift<4>(wd) & 0x80008000u;
+    const uint32_t m3 = shift<-6>(wd) & 0x01C001C0u, s3 = wd & 0x80008000u;
+    a[0] = bf16x2_bits(__hmul2(as_bf16x2(m0 | s0), as_bf16x2(nv_scale[0])));  // row g
+    a[1] = bf16x2_bits(__hmul2(as_bf16x2(m1 | s1), as_bf16x2(nv_scale[1])));  // row g + 8
+    a[2] = bf16x2_bits(__hmul2(as_bf16x2(m2 | s2), as_bf16x2(nv_scale[0])));
+    a[3] = bf16x2_bits(__hmul2(as_bf16x2(m3 | s3), as_bf16x2(nv_scale[1])));
+  }
+}
+
+// bf16 bits of (e4m3 value * 2^64) for every e4m3 byte: block scales become bf16 multipliers.
+// Every thread of the block takes part; the caller syncs before the first read.
+__device__ __forceinline__ void build_e4m3_lut(uint16_t* lut) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    const __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(i), __NV_E4M3);
+    const float v = __half2float(__half(hr)) * kTwo64;  // exact
+    const __nv_bfloat16 b = __float2bfloat16(v);        // exact: 4 significant bits
+    lut[i] = *reinterpret_cast<const uint16_t*>(&b);
+  }
+}
+
+// The nvfp4 block-scale pair of k-step S of a chunk for lane group g: sc holds the lane's 8 scale
+// bytes (row g blocks 0..3, row g+8 blocks 0..3); out = {row g, row g+8} as bf16x2 multipliers.
+template <int S>
+__device__ __forceinline__ void nvfp4_step_scale(const uint16_t* lut, uint2 sc, uint32_t (&out)[2]) {
+  const uint32_t lo = lut[(sc.x >> (8 * S)) & 0xFF], hi = lut[(sc.y >> (8 * S)) & 0xFF];
+  out[0] = lo | (lo << 16);
+  out[1] = hi | (hi << 16);
+}
+
+// All four k-steps' pairs of one chunk at once (the decode kernel converts a chunk up front).
+__device__ __forceinline__ void nvfp4_step_scales(const uint16_t* lut, uint2 sc, uint32_t (&out)[4][2]) {
+  nvfp4_step_scale<0>(lut, sc, out[0]);
+  nvfp4_step_scale<1>(lut, sc, out[1]);
+  nvfp4_step_scale<2>(lut, sc, out[2]);
+  nvfp4_step_scale<3>(lut, sc, out[3]);
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// The fused GEMM1 activation of gate g and up u (same formulas as cpu/moe_layer).
+__device__ __forceinline__ float activation(const MoeActivationParams& act, float g, float u) {
+  switch (act.kind) {
+    case MoeActivation::kSiLU:
+      return silu(g) * u;
+    case MoeActivation::kSiLUClamped:
+      return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
+    case MoeActivation::kGptOss: {
+      const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
+      return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
+    }
+  }
+  return 0.0f;
+}
+
+}  // namespace moebius::kernels::moe_detail
