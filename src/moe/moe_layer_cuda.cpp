@@ -41,6 +41,9 @@ int64_t tokens_per_expert(int capacity, int top_k, int num_experts) {
 }
 
 // Decode: a tile should hold about the average tokens per expert.
+// Token tile of the tensor-core router GEMM (a prefill block_m every format supports).
+constexpr int kRouterBlockM = 64;
+
 int pick_block_m(int capacity, int top_k, int num_experts) {
   const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
   return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
@@ -151,6 +154,19 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
+  tc_router_ = cap >= kTensorCoreRouterMinTokens && H % 8 == 0;
+  if (tc_router_) {
+    const PackedMatrix rp = packed_shape(KernelFormat::kBF16, E, H, 0);
+    router_dims_ = {static_cast<int>(rp.row_tiles()), static_cast<int>(H), static_cast<int>(rp.chunks()), 0, 0, E};
+    router_grid_tiles_ = (cap + kRouterBlockM - 1) / kRouterBlockM;
+    MOEBIUS_ALLOC(router_packed_, uint8_t, packed_weight_bytes(rp));
+    MOEBIUS_ALLOC(router_table_, kernels::ExpertMatrixPtrs, 1);
+    MOEBIUS_ALLOC(router_pair_ids_, int32_t, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
+    MOEBIUS_ALLOC(router_tile_expert_, int32_t, router_grid_tiles_);
+    kernels::ExpertMatrixPtrs t;
+    t.weight = router_packed_;
+    CUDA_CHECK(cudaMemcpy(router_table_, &t, sizeof(t), cudaMemcpyHostToDevice));
+  }
   MOEBIUS_ALLOC(logits_, float, static_cast<size_t>(cap) * E);
   MOEBIUS_ALLOC(topk_ids_, int32_t, static_cast<size_t>(cap) * k);
   MOEBIUS_ALLOC(topk_weights_, float, static_cast<size_t>(cap) * k);
@@ -179,6 +195,21 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   route_.num_experts = E;
   route_.top_k = k;
   fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
+  return Ok{};
+}
+
+Status MoeLayerCuda::upload_packed_router(const std::vector<uint16_t>& router_bits) {
+  if (!tc_router_) return Ok{};
+  const int E = shape_.num_experts;
+  const int64_t H = shape_.hidden;
+  MOEBIUS_ASSERT(router_bits.size() == static_cast<size_t>(E * H));
+  QuantMatrixStorage storage;
+  storage.weight.resize(router_bits.size() * 2);
+  std::memcpy(storage.weight.data(), router_bits.data(), storage.weight.size());
+  const QuantMatrix m = make_owning_matrix(WeightFormat::kBF16, E, H, 0, std::move(storage));
+  auto packed = pack_matrix(m);
+  if (!packed.ok()) return std::move(packed).error().with_context("router weight");
+  CUDA_CHECK(cudaMemcpy(router_packed_, packed->weight.data(), packed->weight.size(), cudaMemcpyHostToDevice));
   return Ok{};
 }
 
@@ -226,6 +257,7 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerRe
   std::vector<uint16_t> rw(layer.router_weight.size());
   for (size_t i = 0; i < rw.size(); ++i) rw[i] = float_to_bf16_bits(layer.router_weight[i]);
   CUDA_CHECK(cudaMemcpy(L->router_weight_, rw.data(), rw.size() * 2, cudaMemcpyHostToDevice));
+  MOEBIUS_TRY(L->upload_packed_router(rw));
 
   const cpu::RouterConfig& r = layer.router;
   L->route_.scoring = r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax
@@ -276,6 +308,11 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
     kernels::launch_fill_u16(L->s2_, L->s2_bytes_ * E / 2, 0x2400, st);
   }
   kernels::launch_fill_random_bf16(L->router_weight_, static_cast<size_t>(E) * s.hidden, 0.05f, seed + 2, st);
+  if (L->tc_router_) {  // the same random router, also in the tile layout
+    std::vector<uint16_t> rw(static_cast<size_t>(E) * s.hidden);
+    CUDA_CHECK(cudaMemcpy(rw.data(), L->router_weight_, rw.size() * 2, cudaMemcpyDeviceToHost));
+    MOEBIUS_TRY(L->upload_packed_router(rw));
+  }
   CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
                         cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(L->table2_, L->host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
@@ -334,7 +371,23 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                       stream);
       return;
     case MoeStage::kRouterLogits:
-      kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      if (tc_router_ && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // the GEMM gathers 16-byte pieces
+        // Every token its own pair of "expert" 0 (the router), then the prefill GEMM's kStore:
+        // y[pair = token][e] = W_router[e] . x[token] is exactly logits [T, E] fp32.
+        kernels::launch_moe_identity_tiles(num_tokens, cap, kRouterBlockM, router_grid_tiles_, router_pair_ids_,
+                                           router_tile_expert_, stream);
+        kernels::MoeTiles rt;
+        rt.padded_pair_ids = router_pair_ids_;
+        rt.tile_expert = router_tile_expert_;
+        rt.block_m = kRouterBlockM;
+        rt.grid_tiles = router_grid_tiles_;
+        rt.top_k = 1;
+        kernels::launch_moe_gemm_prefill_down(kernels::MoeWeightFormat::kBF16, router_table_, router_dims_, rt, x, H,
+                                              kernels::MoeCombineMode::kStore, logits_, E, nullptr, nullptr, 0,
+                                              stream);
+      } else {
+        kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      }
       return;
     case MoeStage::kTopK:
       kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_,

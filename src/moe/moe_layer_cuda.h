@@ -39,10 +39,16 @@ enum class MoeGemmPath : uint8_t { kAuto, kDecode, kPrefill };
 const char* moe_gemm_path_name(MoeGemmPath p);
 
 // kAuto takes the prefill kernels when capacity * k / E (the average tokens per expert at full
-// capacity) is at least this. A first heuristic, not measured: below it the prefill kernel's
-// 64-token tiles are mostly padding and the decode kernel streams the weights; the autotuner
-// issue replaces it with measured crossovers per format and geometry.
-inline constexpr int kPrefillMinTokensPerExpert = 32;
+// capacity) is at least this. Measured on the H200 (docs/PERF.md, 2026-12-02, Qwen3-30B-A3B
+// nvfp4): at 8 tokens per expert (T=128) decode 354 us vs prefill 384; at 16 (T=256) decode 570
+// vs prefill 393. The autotuner issue replaces this with crossovers per format and geometry.
+inline constexpr int kPrefillMinTokensPerExpert = 16;
+
+// The router logits run as a tensor-core GEMM (the prefill GEMM kernel on the router weight
+// packed as one bf16 "expert", every token its own pair) when the capacity is at least this;
+// below it the warp-per-expert GEMV (moe_route.cuh). Measured at T=64 on the H200: the GEMV
+// takes 16 us, 216 us at T=4096 (docs/PERF.md).
+inline constexpr int kTensorCoreRouterMinTokens = 64;
 
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
@@ -101,12 +107,15 @@ class MoeLayerCuda {
   MoeLayerCuda() = default;
   Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,
                   const PackedMatrix& w2_proto, const MoeCudaOptions& opt);
+  // Packs the bf16 router weight [E, H] (bits) for the tensor-core router and uploads it.
+  Status upload_packed_router(const std::vector<uint16_t>& router_bits);
 
   cpu::MoeShape shape_;
   KernelFormat format_ = KernelFormat::kBF16;
   MoeCudaOptions opt_;
   int block_m_ = 8;
   bool fused_routing_ = false;
+  bool tc_router_ = false;  // router logits on the tensor cores (kTensorCoreRouterMinTokens)
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;
@@ -125,6 +134,14 @@ class MoeLayerCuda {
   kernels::ExpertMatrixPtrs* table2_ = nullptr;
   std::vector<kernels::ExpertMatrixPtrs> host_table13_, host_table2_;
   __nv_bfloat16* router_weight_ = nullptr;  // [E, H]
+  // Tensor-core router: the router weight in the bf16 tile layout, a one-entry pointer table, and
+  // the identity routing (pair = token, expert 0) its GEMM runs over.
+  uint8_t* router_packed_ = nullptr;
+  kernels::ExpertMatrixPtrs* router_table_ = nullptr;  // [1] device
+  kernels::MoeGemmDims router_dims_;
+  int router_grid_tiles_ = 0;
+  int32_t* router_pair_ids_ = nullptr;    // [router_grid_tiles * 64]
+  int32_t* router_tile_expert_ = nullptr;  // [router_grid_tiles]
   float* correction_bias_ = nullptr;        // [E] or null
   // Workspace, sized to capacity.
   float* logits_ = nullptr;          // [cap, E]

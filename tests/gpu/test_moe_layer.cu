@@ -208,7 +208,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Odd int shapes (int4 needs H, I % 8, int2 % 16): groups that straddle the prefill
         // kernel's 64-k stages and a partial last group (K=200, g=48), padded K chunks (int2
         // K=176 in 256), g=16 (a group every k-step).
-        LayerCase{"int4_H200_I40_g48", WeightFormat::kInt4, 48, {200, 40, 8, 2}, {1, 5, 300}},
+        LayerCase{"int4_H200_I80_g48", WeightFormat::kInt4, 48, {200, 80, 8, 2}, {1, 5, 300}},
         LayerCase{"int2_H176_I48_g32", WeightFormat::kInt2, 32, {176, 48, 8, 2}, {1, 5, 300}},
         LayerCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 16, 4}, {7, 500}}),
     [](const auto& info) { return std::string(info.param.name); });
