@@ -39,7 +39,13 @@ ldd "$BUILD/moebius" "$BUILD/tests/moebius_tests" 2>&1 | sort -u | tee "$OUT/ldd
 step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
-[ -x "$BUILD/dev_probe_pdl_graph" ] && step probe-pdl-graph "$BUILD/dev_probe_pdl_graph"
+probes() {  # the dev/cuda hardware probes that answer open questions in docs/PERF.md
+  for p in probe_pdl_graph probe_decode_stream; do
+    [ -x "$BUILD/dev_$p" ] && { echo "== $p"; "$BUILD/dev_$p" || return 1; }
+  done
+  return 0
+}
+step probes probes
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
 
 # The CUDA MoE layer benchmarks (docs/PERF.md records them): Qwen3-30B-A3B in every format, and
@@ -74,7 +80,7 @@ step bench-attention bench_attention
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/bench-attention.log"
-[ -f "$OUT/probe-pdl-graph.log" ] && cat "$OUT/probe-pdl-graph.log"
+cat "$OUT/probes.log"
 
 echo
 echo "== summary"
