@@ -46,9 +46,11 @@ inline constexpr int kPrefillMinTokensPerExpert = 16;
 
 // The router logits run as a tensor-core GEMM (the prefill GEMM kernel on the router weight
 // packed as one bf16 "expert", every token its own pair) when the capacity is at least this;
-// below it the warp-per-expert GEMV (moe_route.cuh). Measured at T=64 on the H200: the GEMV
-// takes 16 us, 216 us at T=4096 (docs/PERF.md).
-inline constexpr int kTensorCoreRouterMinTokens = 64;
+// below it the warp-per-expert GEMV (moe_route.cuh). Measured on the H200 (docs/PERF.md,
+// 2026-12-02, H=2048, E=128): the GEMV takes 16 / 19 / 64 / 216 us at T = 64 / 256 / 1024 / 4096,
+// the tensor-core GEMM 36.6 us at every T: its 128 router rows make one 256-row block per
+// 64-token tile, which walks all of K alone. A split-K router GEMM would win at every T >= 64.
+inline constexpr int kTensorCoreRouterMinTokens = 1024;
 
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
