@@ -60,25 +60,13 @@ MoeLayerCuda::~MoeLayerCuda() = default;
 
 Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13,
                               const PackedMatrix& w2, const MoeCudaOptions& opt) {
-  if (opt.capacity < 1) return Error::format("capacity must be >= 1, got {}", opt.capacity);
   if (shape.num_experts > kernels::kRouteMaxExperts || shape.top_k > kernels::kRouteMaxTopK)
     return Error::format("the CUDA router supports E <= {} and k <= {}; got E={} k={}", kernels::kRouteMaxExperts,
                          kernels::kRouteMaxTopK, shape.num_experts, shape.top_k);
   shape_ = shape;
   format_ = format;
-  opt_ = opt;
-  const int E = shape.num_experts, k = shape.top_k, cap = opt.capacity;
+  const int E = shape.num_experts;
   const int64_t H = shape.hidden, I = shape.intermediate;
-  block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
-  if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
-    return Error::format("block_m must be 8, 16, 32 or 64, got {}", block_m_);
-  max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
-  max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
-  // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
-  grid_tiles_ = std::min(kernels::moe_gemm_grid_tiles(cap, k, E, block_m_), max_tiles_);
-  if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
-    return Error::format("capacity {} is too large for one MoE launch", cap);
-
   dims13_ = {static_cast<int>(w13.row_tiles()), static_cast<int>(H), static_cast<int>(w13.chunks()),
              static_cast<int>(w13.groups()), w13.group_size, static_cast<int>(I)};
   dims2_ = {static_cast<int>(w2.row_tiles()), static_cast<int>(I), static_cast<int>(w2.chunks()),
@@ -89,11 +77,14 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   w2_bytes_ = packed_weight_bytes(w2);
   s2_bytes_ = packed_scale_bytes(w2);
   expert_bytes_ = w13_bytes_ + s13_bytes_ + w2_bytes_ + s2_bytes_;
+  route_.num_experts = E;
+  route_.top_k = shape.top_k;
 
+  weights_ = std::make_shared<std::vector<Buffer>>();
   auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
     uint8_t* p = b.as<uint8_t>();
-    buffers_.push_back(std::move(b));
+    weights_->push_back(std::move(b));
     return p;
   };
 #define MOEBIUS_ALLOC(ptr, type, count)                                      \
@@ -108,6 +99,45 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
+#undef MOEBIUS_ALLOC
+  host_table13_.resize(static_cast<size_t>(E));
+  host_table2_.resize(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    host_table13_[e].weight = w13_ + w13_bytes_ * e;
+    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
+    host_table2_[e].weight = w2_ + w2_bytes_ * e;
+    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
+  }
+  return allocate_workspace(opt);
+}
+
+Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
+  if (opt.capacity < 1) return Error::format("capacity must be >= 1, got {}", opt.capacity);
+  opt_ = opt;
+  const int E = shape_.num_experts, k = shape_.top_k, cap = opt.capacity;
+  const int64_t H = shape_.hidden;
+  block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
+  if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
+    return Error::format("block_m must be 8, 16, 32 or 64, got {}", block_m_);
+  max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
+  max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
+  // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
+  grid_tiles_ = std::min(kernels::moe_gemm_grid_tiles(cap, k, E, block_m_), max_tiles_);
+  if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
+    return Error::format("capacity {} is too large for one MoE launch", cap);
+
+  auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
+    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
+    uint8_t* p = b.as<uint8_t>();
+    workspace_bytes_ += b.size();
+    buffers_.push_back(std::move(b));
+    return p;
+  };
+#define MOEBIUS_ALLOC(ptr, type, count)                                      \
+  do {                                                                       \
+    MOEBIUS_ASSIGN_OR_RETURN(uint8_t* p_, alloc(sizeof(type) * (count)));    \
+    ptr = reinterpret_cast<type*>(p_);                                       \
+  } while (0)
   MOEBIUS_ALLOC(logits_, float, static_cast<size_t>(cap) * E);
   MOEBIUS_ALLOC(topk_ids_, int32_t, static_cast<size_t>(cap) * k);
   MOEBIUS_ALLOC(topk_weights_, float, static_cast<size_t>(cap) * k);
@@ -124,19 +154,37 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   CUDA_CHECK(cudaMemset(route_counter_, 0, sizeof(uint32_t)));  // the fused routing's resting state
   // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
   CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
-
-  host_table13_.resize(static_cast<size_t>(E));
-  host_table2_.resize(static_cast<size_t>(E));
-  for (int e = 0; e < E; ++e) {
-    host_table13_[e].weight = w13_ + w13_bytes_ * e;
-    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
-    host_table2_[e].weight = w2_ + w2_bytes_ * e;
-    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
-  }
-  route_.num_experts = E;
-  route_.top_k = k;
   fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
+}
+
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaOptions& opt) const {
+  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
+  L->shape_ = shape_;
+  L->format_ = format_;
+  L->route_ = route_;
+  L->act_ = act_;
+  L->dims13_ = dims13_;
+  L->dims2_ = dims2_;
+  L->expert_bytes_ = expert_bytes_;
+  L->h_stride_ = h_stride_;
+  L->weights_ = weights_;
+  L->w13_ = w13_;
+  L->s13_ = s13_;
+  L->w2_ = w2_;
+  L->s2_ = s2_;
+  L->w13_bytes_ = w13_bytes_;
+  L->s13_bytes_ = s13_bytes_;
+  L->w2_bytes_ = w2_bytes_;
+  L->s2_bytes_ = s2_bytes_;
+  L->table13_ = table13_;
+  L->table2_ = table2_;
+  L->host_table13_ = host_table13_;
+  L->host_table2_ = host_table2_;
+  L->router_weight_ = router_weight_;
+  L->correction_bias_ = correction_bias_;
+  MOEBIUS_TRY(L->allocate_workspace(opt));
+  return L;
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerReference& layer,
@@ -194,7 +242,7 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerRe
   if (!r.correction_bias.empty()) {
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, sizeof(float) * E));
     L->correction_bias_ = b.as<float>();
-    L->buffers_.push_back(std::move(b));
+    L->weights_->push_back(std::move(b));
     CUDA_CHECK(cudaMemcpy(L->correction_bias_, r.correction_bias.data(), sizeof(float) * E, cudaMemcpyHostToDevice));
   }
   L->act_ = to_kernel(layer.options.activation);
