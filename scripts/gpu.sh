@@ -12,7 +12,8 @@
 #   2. the CUDA-header parity tests;
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
 #   4. the CPU MoE benchmark on a small geometry;
-#   5. the CUDA MoE layer and attention benchmarks.
+#   5. the CUDA MoE layer and attention benchmarks;
+#   6. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4).
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,10 +78,23 @@ bench_attention() {
   "$BUILD/moebius" bench attention --mode prefill --heads 32 --kv-heads 4 --head-dim 128 --context 1024,8192 --batch 1,4 || return 1
 }
 step bench-attention bench_attention
+
+# The whole CUDA model: generate on the tiny fixture (greedy, prints the logits hash), then
+# Qwen3-30B-A3B with dummy NVFP4 experts: prefill tok/s and batch-1 decode tok/s at 1k and 10k
+# context against the bytes floor.
+step generate-tiny-cuda "$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3,4,5 \
+  --max-tokens 16 --temperature 0 --backend cuda
+bench_generate() {
+  "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
+    --context 1024,10240 --prefill 1024 --decode-steps 64 || return 1
+}
+step bench-generate bench_generate
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/bench-attention.log"
 cat "$OUT/probes.log"
+cat "$OUT/generate-tiny-cuda.log"
+cat "$OUT/bench-generate.log"
 
 echo
 echo "== summary"

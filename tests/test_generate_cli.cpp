@@ -103,7 +103,11 @@ TEST(Generate, BadOptionsAreErrors) {
   };
   GenerateOptions o = greedy_options({1, 2, 3}, 2);
   o.backend = "cuda";
-  fails_naming(o, "not yet");
+  o.load_format = "random";
+  fails_naming(o, "--load-format");
+  o = greedy_options({1, 2, 3}, 2);
+  o.load_format = "dummy";  // dummy weights exist on the cuda backend only
+  fails_naming(o, "--load-format");
   o = greedy_options({1, 2, 3}, 2);
   o.backend = "tpu";
   fails_naming(o, "--backend");

@@ -9,6 +9,8 @@ namespace moebius::cli {
 void register_bench_moe(CLI::App& bench);
 // `moebius bench attention`: time the CUDA paged attention kernels (bench_attention.cpp).
 void register_bench_attention(CLI::App& bench);
+// `moebius bench generate`: the whole CUDA model, prefill and decode tok/s (bench_generate.cpp).
+void register_bench_generate(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 
 }  // namespace moebius::cli

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/progress.h"
 #include "core/error.h"
 #include "model/generate.h"
 #include "tokenizer/bpe_tokenizer.h"
@@ -76,6 +77,9 @@ Status run(GenerateCliOptions& o) {
       first = false;
     }
   };
+  ProgressBar bar("loading layers");
+  g.on_progress = [&bar](int done, int total) { bar.update(done, total); };
+  g.on_report = [](const std::string& text) { std::fputs(text.c_str(), stderr); };
   auto stats = model::run_generate(g, on_token);
   if (!stats.ok()) return std::move(stats).error();
   if (decoder) write_out(decoder->flush());
@@ -88,7 +92,7 @@ Status run(GenerateCliOptions& o) {
 
 void register_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateCliOptions>();
-  CLI::App* cmd = app.add_subcommand("generate", "generate text from a prompt (CPU backend)");
+  CLI::App* cmd = app.add_subcommand("generate", "generate text from a prompt (CPU or CUDA backend)");
   cmd->add_option("--model", o->gen.model_dir, "model directory (config.json, *.safetensors, tokenizer.json)")
       ->required();
   o->prompt_opt = cmd->add_option("--prompt", o->prompt, "prompt text (needs DIR/tokenizer.json)");
@@ -104,7 +108,11 @@ void register_generate(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--seed", o->gen.seed, "RNG seed (std::mt19937_64)")->capture_default_str();
   cmd->add_option("--experts", o->gen.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
-  cmd->add_option("--backend", o->gen.backend, "cpu (cuda: not yet)")->capture_default_str();
+  cmd->add_option("--backend", o->gen.backend, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--load-format", o->gen.load_format,
+                  "auto (read the checkpoint) or dummy (cuda: random weights of config.json's geometry)")
+      ->capture_default_str();
+  cmd->add_option("--prefill-chunk", o->gen.prefill_chunk, "cuda: prompt tokens per forward")->capture_default_str();
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

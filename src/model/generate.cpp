@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "model/block_allocator.h"
+
 namespace moebius::model {
 namespace {
 
@@ -123,23 +125,111 @@ Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t
   return stats;
 }
 
+#ifdef MOEBIUS_HAS_CUDA
+Result<GenerateStats> generate(Qwen3MoeCuda& model, std::span<const int32_t> prompt, int max_tokens, Sampler& sampler,
+                               std::span<const int32_t> eos_token_ids, const TokenCallback& on_token) {
+  const Qwen3MoeConfig& c = model.config();
+  if (prompt.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
+  if (max_tokens < 0) return Error::format("must be >= 0, got {}", max_tokens).in_field("--max-tokens");
+  for (int32_t id : prompt)
+    if (id < 0 || id >= c.vocab_size)
+      return Error::format("token id {} is outside the vocabulary [0, {})", id, c.vocab_size).in_field("--prompt-ids");
+  const int64_t context = model.max_context();
+  if (static_cast<int64_t>(prompt.size()) > context)
+    return Error::format("the prompt has {} tokens; the runner's context is {}", prompt.size(), context)
+        .in_field("--prompt-ids");
+
+  GenerateStats stats;
+  stats.prompt_tokens = static_cast<int64_t>(prompt.size());
+  stats.weight_bytes_per_token = model.decode_weight_bytes();
+  const int64_t cache_tokens = std::min<int64_t>(context, stats.prompt_tokens + std::max(max_tokens - 1, 0));
+  BlockAllocator blocks(model.num_blocks());
+  std::vector<int32_t> table;
+  MOEBIUS_TRY(blocks.ensure(table, cache_tokens, model.block_size()));
+  std::vector<float> logits(static_cast<size_t>(c.vocab_size));
+
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t start = 0; start < stats.prompt_tokens; start += model.max_tokens()) {
+    const int64_t n = std::min<int64_t>(model.max_tokens(), stats.prompt_tokens - start);
+    const SequenceStep seq{prompt.subspan(static_cast<size_t>(start), static_cast<size_t>(n)), start, table};
+    MOEBIUS_ASSIGN_OR_RETURN(StepBatch batch, model.make_batch(std::span<const SequenceStep>(&seq, 1)));
+    MOEBIUS_TRY(model.forward(batch, logits.data()));
+  }
+  stats.prefill_seconds = seconds_since(t0);
+  std::span<const float> last(logits);
+  stats.logits_hash = fnv1a_logits(last);
+
+  int64_t pos = stats.prompt_tokens;
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < max_tokens; ++i) {
+    MOEBIUS_ASSIGN_OR_RETURN(int32_t id, sampler.sample(last));
+    stats.logits_hash = fnv1a_logits(last);
+    if (std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end()) {
+      stats.stopped_at_eos = true;
+      break;
+    }
+    stats.generated.push_back(id);
+    if (on_token) on_token(id);
+    if (i + 1 == max_tokens || pos >= cache_tokens) break;
+    const SequenceStep seq{std::span<const int32_t>(&id, 1), pos, table};
+    MOEBIUS_ASSIGN_OR_RETURN(StepBatch batch, model.make_batch(std::span<const SequenceStep>(&seq, 1)));
+    MOEBIUS_TRY(model.forward(batch, logits.data()));
+    ++pos;
+    ++stats.decode_steps;
+  }
+  stats.decode_seconds = stats.decode_steps > 0 ? seconds_since(t0) : 0.0;
+  blocks.release(table);
+  return stats;
+}
+#endif  // MOEBIUS_HAS_CUDA
+
 Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback& on_token) {
   // Everything a flag can get wrong is checked before the (slow) model load.
-  if (o.backend == "cuda")
-    return Error("the cuda backend is not yet supported by generate; use --backend cpu").in_field("--backend");
-  if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu", o.backend).in_field("--backend");
+  if (o.backend != "cpu" && o.backend != "cuda")
+    return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
+#ifndef MOEBIUS_HAS_CUDA
+  if (o.backend == "cuda") return Error("this build of moebius has no CUDA support").in_field("--backend");
+#endif
+  if (o.load_format != "auto" && o.load_format != "dummy")
+    return Error::format("unknown load format '{}'; expected auto or dummy", o.load_format).in_field("--load-format");
+  if (o.load_format == "dummy" && o.backend != "cuda")
+    return Error("dummy weights need --backend cuda").in_field("--load-format");
   if (o.model_dir.empty()) return Error("is required").in_field("--model");
   if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
   if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
+  if (o.prefill_chunk < 1) return Error::format("must be >= 1, got {}", o.prefill_chunk).in_field("--prefill-chunk");
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(GenerationConfig gen_config, load_generation_config(o.model_dir));
   MOEBIUS_ASSIGN_OR_RETURN(SamplerParams params, resolve_sampler_params(o, gen_config));
   MOEBIUS_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(params));
+  const std::vector<int32_t>& eos = o.eos_token_ids ? *o.eos_token_ids : gen_config.eos_token_ids;
 
+#ifdef MOEBIUS_HAS_CUDA
+  if (o.backend == "cuda") {
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, load_qwen3_moe_config(o.model_dir));
+    Qwen3MoeCudaOptions co;
+    co.experts_format = experts;
+    const int64_t P = static_cast<int64_t>(o.prompt_ids.size());
+    co.max_context = static_cast<int>(
+        std::clamp<int64_t>(P + std::max(o.max_tokens - 1, 0), 1, config.max_position_embeddings));
+    co.max_tokens = static_cast<int>(std::clamp<int64_t>(P, 1, o.prefill_chunk));
+    co.max_seqs = 1;
+    co.graph_batches = {1};
+    co.progress = o.on_progress;
+    std::unique_ptr<Qwen3MoeCuda> model;
+    if (o.load_format == "dummy") {
+      MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
+      MOEBIUS_ASSIGN_OR_RETURN(model, Qwen3MoeCuda::create_dummy(config, kf, co));
+    } else {
+      MOEBIUS_ASSIGN_OR_RETURN(model, Qwen3MoeCuda::load(o.model_dir, co));
+    }
+    if (o.on_report) o.on_report(format_memory_plan(model->memory_plan()));
+    return generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
+  }
+#endif
   Qwen3MoeLoadOptions load;
   load.experts_format = experts;
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeCpu model, Qwen3MoeCpu::load(o.model_dir, load));
-  const std::vector<int32_t>& eos = o.eos_token_ids ? *o.eos_token_ids : gen_config.eos_token_ids;
   return generate(model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
 }
 

@@ -16,6 +16,7 @@
 #include "formats/quant_matrix.h"
 #include "model/generation_config.h"
 #include "model/qwen3_moe_cpu.h"
+#include "model/qwen3_moe_cuda.h"
 #include "model/sampler.h"
 
 namespace moebius::model {
@@ -32,7 +33,15 @@ struct GenerateOptions {
   float min_p = 0.0f;
   uint64_t seed = 0;
   std::string experts;          // "" keeps the checkpoint's precision; bf16, nvfp4, int4, int2
-  std::string backend = "cpu";  // only cpu so far
+  std::string backend = "cpu";  // cpu or cuda
+  // "auto" reads the checkpoint; "dummy" (cuda only) builds random weights of config.json's
+  // geometry with neutral expert scales, for benchmarks.
+  std::string load_format = "auto";
+  int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
+  // Called while loading (done, total layers) and with the memory plan text before generation
+  // (cuda); either may be empty.
+  std::function<void(int done, int total)> on_progress;
+  std::function<void(const std::string& text)> on_report;
   // Overrides generation_config.json's eos_token_id when set (an empty list: never stop early).
   std::optional<std::vector<int32_t>> eos_token_ids;
 };
@@ -64,6 +73,12 @@ Result<GenerateStats> run_generate(const GenerateOptions& options, const TokenCa
 Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t> prompt, int max_tokens,
                                Sampler& sampler, std::span<const int32_t> eos_token_ids,
                                const TokenCallback& on_token);
+
+#ifdef MOEBIUS_HAS_CUDA
+// The same loop on the CUDA runner (a batch of one sequence; decode steps replay a CUDA graph).
+Result<GenerateStats> generate(Qwen3MoeCuda& model, std::span<const int32_t> prompt, int max_tokens, Sampler& sampler,
+                               std::span<const int32_t> eos_token_ids, const TokenCallback& on_token);
+#endif
 
 // The SamplerParams `options` asks for once `config`'s defaults fill the unset fields; validated.
 Result<SamplerParams> resolve_sampler_params(const GenerateOptions& options, const GenerationConfig& config);

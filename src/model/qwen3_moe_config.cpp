@@ -158,4 +158,40 @@ Result<Qwen3MoeConfig> load_qwen3_moe_config(const std::string& path) {
   return parse_qwen3_moe_config(ss.str(), file);
 }
 
+Result<Qwen3MoeConfig> named_qwen3_moe_config(const std::string& name) {
+  Qwen3MoeConfig c;
+  // Shared by both (their config.json files): vocab 151936, hd 128, rope_theta 1e6, eps 1e-6,
+  // 128 experts, top-8, renormalised top-k, every layer MoE, untied lm_head, 40960 positions.
+  c.vocab_size = 151936;
+  c.head_dim = 128;
+  c.rope_theta = 1e6;
+  c.rms_norm_eps = 1e-6f;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.decoder_sparse_step = 1;
+  c.tie_word_embeddings = false;
+  c.max_position_embeddings = 40960;
+  if (name == "qwen3-30b-a3b") {
+    c.hidden_size = 2048;
+    c.num_hidden_layers = 48;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.moe_intermediate_size = 768;
+    c.intermediate_size = 6144;
+    return c;
+  }
+  if (name == "qwen3-235b-a22b") {
+    c.hidden_size = 4096;
+    c.num_hidden_layers = 94;
+    c.num_attention_heads = 64;
+    c.num_key_value_heads = 4;
+    c.moe_intermediate_size = 1536;
+    c.intermediate_size = 12288;
+    return c;
+  }
+  return Error::format("unknown model geometry '{}'; expected qwen3-30b-a3b or qwen3-235b-a22b", name)
+      .in_field("--geometry");
+}
+
 }  // namespace moebius::model

@@ -9,6 +9,7 @@
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "cpu/swiglu.h"
 #include "formats/safetensors.h"
 
 namespace moebius::model {
@@ -48,10 +49,14 @@ std::vector<float> to_f32(const TensorView& v) {
   return out;
 }
 
-Result<std::vector<float>> load_f32(const SafetensorsCheckpoint& ck, const std::string& name, const Shape& shape) {
+}  // namespace
+
+Result<std::vector<float>> load_float_tensor(const SafetensorsCheckpoint& ck, const std::string& name, const Shape& shape) {
   MOEBIUS_ASSIGN_OR_RETURN(TensorView v, get_float_tensor(ck, name, shape));
   return to_f32(v);
 }
+
+namespace {
 
 // One expert projection [rows, cols] as a QuantMatrix (see the header for the format choice).
 Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCheckpoint>& ck, const std::string& name,
@@ -76,27 +81,29 @@ Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCh
   return q;
 }
 
-Result<Qwen3MoeLayerWeights> load_layer(const std::shared_ptr<const SafetensorsCheckpoint>& ck,
+}  // namespace
+
+Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const SafetensorsCheckpoint>& ck,
                                         const Qwen3MoeConfig& c, int layer, const Qwen3MoeLoadOptions& opt) {
   const SafetensorsCheckpoint& k = *ck;
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const int64_t H = c.hidden_size, hd = c.head_dim, q_dim = int64_t{c.num_attention_heads} * hd,
                 kv_dim = int64_t{c.num_key_value_heads} * hd;
   Qwen3MoeLayerWeights w;
-  MOEBIUS_ASSIGN_OR_RETURN(w.input_norm, load_f32(k, p + "input_layernorm.weight", Shape{H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.post_norm, load_f32(k, p + "post_attention_layernorm.weight", Shape{H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.q_proj, load_f32(k, p + "self_attn.q_proj.weight", Shape{q_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.k_proj, load_f32(k, p + "self_attn.k_proj.weight", Shape{kv_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.v_proj, load_f32(k, p + "self_attn.v_proj.weight", Shape{kv_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.o_proj, load_f32(k, p + "self_attn.o_proj.weight", Shape{H, q_dim}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.q_norm, load_f32(k, p + "self_attn.q_norm.weight", Shape{hd}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.k_norm, load_f32(k, p + "self_attn.k_norm.weight", Shape{hd}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.input_norm, load_float_tensor(k, p + "input_layernorm.weight", Shape{H}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.post_norm, load_float_tensor(k, p + "post_attention_layernorm.weight", Shape{H}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.q_proj, load_float_tensor(k, p + "self_attn.q_proj.weight", Shape{q_dim, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.k_proj, load_float_tensor(k, p + "self_attn.k_proj.weight", Shape{kv_dim, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.v_proj, load_float_tensor(k, p + "self_attn.v_proj.weight", Shape{kv_dim, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.o_proj, load_float_tensor(k, p + "self_attn.o_proj.weight", Shape{H, q_dim}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.q_norm, load_float_tensor(k, p + "self_attn.q_norm.weight", Shape{hd}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.k_norm, load_float_tensor(k, p + "self_attn.k_norm.weight", Shape{hd}));
   w.is_moe = c.is_moe_layer(layer);
   if (!w.is_moe) {
     const int64_t I = c.intermediate_size;
-    MOEBIUS_ASSIGN_OR_RETURN(w.gate_proj, load_f32(k, p + "mlp.gate_proj.weight", Shape{I, H}));
-    MOEBIUS_ASSIGN_OR_RETURN(w.up_proj, load_f32(k, p + "mlp.up_proj.weight", Shape{I, H}));
-    MOEBIUS_ASSIGN_OR_RETURN(w.down_proj, load_f32(k, p + "mlp.down_proj.weight", Shape{H, I}));
+    MOEBIUS_ASSIGN_OR_RETURN(w.gate_proj, load_float_tensor(k, p + "mlp.gate_proj.weight", Shape{I, H}));
+    MOEBIUS_ASSIGN_OR_RETURN(w.up_proj, load_float_tensor(k, p + "mlp.up_proj.weight", Shape{I, H}));
+    MOEBIUS_ASSIGN_OR_RETURN(w.down_proj, load_float_tensor(k, p + "mlp.down_proj.weight", Shape{H, I}));
     return w;
   }
   const int64_t I = c.moe_intermediate_size;
@@ -109,7 +116,7 @@ Result<Qwen3MoeLayerWeights> load_layer(const std::shared_ptr<const SafetensorsC
   m.router.renormalize = c.norm_topk_prob;
   m.options.activation.kind = cpu::Activation::kSiLU;
   m.options.round_intermediate_to_bf16 = opt.round_intermediate_to_bf16;
-  MOEBIUS_ASSIGN_OR_RETURN(m.router_weight, load_f32(k, p + "mlp.gate.weight", Shape{E, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(m.router_weight, load_float_tensor(k, p + "mlp.gate.weight", Shape{E, H}));
   m.experts.resize(static_cast<size_t>(E));
   for (int e = 0; e < E; ++e) {
     const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
@@ -123,14 +130,6 @@ Result<Qwen3MoeLayerWeights> load_layer(const std::shared_ptr<const SafetensorsC
 }
 
 // ---------------------------------------------------------------------------------------------
-// fp32 ops (norm, RoPE and attention are the shared references in src/cpu/)
-// ---------------------------------------------------------------------------------------------
-
-float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
 // Qwen3MoeCpu
 // ---------------------------------------------------------------------------------------------
 
@@ -142,13 +141,13 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
   auto ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
   m.checkpoint_ = ck;
   const int64_t V = c.vocab_size, H = c.hidden_size;
-  MOEBIUS_ASSIGN_OR_RETURN(m.embed_, load_f32(*ck, "model.embed_tokens.weight", Shape{V, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(m.norm_, load_f32(*ck, "model.norm.weight", Shape{H}));
+  MOEBIUS_ASSIGN_OR_RETURN(m.embed_, load_float_tensor(*ck, "model.embed_tokens.weight", Shape{V, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(m.norm_, load_float_tensor(*ck, "model.norm.weight", Shape{H}));
   if (!c.tie_word_embeddings) {
-    MOEBIUS_ASSIGN_OR_RETURN(m.lm_head_, load_f32(*ck, "lm_head.weight", Shape{V, H}));
+    MOEBIUS_ASSIGN_OR_RETURN(m.lm_head_, load_float_tensor(*ck, "lm_head.weight", Shape{V, H}));
   }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_layer(ck, c, l, options));
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, l, options));
     m.layers_.push_back(std::move(w));
   }
   m.inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.head_dim);
@@ -226,7 +225,7 @@ Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* lo
       std::vector<float> g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
       cpu::linear_reference(h.data(), w.gate_proj.data(), T, I, H, g.data());
       cpu::linear_reference(h.data(), w.up_proj.data(), T, I, H, u.data());
-      for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
+      cpu::swiglu_reference(g.data(), I, u.data(), I, T, I, g.data());
       cpu::linear_reference(g.data(), w.down_proj.data(), T, H, I, y.data());
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/tensor.h"
 #include "cpu/moe_layer.h"
 #include "formats/quant_matrix.h"
 #include "model/kv_cache.h"
@@ -62,6 +63,16 @@ struct Qwen3MoeLayerWeights {
   std::vector<float> up_proj;     // !is_moe: [I, H]
   std::vector<float> down_proj;   // !is_moe: [H, I]
 };
+
+// Checkpoint reading shared with the CUDA backend (qwen3_moe_cuda.h), which loads one layer at a
+// time through these and uploads it:
+// The tensor `name` upcast to fp32; it must exist with exactly `shape` and dtype BF16, F16 or F32.
+Result<std::vector<float>> load_float_tensor(const SafetensorsCheckpoint& ck, const std::string& name,
+                                             const Shape& shape);
+// Layer `layer`'s weights (experts per options.experts_format, see Qwen3MoeLoadOptions).
+Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const SafetensorsCheckpoint>& ck,
+                                                  const Qwen3MoeConfig& config, int layer,
+                                                  const Qwen3MoeLoadOptions& options);
 
 class Qwen3MoeCpu {
  public:

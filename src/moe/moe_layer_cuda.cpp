@@ -87,44 +87,13 @@ MoeLayerCuda::~MoeLayerCuda() = default;
 
 Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13,
                               const PackedMatrix& w2, const MoeCudaOptions& opt) {
-  if (opt.capacity < 1) return Error::format("capacity must be >= 1, got {}", opt.capacity);
   if (shape.num_experts > kernels::kRouteMaxExperts || shape.top_k > kernels::kRouteMaxTopK)
     return Error::format("the CUDA router supports E <= {} and k <= {}; got E={} k={}", kernels::kRouteMaxExperts,
                          kernels::kRouteMaxTopK, shape.num_experts, shape.top_k);
   shape_ = shape;
   format_ = format;
-  opt_ = opt;
-  const int E = shape.num_experts, k = shape.top_k, cap = opt.capacity;
+  const int E = shape.num_experts;
   const int64_t H = shape.hidden, I = shape.intermediate;
-  const kernels::MoeWeightFormat kf = to_kernel(format);
-  switch (opt.gemm_path) {
-    case MoeGemmPath::kDecode: path_ = MoeGemmPath::kDecode; break;
-    case MoeGemmPath::kPrefill: path_ = MoeGemmPath::kPrefill; break;
-    case MoeGemmPath::kAuto:
-      if (opt.block_m != 0 && opt.block_m != 64)  // a block_m only one path runs decides it
-        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? MoeGemmPath::kPrefill : MoeGemmPath::kDecode;
-      else
-        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? MoeGemmPath::kPrefill
-                                                                           : MoeGemmPath::kDecode;
-      break;
-  }
-  if (path_ == MoeGemmPath::kPrefill) {
-    block_m_ = opt.block_m ? opt.block_m : pick_prefill_block_m(format, cap, k, E);
-    if (!kernels::moe_gemm_prefill_supports(kf, block_m_))
-      return Error::format("the prefill GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
-                           block_m_, kernel_format_name(format));
-  } else {
-    block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
-    if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
-      return Error::format("the decode GEMMs take block_m 8, 16, 32 or 64; got {}", block_m_);
-  }
-  max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
-  max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
-  // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
-  grid_tiles_ = std::min(kernels::moe_gemm_grid_tiles(cap, k, E, block_m_), max_tiles_);
-  if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
-    return Error::format("capacity {} is too large for one MoE launch", cap);
-
   dims13_ = {static_cast<int>(w13.row_tiles()), static_cast<int>(H), static_cast<int>(w13.chunks()),
              static_cast<int>(w13.groups()), w13.group_size, static_cast<int>(I)};
   dims2_ = {static_cast<int>(w2.row_tiles()), static_cast<int>(I), static_cast<int>(w2.chunks()),
@@ -135,11 +104,14 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   w2_bytes_ = packed_weight_bytes(w2);
   s2_bytes_ = packed_scale_bytes(w2);
   expert_bytes_ = w13_bytes_ + s13_bytes_ + w2_bytes_ + s2_bytes_;
+  route_.num_experts = E;
+  route_.top_k = shape.top_k;
 
+  weights_ = std::make_shared<std::vector<Buffer>>();
   auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
     uint8_t* p = b.as<uint8_t>();
-    buffers_.push_back(std::move(b));
+    weights_->push_back(std::move(b));
     return p;
   };
 #define MOEBIUS_ALLOC(ptr, type, count)                                      \
@@ -154,18 +126,80 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
-  tc_router_ = cap >= kTensorCoreRouterMinTokens && H % 8 == 0;
-  if (tc_router_) {
+  // The router also in the bf16 tile layout, for the tensor-core router GEMM at large capacities
+  // (kTensorCoreRouterMinTokens); 2*E*H bytes beside the row-major copy the GEMV reads.
+  if (H % 8 == 0) {
     const PackedMatrix rp = packed_shape(KernelFormat::kBF16, E, H, 0);
     router_dims_ = {static_cast<int>(rp.row_tiles()), static_cast<int>(H), static_cast<int>(rp.chunks()), 0, 0, E};
-    router_grid_tiles_ = (cap + kRouterBlockM - 1) / kRouterBlockM;
     MOEBIUS_ALLOC(router_packed_, uint8_t, packed_weight_bytes(rp));
     MOEBIUS_ALLOC(router_table_, kernels::ExpertMatrixPtrs, 1);
-    MOEBIUS_ALLOC(router_pair_ids_, int32_t, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
-    MOEBIUS_ALLOC(router_tile_expert_, int32_t, router_grid_tiles_);
     kernels::ExpertMatrixPtrs t;
     t.weight = router_packed_;
     CUDA_CHECK(cudaMemcpy(router_table_, &t, sizeof(t), cudaMemcpyHostToDevice));
+  }
+#undef MOEBIUS_ALLOC
+  host_table13_.resize(static_cast<size_t>(E));
+  host_table2_.resize(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    host_table13_[e].weight = w13_ + w13_bytes_ * e;
+    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
+    host_table2_[e].weight = w2_ + w2_bytes_ * e;
+    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
+  }
+  return allocate_workspace(opt);
+}
+
+Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
+  if (opt.capacity < 1) return Error::format("capacity must be >= 1, got {}", opt.capacity);
+  opt_ = opt;
+  const int E = shape_.num_experts, k = shape_.top_k, cap = opt.capacity;
+  const int64_t H = shape_.hidden;
+  const kernels::MoeWeightFormat kf = to_kernel(format_);
+  switch (opt.gemm_path) {
+    case MoeGemmPath::kDecode: path_ = MoeGemmPath::kDecode; break;
+    case MoeGemmPath::kPrefill: path_ = MoeGemmPath::kPrefill; break;
+    case MoeGemmPath::kAuto:
+      if (opt.block_m != 0 && opt.block_m != 64)  // a block_m only one path runs decides it
+        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? MoeGemmPath::kPrefill : MoeGemmPath::kDecode;
+      else
+        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? MoeGemmPath::kPrefill
+                                                                           : MoeGemmPath::kDecode;
+      break;
+  }
+  if (path_ == MoeGemmPath::kPrefill) {
+    block_m_ = opt.block_m ? opt.block_m : pick_prefill_block_m(format_, cap, k, E);
+    if (!kernels::moe_gemm_prefill_supports(kf, block_m_))
+      return Error::format("the prefill GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
+                           block_m_, kernel_format_name(format_));
+  } else {
+    block_m_ = opt.block_m ? opt.block_m : pick_block_m(cap, k, E);
+    if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
+      return Error::format("the decode GEMMs take block_m 8, 16, 32 or 64; got {}", block_m_);
+  }
+  max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
+  max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
+  // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
+  grid_tiles_ = std::min(kernels::moe_gemm_grid_tiles(cap, k, E, block_m_), max_tiles_);
+  if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
+    return Error::format("capacity {} is too large for one MoE launch", cap);
+
+  auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
+    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
+    uint8_t* p = b.as<uint8_t>();
+    workspace_bytes_ += b.size();
+    buffers_.push_back(std::move(b));
+    return p;
+  };
+#define MOEBIUS_ALLOC(ptr, type, count)                                      \
+  do {                                                                       \
+    MOEBIUS_ASSIGN_OR_RETURN(uint8_t* p_, alloc(sizeof(type) * (count)));    \
+    ptr = reinterpret_cast<type*>(p_);                                       \
+  } while (0)
+  tc_router_ = cap >= kTensorCoreRouterMinTokens && router_packed_ != nullptr;
+  if (tc_router_) {
+    router_grid_tiles_ = (cap + kRouterBlockM - 1) / kRouterBlockM;
+    MOEBIUS_ALLOC(router_pair_ids_, int32_t, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
+    MOEBIUS_ALLOC(router_tile_expert_, int32_t, router_grid_tiles_);
   }
   MOEBIUS_ALLOC(logits_, float, static_cast<size_t>(cap) * E);
   MOEBIUS_ALLOC(topk_ids_, int32_t, static_cast<size_t>(cap) * k);
@@ -183,23 +217,12 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   CUDA_CHECK(cudaMemset(route_counter_, 0, sizeof(uint32_t)));  // the fused routing's resting state
   // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
   CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
-
-  host_table13_.resize(static_cast<size_t>(E));
-  host_table2_.resize(static_cast<size_t>(E));
-  for (int e = 0; e < E; ++e) {
-    host_table13_[e].weight = w13_ + w13_bytes_ * e;
-    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
-    host_table2_[e].weight = w2_ + w2_bytes_ * e;
-    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
-  }
-  route_.num_experts = E;
-  route_.top_k = k;
   fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
 }
 
 Status MoeLayerCuda::upload_packed_router(const std::vector<uint16_t>& router_bits) {
-  if (!tc_router_) return Ok{};
+  if (router_packed_ == nullptr) return Ok{};
   const int E = shape_.num_experts;
   const int64_t H = shape_.hidden;
   MOEBIUS_ASSERT(router_bits.size() == static_cast<size_t>(E * H));
@@ -211,6 +234,38 @@ Status MoeLayerCuda::upload_packed_router(const std::vector<uint16_t>& router_bi
   if (!packed.ok()) return std::move(packed).error().with_context("router weight");
   CUDA_CHECK(cudaMemcpy(router_packed_, packed->weight.data(), packed->weight.size(), cudaMemcpyHostToDevice));
   return Ok{};
+}
+
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaOptions& opt) const {
+  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
+  L->shape_ = shape_;
+  L->format_ = format_;
+  L->route_ = route_;
+  L->act_ = act_;
+  L->dims13_ = dims13_;
+  L->dims2_ = dims2_;
+  L->expert_bytes_ = expert_bytes_;
+  L->h_stride_ = h_stride_;
+  L->weights_ = weights_;
+  L->w13_ = w13_;
+  L->s13_ = s13_;
+  L->w2_ = w2_;
+  L->s2_ = s2_;
+  L->w13_bytes_ = w13_bytes_;
+  L->s13_bytes_ = s13_bytes_;
+  L->w2_bytes_ = w2_bytes_;
+  L->s2_bytes_ = s2_bytes_;
+  L->table13_ = table13_;
+  L->table2_ = table2_;
+  L->host_table13_ = host_table13_;
+  L->host_table2_ = host_table2_;
+  L->router_weight_ = router_weight_;
+  L->correction_bias_ = correction_bias_;
+  L->router_packed_ = router_packed_;
+  L->router_table_ = router_table_;
+  L->router_dims_ = router_dims_;
+  MOEBIUS_TRY(L->allocate_workspace(opt));
+  return L;
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerReference& layer,
@@ -269,7 +324,7 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerRe
   if (!r.correction_bias.empty()) {
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, sizeof(float) * E));
     L->correction_bias_ = b.as<float>();
-    L->buffers_.push_back(std::move(b));
+    L->weights_->push_back(std::move(b));
     CUDA_CHECK(cudaMemcpy(L->correction_bias_, r.correction_bias.data(), sizeof(float) * E, cudaMemcpyHostToDevice));
   }
   L->act_ = to_kernel(layer.options.activation);
@@ -308,7 +363,7 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
     kernels::launch_fill_u16(L->s2_, L->s2_bytes_ * E / 2, 0x2400, st);
   }
   kernels::launch_fill_random_bf16(L->router_weight_, static_cast<size_t>(E) * s.hidden, 0.05f, seed + 2, st);
-  if (L->tc_router_) {  // the same random router, also in the tile layout
+  if (L->router_packed_ != nullptr) {  // the same random router, also in the tile layout
     std::vector<uint16_t> rw(static_cast<size_t>(E) * s.hidden);
     CUDA_CHECK(cudaMemcpy(rw.data(), L->router_weight_, rw.size() * 2, cudaMemcpyDeviceToHost));
     MOEBIUS_TRY(L->upload_packed_router(rw));

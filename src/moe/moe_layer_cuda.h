@@ -72,6 +72,10 @@ class MoeLayerCuda {
   // the device (benchmarks): codes uniform, neutral scales (global scale 1).
   static Result<std::unique_ptr<MoeLayerCuda>> create_dummy(const cpu::MoeShape& shape, KernelFormat format,
                                                            int group_size, const MoeCudaOptions& opt, uint64_t seed);
+  // Another layer over the SAME device weights with its own workspace for another capacity: a
+  // model keeps a small-capacity one for decode (fused routing, a grid of a few tiles) and a large
+  // one for prefill, and stores the experts once. The weights live while either layer does.
+  Result<std::unique_ptr<MoeLayerCuda>> share_weights(const MoeCudaOptions& opt) const;
   ~MoeLayerCuda();
   MoeLayerCuda(const MoeLayerCuda&) = delete;
   MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
@@ -104,6 +108,13 @@ class MoeLayerCuda {
   // Packed bytes of one expert (gate_up + down, weights and scales): what a forward reads per
   // touched expert.
   size_t expert_bytes() const { return expert_bytes_; }
+  // Device bytes of all experts' packed weights and scales, and of the router (shared by the
+  // layers made with share_weights), and of this layer's own workspace.
+  size_t weight_bytes() const {
+    return expert_bytes_ * static_cast<size_t>(shape_.num_experts) +
+           sizeof(__nv_bfloat16) * static_cast<size_t>(shape_.num_experts) * static_cast<size_t>(shape_.hidden);
+  }
+  size_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
   MoeLayerCuda() = default;
@@ -111,6 +122,7 @@ class MoeLayerCuda {
                   const PackedMatrix& w2_proto, const MoeCudaOptions& opt);
   // Packs the bf16 router weight [E, H] (bits) for the tensor-core router and uploads it.
   Status upload_packed_router(const std::vector<uint16_t>& router_bits);
+  Status allocate_workspace(const MoeCudaOptions& opt);
 
   cpu::MoeShape shape_;
   KernelFormat format_ = KernelFormat::kBF16;
@@ -126,7 +138,9 @@ class MoeLayerCuda {
   int h_stride_ = 0;
   int64_t max_padded_ = 0, max_tiles_ = 0, grid_tiles_ = 0;
 
-  std::vector<Buffer> buffers_;  // every device allocation, freed together
+  std::shared_ptr<std::vector<Buffer>> weights_;  // experts, tables, router: shared by share_weights()
+  std::vector<Buffer> buffers_;  // this layer's workspace
+  size_t workspace_bytes_ = 0;
   uint8_t* w13_ = nullptr;       // [E][w13 weight bytes]
   uint8_t* s13_ = nullptr;       // [E][w13 scale bytes]
   uint8_t* w2_ = nullptr;

@@ -1,0 +1,235 @@
+// `moebius bench generate`: the whole CUDA model, single stream.
+//
+//   moebius bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4
+//                          [--context 1024,10240] [--prefill 1024] [--decode-steps 64]
+//   moebius bench generate --model DIR [--experts ...]
+//
+// Prefill: a fresh prompt of --prefill random tokens in one forward (eager), timed on the host
+// around forward() (which ends in a stream synchronize), best of 3 after a warm-up.
+// Decode at context C: the KV cache is filled to C tokens by prefill chunks, then --decode-steps
+// single-token steps replay the batch-1 CUDA graph back to back (the host enqueues step i+1 while
+// the GPU runs step i; one synchronize at the end), after 3 warm-up steps (the first captures the
+// graph). Tokens are random ids, not sampled: this times the model, not the sampler.
+//
+// Counted bytes: decode reads Qwen3MoeCuda::decode_weight_bytes() per token (dense weights,
+// routers, top_k experts per MoE layer, lm_head) plus C * kv_bytes_per_context_token() of KV
+// cache. The floor is bytes / 4.57 TB/s (the H200's measured HBM read rate, docs/PERF.md);
+// "% floor" is floor time / measured time. Prefill reads every weight once per forward
+// (total_weight_bytes), so its bytes floor is weak (prefill is compute-bound); it is printed for
+// completeness.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "cli/geometry.h"
+#include "cli/progress.h"
+#include "core/error.h"
+#include "model/generate.h"
+#include "model/qwen3_moe_config.h"
+
+#ifdef MOEBIUS_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda_check.h"
+#include "model/block_allocator.h"
+#include "model/qwen3_moe_cuda.h"
+#endif
+
+namespace moebius::cli {
+namespace {
+
+struct BenchGenerateOptions {
+  std::string geometry;
+  std::string model_dir;
+  std::string load_format = "dummy";
+  std::string experts = "nvfp4";
+  std::string context = "1024,10240";
+  int prefill = 1024;
+  int decode_steps = 64;
+  int group_size = 128;
+  uint64_t seed = 1;
+  double hbm_bytes_per_s = 4.57e12;
+};
+
+#ifdef MOEBIUS_HAS_CUDA
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Status run(const BenchGenerateOptions& o) {
+  if (o.geometry.empty() == o.model_dir.empty()) return Error("give exactly one of --geometry and --model").in_field("--geometry");
+  if (o.load_format != "dummy" && o.load_format != "auto")
+    return Error::format("expected dummy or auto, got '{}'", o.load_format).in_field("--load-format");
+  if (!o.geometry.empty() && o.load_format != "dummy")
+    return Error("--geometry has no checkpoint; use --load-format dummy").in_field("--load-format");
+  if (o.prefill < 1) return Error::format("must be >= 1, got {}", o.prefill).in_field("--prefill");
+  if (o.decode_steps < 1) return Error::format("must be >= 1, got {}", o.decode_steps).in_field("--decode-steps");
+  MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", int64_t{1} << 20));
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
+  model::Qwen3MoeConfig config;
+  if (!o.geometry.empty()) {
+    MOEBIUS_ASSIGN_OR_RETURN(config, model::named_qwen3_moe_config(o.geometry));
+  } else {
+    MOEBIUS_ASSIGN_OR_RETURN(config, model::load_qwen3_moe_config(o.model_dir));
+  }
+  constexpr int kWarmup = 3;
+  const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
+  const int64_t need = std::max<int64_t>(max_ctx + kWarmup + o.decode_steps, o.prefill);
+  if (need > config.max_position_embeddings)
+    return Error::format("context {} + {} steps exceeds the model's {} positions", max_ctx, o.decode_steps,
+                         config.max_position_embeddings)
+        .in_field("--context");
+
+  model::Qwen3MoeCudaOptions co;
+  co.experts_format = experts;
+  co.experts_group_size = o.group_size;
+  co.max_context = static_cast<int>(need);
+  co.max_tokens = o.prefill;
+  co.max_seqs = 1;
+  co.graph_batches = {1};
+  co.seed = o.seed;
+  ProgressBar bar("loading layers");
+  co.progress = [&bar](int done, int total) { bar.update(done, total); };
+  std::unique_ptr<model::Qwen3MoeCuda> m;
+  if (o.load_format == "dummy") {
+    MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
+    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::create_dummy(config, kf, co));
+  } else {
+    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::load(o.model_dir, co));
+  }
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("moebius bench generate  %s  %s (L=%d H=%lld E=%d k=%d V=%lld)  experts=%s  weights=%s\n", prop.name,
+              o.geometry.empty() ? o.model_dir.c_str() : o.geometry.c_str(), config.num_hidden_layers,
+              static_cast<long long>(config.hidden_size), config.num_experts, config.num_experts_per_tok,
+              static_cast<long long>(config.vocab_size), moe::kernel_format_name(m->experts_format()),
+              o.load_format.c_str());
+  std::fputs(model::format_memory_plan(m->memory_plan()).c_str(), stdout);
+  const double wbytes = static_cast<double>(m->decode_weight_bytes());
+  const double kv_per_ctx = static_cast<double>(m->kv_bytes_per_context_token());
+  std::printf("decode weight bytes per token: %.2f MB; KV bytes per context token: %.1f KB; floor %.2f TB/s\n",
+              wbytes / 1e6, kv_per_ctx / 1e3, o.hbm_bytes_per_s / 1e12);
+
+  std::mt19937 rng(static_cast<uint32_t>(o.seed));
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(config.vocab_size - 1));
+  auto random_ids = [&](int64_t n) {
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    for (auto& x : v) x = tok(rng);
+    return v;
+  };
+  model::BlockAllocator blocks(m->num_blocks());
+  std::vector<float> logits(static_cast<size_t>(config.vocab_size));
+  // Prefills tokens [start, start + ids.size()) of the sequence owning `table`, in max_tokens chunks.
+  auto prefill = [&](const std::vector<int32_t>& ids, int64_t start, const std::vector<int32_t>& table) -> Status {
+    for (int64_t off = 0; off < static_cast<int64_t>(ids.size()); off += m->max_tokens()) {
+      const int64_t n = std::min<int64_t>(m->max_tokens(), static_cast<int64_t>(ids.size()) - off);
+      const model::SequenceStep seq{std::span<const int32_t>(ids.data() + off, static_cast<size_t>(n)), start + off,
+                                    table};
+      MOEBIUS_ASSIGN_OR_RETURN(model::StepBatch b, m->make_batch(std::span<const model::SequenceStep>(&seq, 1)));
+      MOEBIUS_TRY(m->forward(b, logits.data()));
+    }
+    return Ok{};
+  };
+
+  std::printf("\n%-8s %8s %10s %10s %10s %10s %9s %9s\n", "phase", "context", "tok/s", "us/token", "MB/token",
+              "GB/s", "floor t/s", "% floor");
+  // Prefill.
+  {
+    std::vector<int32_t> table;
+    MOEBIUS_TRY(blocks.ensure(table, o.prefill, m->block_size()));
+    const std::vector<int32_t> ids = random_ids(o.prefill);
+    MOEBIUS_TRY(prefill(ids, 0, table));  // warm-up
+    double best = 1e30;
+    for (int r = 0; r < 3; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      MOEBIUS_TRY(prefill(ids, 0, table));
+      best = std::min(best, seconds_since(t0));
+    }
+    blocks.release(table);
+    const double tok_s = o.prefill / best;
+    const double bytes = static_cast<double>(m->total_weight_bytes()) * std::ceil(double(o.prefill) / m->max_tokens());
+    const double floor_s = bytes / o.hbm_bytes_per_s;
+    std::printf("%-8s %8d %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", "prefill", o.prefill, tok_s,
+                1e6 * best / o.prefill, bytes / o.prefill / 1e6, bytes / best / 1e9, o.prefill / floor_s,
+                100.0 * floor_s / best);
+    std::fflush(stdout);
+  }
+  // Decode at each context.
+  for (int64_t C : contexts) {
+    std::vector<int32_t> table;
+    MOEBIUS_TRY(blocks.ensure(table, C + kWarmup + o.decode_steps, m->block_size()));
+    MOEBIUS_TRY(prefill(random_ids(C), 0, table));
+    const std::vector<int32_t> ids = random_ids(kWarmup + o.decode_steps);
+    int64_t pos = C;
+    auto step = [&](int i) -> Status {
+      const model::SequenceStep seq{std::span<const int32_t>(&ids[static_cast<size_t>(i)], 1), pos++, table};
+      MOEBIUS_ASSIGN_OR_RETURN(model::StepBatch b, m->make_batch(std::span<const model::SequenceStep>(&seq, 1)));
+      return m->enqueue(b);
+    };
+    for (int i = 0; i < kWarmup; ++i) MOEBIUS_TRY(step(i));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream()));
+    const int64_t graphs_before = m->graph_steps();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < o.decode_steps; ++i) MOEBIUS_TRY(step(kWarmup + i));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream()));
+    const double secs = seconds_since(t0);
+    if (m->graph_steps() - graphs_before != o.decode_steps)
+      return Error("decode steps did not run as CUDA graph replays (internal)");
+    blocks.release(table);
+    const double tok_s = o.decode_steps / secs;
+    const double ctx_mid = static_cast<double>(C) + kWarmup + o.decode_steps / 2.0;
+    for (const bool with_kv : {false, true}) {
+      const double bytes = wbytes + (with_kv ? kv_per_ctx * ctx_mid : 0.0);
+      const double floor_s = bytes / o.hbm_bytes_per_s;
+      std::printf("%-8s %8lld %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", with_kv ? "  +kv" : "decode",
+                  static_cast<long long>(C), tok_s, 1e6 * secs / o.decode_steps, bytes / 1e6, bytes * tok_s / 1e9,
+                  1.0 / floor_s, 100.0 * floor_s * tok_s);
+    }
+    std::fflush(stdout);
+  }
+  std::printf("(decode: weights only; +kv: weights plus the KV cache read at that context)\n");
+  return Ok{};
+}
+
+#else
+
+Status run(const BenchGenerateOptions&) {
+  return Error("this build of moebius has no CUDA support").in_field("--backend");
+}
+
+#endif  // MOEBIUS_HAS_CUDA
+
+}  // namespace
+
+void register_bench_generate(CLI::App& bench) {
+  auto o = std::make_shared<BenchGenerateOptions>();
+  CLI::App* cmd = bench.add_subcommand("generate", "time the whole CUDA model: prefill and single-stream decode");
+  cmd->add_option("--geometry", o->geometry, "qwen3-30b-a3b or qwen3-235b-a22b (dummy weights)");
+  cmd->add_option("--model", o->model_dir, "model directory (config.json; checkpoint unless --load-format dummy)");
+  cmd->add_option("--load-format", o->load_format, "dummy (random weights) or auto (read the checkpoint)")
+      ->capture_default_str();
+  cmd->add_option("--experts", o->experts, "bf16, nvfp4, int4, int2")->capture_default_str();
+  cmd->add_option("--context", o->context, "decode contexts, comma-separated")->capture_default_str();
+  cmd->add_option("--prefill", o->prefill, "prefill length (one forward)")->capture_default_str();
+  cmd->add_option("--decode-steps", o->decode_steps, "timed decode steps per context")->capture_default_str();
+  cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
+  cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
+  cmd->final_callback([o] {
+    Status s = run(*o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "moebius bench generate: error: %s\n", s.error().what().c_str());
+      throw CLI::RuntimeError(2);
+    }
+  });
+}
+
+}  // namespace moebius::cli

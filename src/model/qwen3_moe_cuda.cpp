@@ -1,0 +1,561 @@
+#include "model/qwen3_moe_cuda.h"
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/dtype.h"
+#include "cpu/rope.h"
+#include "formats/safetensors.h"
+#include "kernels/attention.cuh"
+#include "kernels/cuda_check.h"
+#include "kernels/fill.cuh"
+#include "kernels/gather.cuh"
+#include "kernels/kv_cache.cuh"
+#include "kernels/norm.cuh"
+#include "kernels/rope.cuh"
+#include "kernels/swiglu.cuh"
+#include "model/qwen3_moe_cpu.h"
+#include "moe/moe_layer_cuda.h"
+#include "runtime/dense_gemm.h"
+
+namespace moebius::model {
+
+struct Qwen3MoeCuda::Layer {
+  float* input_norm = nullptr;  // [H] fp32
+  float* post_norm = nullptr;   // [H]
+  float* q_norm = nullptr;      // [hd]
+  float* k_norm = nullptr;      // [hd]
+  __nv_bfloat16* wqkv = nullptr;  // [(nh + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
+  __nv_bfloat16* wo = nullptr;    // [H, nh hd]
+  bool is_moe = false;
+  std::unique_ptr<moe::MoeLayerCuda> moe_decode;   // capacity moe_decode_capacity_
+  std::unique_ptr<moe::MoeLayerCuda> moe_prefill;  // capacity max_tokens (same weights); null if equal
+  __nv_bfloat16* gate_up = nullptr;  // [2 I, H]: gate_proj then up_proj
+  __nv_bfloat16* down = nullptr;     // [H, I]
+};
+
+struct Qwen3MoeCuda::Graph {
+  int batch = 0;
+  kernels::AttentionDecodePlan plan;
+  cudaGraphExec_t exec = nullptr;
+};
+
+namespace {
+
+size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16_bits(v[i]);
+  return out;
+}
+
+std::string gib(uint64_t b) { return fmt::format("{:8.3f} GiB", static_cast<double>(b) / (1024.0 * 1024 * 1024)); }
+
+}  // namespace
+
+std::string format_memory_plan(const MemoryPlan& p) {
+  std::string s = "memory plan (device):\n";
+  s += fmt::format("  attention weights   {}\n", gib(p.attention));
+  s += fmt::format("  experts ({:5})     {}  (packed weights + scales, routers)\n", p.expert_format, gib(p.experts));
+  if (p.dense_mlp) s += fmt::format("  dense MLP weights   {}\n", gib(p.dense_mlp));
+  s += fmt::format("  embeddings/lm_head  {}\n", gib(p.embeddings));
+  s += fmt::format("  KV cache            {}  ({} tokens, bf16)\n", gib(p.kv_cache), p.kv_tokens);
+  s += fmt::format("  workspace           {}\n", gib(p.workspace));
+  s += fmt::format("  total               {}\n", gib(p.total()));
+  return s;
+}
+
+Qwen3MoeCuda::Qwen3MoeCuda() = default;
+
+Qwen3MoeCuda::~Qwen3MoeCuda() {
+  for (Graph& g : graphs_)
+    if (g.exec != nullptr) (void)cudaGraphExecDestroy(g.exec);
+  if (staged_ != nullptr) (void)cudaEventDestroy(staged_);
+  layers_.clear();  // MoE layers free their buffers before the stream goes
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+Result<void*> Qwen3MoeCuda::device_alloc(size_t bytes, uint64_t* account) {
+  MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, std::max<size_t>(bytes, 16)));
+  void* p = b.data();
+  if (account != nullptr) *account += b.size();
+  buffers_.push_back(std::move(b));
+  return p;
+}
+
+Status Qwen3MoeCuda::upload_bf16(const std::vector<float>& host, __nv_bfloat16* dst) {
+  const std::vector<uint16_t> bits = to_bf16_bits(host);
+  CUDA_CHECK(cudaMemcpy(dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& options) {
+  if (!cuda_available()) return Error("no CUDA device is visible").in_field("--backend");
+  config_ = c;
+  opt_ = options;
+  Qwen3MoeCudaOptions& o = opt_;
+  if (o.max_context <= 0) o.max_context = static_cast<int>(std::min<int64_t>(c.max_position_embeddings, 1 << 30));
+  if (o.max_context > c.max_position_embeddings)
+    return Error::format("{} exceeds the model's max_position_embeddings {}", o.max_context,
+                         c.max_position_embeddings)
+        .in_field("max_context");
+  if (o.max_seqs < 1) return Error::format("must be >= 1, got {}", o.max_seqs).in_field("max_seqs");
+  if (o.max_tokens < o.max_seqs)
+    return Error::format("max_tokens {} is below max_seqs {}", o.max_tokens, o.max_seqs).in_field("max_tokens");
+  if (o.max_logit_rows <= 0) o.max_logit_rows = o.max_seqs;
+  if (o.max_logit_rows > o.max_tokens)
+    return Error::format("{} exceeds max_tokens {}", o.max_logit_rows, o.max_tokens).in_field("max_logit_rows");
+  if (o.block_size < 1 || o.block_size > 256)
+    return Error::format("must be in [1, 256], got {}", o.block_size).in_field("block_size");
+  max_blocks_per_seq_ = (o.max_context + o.block_size - 1) / o.block_size;
+  if (o.num_blocks <= 0) o.num_blocks = o.max_seqs * max_blocks_per_seq_;
+  std::sort(o.graph_batches.begin(), o.graph_batches.end());
+  o.graph_batches.erase(std::unique(o.graph_batches.begin(), o.graph_batches.end()), o.graph_batches.end());
+  for (int b : o.graph_batches)
+    if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
+      return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
+  moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();
+
+  const int hd = c.head_dim;
+  if (hd != 16 && hd != 64 && hd != 128)
+    return Error::format("the CUDA attention kernels support head_dim 16, 64 and 128, not {}", hd).in_field("head_dim");
+  if (c.hidden_size % 8 != 0) return Error::format("hidden_size {} is not a multiple of 8", c.hidden_size);
+  if (c.num_attention_heads % c.num_key_value_heads != 0 || c.num_attention_heads / c.num_key_value_heads > 16)
+    return Error::format("nh {} / nkv {}: the decode kernel needs nkv | nh and nh / nkv <= 16", c.num_attention_heads,
+                         c.num_key_value_heads);
+  for (int l = 0; l < c.num_hidden_layers; ++l)
+    if (!c.is_moe_layer(l) && c.intermediate_size % 8 != 0)
+      return Error::format("intermediate_size {} is not a multiple of 8", c.intermediate_size);
+  qkv_dim_ = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
+
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev));
+  MOEBIUS_ASSIGN_OR_RETURN(gemm_, runtime::DenseGemm::create());
+  plan_.workspace += gemm_->workspace_bytes();
+
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  MOEBIUS_ASSIGN_OR_RETURN(void* e, device_alloc(sizeof(__nv_bfloat16) * V * H, &plan_.embeddings));
+  embed_ = static_cast<__nv_bfloat16*>(e);
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    MOEBIUS_ASSIGN_OR_RETURN(void* lm, device_alloc(sizeof(__nv_bfloat16) * V * H, &plan_.embeddings));
+    lm_head_ = static_cast<__nv_bfloat16*>(lm);
+  }
+  MOEBIUS_ASSIGN_OR_RETURN(void* fn, device_alloc(sizeof(float) * H, &plan_.embeddings));
+  final_norm_ = static_cast<float*>(fn);
+  MOEBIUS_ASSIGN_OR_RETURN(void* inv, device_alloc(sizeof(float) * hd / 2, &plan_.workspace));
+  inv_freq_ = static_cast<float*>(inv);
+  const std::vector<float> inv_freq = cpu::rope_inv_freq(c.rope_theta, hd);
+  CUDA_CHECK(cudaMemcpy(inv_freq_, inv_freq.data(), sizeof(float) * inv_freq.size(), cudaMemcpyHostToDevice));
+
+  // Per-layer dense weights (the MoE layers are made by load / create_dummy).
+  const int64_t q_dim = int64_t{c.num_attention_heads} * hd;
+  layers_.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    auto fa = [&](size_t n) -> Result<float*> {
+      MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(sizeof(float) * n, &plan_.attention));
+      return static_cast<float*>(p);
+    };
+    MOEBIUS_ASSIGN_OR_RETURN(L.input_norm, fa(static_cast<size_t>(H)));
+    MOEBIUS_ASSIGN_OR_RETURN(L.post_norm, fa(static_cast<size_t>(H)));
+    MOEBIUS_ASSIGN_OR_RETURN(L.q_norm, fa(static_cast<size_t>(hd)));
+    MOEBIUS_ASSIGN_OR_RETURN(L.k_norm, fa(static_cast<size_t>(hd)));
+    MOEBIUS_ASSIGN_OR_RETURN(void* qkv, device_alloc(sizeof(__nv_bfloat16) * qkv_dim_ * H, &plan_.attention));
+    L.wqkv = static_cast<__nv_bfloat16*>(qkv);
+    MOEBIUS_ASSIGN_OR_RETURN(void* wo, device_alloc(sizeof(__nv_bfloat16) * H * q_dim, &plan_.attention));
+    L.wo = static_cast<__nv_bfloat16*>(wo);
+    L.is_moe = c.is_moe_layer(l);
+    if (!L.is_moe) {
+      const int64_t I = c.intermediate_size;
+      MOEBIUS_ASSIGN_OR_RETURN(void* gu, device_alloc(sizeof(__nv_bfloat16) * 2 * I * H, &plan_.dense_mlp));
+      L.gate_up = static_cast<__nv_bfloat16*>(gu);
+      MOEBIUS_ASSIGN_OR_RETURN(void* dn, device_alloc(sizeof(__nv_bfloat16) * H * I, &plan_.dense_mlp));
+      L.down = static_cast<__nv_bfloat16*>(dn);
+    }
+  }
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::allocate_runtime(int) {
+  const Qwen3MoeConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size, T = opt_.max_tokens, R = opt_.max_logit_rows;
+  const int hd = c.head_dim, nkv = c.num_key_value_heads;
+  // KV cache: one allocation, per layer k then v.
+  kv_pool_elems_ = kernels::kv_cache_pool_elems(opt_.num_blocks, nkv, opt_.block_size, hd);
+  MOEBIUS_ASSIGN_OR_RETURN(void* kv, device_alloc(sizeof(__nv_bfloat16) * 2 * kv_pool_elems_ * c.num_hidden_layers,
+                                                  &plan_.kv_cache));
+  kv_ = static_cast<__nv_bfloat16*>(kv);
+  plan_.kv_tokens = int64_t{opt_.num_blocks} * opt_.block_size;
+  // The pool starts zeroed: a bug that reads an unwritten slot reads zeros, not NaN.
+  CUDA_CHECK(cudaMemset(kv_, 0, sizeof(__nv_bfloat16) * 2 * kv_pool_elems_ * c.num_hidden_layers));
+
+  int64_t dense_I = 0;
+  for (const Layer& L : layers_)
+    if (!L.is_moe) dense_I = c.intermediate_size;
+  auto act = [&](size_t bytes) -> Result<void*> {
+    MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(bytes, &plan_.workspace));
+    CUDA_CHECK(cudaMemset(p, 0, bytes));  // padding rows of graph buckets stay finite
+    return p;
+  };
+  MOEBIUS_ASSIGN_OR_RETURN(void* x, act(sizeof(float) * T * H));
+  x_ = static_cast<float*>(x);
+  MOEBIUS_ASSIGN_OR_RETURN(void* h, act(sizeof(__nv_bfloat16) * T * H));
+  h_ = static_cast<__nv_bfloat16*>(h);
+  MOEBIUS_ASSIGN_OR_RETURN(void* y, act(sizeof(__nv_bfloat16) * T * H));
+  y_ = static_cast<__nv_bfloat16*>(y);
+  MOEBIUS_ASSIGN_OR_RETURN(void* qkv, act(sizeof(__nv_bfloat16) * T * qkv_dim_));
+  qkv_ = static_cast<__nv_bfloat16*>(qkv);
+  MOEBIUS_ASSIGN_OR_RETURN(void* at, act(sizeof(__nv_bfloat16) * T * c.num_attention_heads * hd));
+  attn_ = static_cast<__nv_bfloat16*>(at);
+  if (dense_I > 0) {
+    MOEBIUS_ASSIGN_OR_RETURN(void* m, act(sizeof(__nv_bfloat16) * T * 2 * dense_I));
+    mlp_ = static_cast<__nv_bfloat16*>(m);
+    MOEBIUS_ASSIGN_OR_RETURN(void* a, act(sizeof(__nv_bfloat16) * T * dense_I));
+    act_ = static_cast<__nv_bfloat16*>(a);
+  }
+  MOEBIUS_ASSIGN_OR_RETURN(void* hl, act(sizeof(__nv_bfloat16) * R * H));
+  h_last_ = static_cast<__nv_bfloat16*>(hl);
+  MOEBIUS_ASSIGN_OR_RETURN(void* lg, act(sizeof(float) * R * V));
+  logits_ = static_cast<float*>(lg);
+
+  // Decode plans, one per graph batch size; one workspace for the largest.
+  kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
+  size_t ws = 0;
+  for (int b : opt_.graph_batches) {
+    Graph g;
+    g.batch = b;
+    g.plan = kernels::plan_attention_decode(dims, b, opt_.max_context, num_sms_);
+    ws = std::max(ws, kernels::attention_decode_workspace_bytes(dims, g.plan));
+    graphs_.push_back(g);
+  }
+  if (ws > 0) {
+    MOEBIUS_ASSIGN_OR_RETURN(attn_workspace_, device_alloc(ws, &plan_.workspace));
+  }
+
+  // Step inputs: [TAG_STEP_ARENA] one layout for the device arena and the pinned staging area.
+  size_t off = 0;
+  auto take = [&](size_t ints) {
+    const size_t o = off;
+    off += align16(ints * sizeof(int32_t));
+    return o;
+  };
+  at_.num_seqs = take(1);
+  at_.num_tokens = take(1);
+  at_.ids = take(static_cast<size_t>(T));
+  at_.positions = take(static_cast<size_t>(T));
+  at_.slots = take(static_cast<size_t>(T));
+  at_.cu_seqlens = take(static_cast<size_t>(opt_.max_seqs) + 1);
+  at_.seq_lens = take(static_cast<size_t>(opt_.max_seqs));
+  at_.logit_rows = take(static_cast<size_t>(R));
+  at_.block_tables = take(static_cast<size_t>(opt_.max_seqs) * max_blocks_per_seq_);  // last: copies stop early
+  arena_bytes_ = off;
+  MOEBIUS_ASSIGN_OR_RETURN(void* ar, act(arena_bytes_));
+  arena_ = static_cast<uint8_t*>(ar);
+  MOEBIUS_ASSIGN_OR_RETURN(Buffer st, Buffer::allocate(MemoryKind::kPinnedHost, arena_bytes_));
+  staging_ = st.as<uint8_t>();
+  std::memset(staging_, 0, arena_bytes_);
+  buffers_.push_back(std::move(st));
+  for (const Layer& L : layers_) {
+    if (L.moe_decode) plan_.workspace += L.moe_decode->workspace_bytes();
+    if (L.moe_prefill) plan_.workspace += L.moe_prefill->workspace_bytes();
+  }
+  plan_.expert_format = moe::kernel_format_name(experts_format_);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return Ok{};
+}
+
+namespace {
+
+moe::MoeCudaOptions moe_options(int capacity) {
+  moe::MoeCudaOptions o;
+  o.capacity = capacity;
+  return o;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir, const Qwen3MoeCudaOptions& options) {
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig c, load_qwen3_moe_config(dir));
+  MOEBIUS_ASSIGN_OR_RETURN(SafetensorsCheckpoint opened, SafetensorsCheckpoint::open(dir));
+  auto ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
+  std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda());
+  MOEBIUS_TRY(m->init(c, options));
+  const int total = c.num_hidden_layers + 1;
+  const int64_t V = c.vocab_size, H = c.hidden_size;
+  {
+    MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> e, load_float_tensor(*ck, "model.embed_tokens.weight", Shape{V, H}));
+    MOEBIUS_TRY(m->upload_bf16(e, m->embed_));
+    if (!c.tie_word_embeddings) {
+      MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> lm, load_float_tensor(*ck, "lm_head.weight", Shape{V, H}));
+      MOEBIUS_TRY(m->upload_bf16(lm, m->lm_head_));
+    }
+    MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> n, load_float_tensor(*ck, "model.norm.weight", Shape{H}));
+    CUDA_CHECK(cudaMemcpy(m->final_norm_, n.data(), sizeof(float) * n.size(), cudaMemcpyHostToDevice));
+  }
+  if (m->opt_.progress) m->opt_.progress(1, total);
+
+  // The CUDA kernels have no fp32 experts: keep bf16 for checkpoints stored in another float type.
+  Qwen3MoeLoadOptions lo;
+  lo.experts_format = options.experts_format.value_or(WeightFormat::kBF16);
+  lo.experts_group_size = options.experts_group_size;
+  MOEBIUS_ASSIGN_OR_RETURN(m->experts_format_, moe::kernel_format_for(*lo.experts_format));
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, l, lo));
+    Layer& L = m->layers_[static_cast<size_t>(l)];
+    CUDA_CHECK(cudaMemcpy(L.input_norm, w.input_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.post_norm, w.post_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.q_norm, w.q_norm.data(), sizeof(float) * c.head_dim, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.k_norm, w.k_norm.data(), sizeof(float) * c.head_dim, cudaMemcpyHostToDevice));
+    std::vector<float> qkv;
+    qkv.reserve(w.q_proj.size() + w.k_proj.size() + w.v_proj.size());
+    qkv.insert(qkv.end(), w.q_proj.begin(), w.q_proj.end());
+    qkv.insert(qkv.end(), w.k_proj.begin(), w.k_proj.end());
+    qkv.insert(qkv.end(), w.v_proj.begin(), w.v_proj.end());
+    MOEBIUS_TRY(m->upload_bf16(qkv, L.wqkv));
+    MOEBIUS_TRY(m->upload_bf16(w.o_proj, L.wo));
+    if (w.is_moe) {
+      auto d = moe::MoeLayerCuda::create(w.moe, moe_options(m->moe_decode_capacity_));
+      if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
+      L.moe_decode = std::move(d).value();
+      m->plan_.experts += L.moe_decode->weight_bytes();
+      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
+        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
+      }
+    } else {
+      std::vector<float> gu;
+      gu.reserve(w.gate_proj.size() + w.up_proj.size());
+      gu.insert(gu.end(), w.gate_proj.begin(), w.gate_proj.end());
+      gu.insert(gu.end(), w.up_proj.begin(), w.up_proj.end());
+      MOEBIUS_TRY(m->upload_bf16(gu, L.gate_up));
+      MOEBIUS_TRY(m->upload_bf16(w.down_proj, L.down));
+    }
+    if (m->opt_.progress) m->opt_.progress(l + 2, total);
+  }
+  MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
+  return m;
+}
+
+Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeConfig& c, moe::KernelFormat experts,
+                                                                 const Qwen3MoeCudaOptions& options) {
+  std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda());
+  MOEBIUS_TRY(m->init(c, options));
+  m->experts_format_ = experts;
+  const int total = c.num_hidden_layers + 1;
+  const int64_t V = c.vocab_size, H = c.hidden_size, hd = c.head_dim;
+  uint64_t seed = options.seed;
+  cudaStream_t s = m->stream_;
+  // Uniform weights with about unit-variance outputs for unit-RMS inputs: scale sqrt(3 / K).
+  auto scale_for = [](int64_t K) { return static_cast<float>(std::sqrt(3.0 / static_cast<double>(K))); };
+  kernels::launch_fill_random_bf16(m->embed_, static_cast<size_t>(V * H), 1.0f, seed++, s);
+  if (!c.tie_word_embeddings)
+    kernels::launch_fill_random_bf16(m->lm_head_, static_cast<size_t>(V * H), scale_for(H), seed++, s);
+  const std::vector<float> ones(static_cast<size_t>(std::max(H, hd)), 1.0f);
+  CUDA_CHECK(cudaMemcpy(m->final_norm_, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+  if (m->opt_.progress) m->opt_.progress(1, total);
+  const int64_t q_dim = int64_t{c.num_attention_heads} * hd;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& L = m->layers_[static_cast<size_t>(l)];
+    CUDA_CHECK(cudaMemcpy(L.input_norm, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.post_norm, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.q_norm, ones.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.k_norm, ones.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
+    kernels::launch_fill_random_bf16(L.wqkv, static_cast<size_t>(m->qkv_dim_ * H), scale_for(H), seed++, s);
+    kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
+    if (L.is_moe) {
+      const cpu::MoeShape shape{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
+      auto d = moe::MoeLayerCuda::create_dummy(shape, experts, options.experts_group_size,
+                                               moe_options(m->moe_decode_capacity_), seed++);
+      if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
+      L.moe_decode = std::move(d).value();
+      m->plan_.experts += L.moe_decode->weight_bytes();
+      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
+        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
+      }
+    } else {
+      const int64_t I = c.intermediate_size;
+      kernels::launch_fill_random_bf16(L.gate_up, static_cast<size_t>(2 * I * H), scale_for(H), seed++, s);
+      kernels::launch_fill_random_bf16(L.down, static_cast<size_t>(H * I), scale_for(I), seed++, s);
+    }
+    if (m->opt_.progress) m->opt_.progress(l + 2, total);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
+  return m;
+}
+
+Result<StepBatch> Qwen3MoeCuda::make_batch(std::span<const SequenceStep> seqs, bool all_logits) const {
+  return make_step_batch(seqs, opt_.block_size, max_blocks_per_seq_, opt_.num_blocks, all_logits);
+}
+
+uint64_t Qwen3MoeCuda::decode_weight_bytes() const {
+  const Qwen3MoeConfig& c = config_;
+  const uint64_t H = static_cast<uint64_t>(c.hidden_size), V = static_cast<uint64_t>(c.vocab_size),
+                 hd = static_cast<uint64_t>(c.head_dim), q_dim = static_cast<uint64_t>(c.num_attention_heads) * hd;
+  uint64_t bytes = 2 * H;          // one embedding row
+  bytes += 4 * H + 2 * V * H;      // final norm, lm_head
+  for (const Layer& L : layers_) {
+    bytes += 4 * (2 * H + 2 * hd) + 2 * (static_cast<uint64_t>(qkv_dim_) * H + H * q_dim);
+    if (L.is_moe) {
+      bytes += 2 * static_cast<uint64_t>(c.num_experts) * H;
+      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe_decode->expert_bytes();
+    } else {
+      bytes += 2 * 3 * static_cast<uint64_t>(c.intermediate_size) * H;
+    }
+  }
+  return bytes;
+}
+
+uint64_t Qwen3MoeCuda::kv_bytes_per_context_token() const {
+  return static_cast<uint64_t>(config_.num_hidden_layers) * 2 * config_.num_key_value_heads * config_.head_dim * 2;
+}
+
+void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len) {
+  const Qwen3MoeConfig& c = config_;
+  const int H = static_cast<int>(c.hidden_size), V = static_cast<int>(c.vocab_size), hd = c.head_dim,
+            nh = c.num_attention_heads, nkv = c.num_key_value_heads, q_dim = nh * hd;
+  const float eps = c.rms_norm_eps;
+  cudaStream_t s = stream_;
+  auto in = [this](size_t off) { return reinterpret_cast<const int32_t*>(arena_ + off); };
+  const int32_t* num_seqs = in(at_.num_seqs);
+  const int32_t* num_tokens = in(at_.num_tokens);
+  const kernels::AttentionDims dims{nh, nkv, hd, opt_.block_size, max_blocks_per_seq_};
+  // The live sequences are at most the rows (decode: one row per sequence; prefill: S <= T).
+  const int max_num_seqs = std::min(rows, opt_.max_seqs);
+
+  kernels::launch_embedding(embed_, c.vocab_size, in(at_.ids), rows, H, x_, s);
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    __nv_bfloat16* kc = kv_ + 2 * kv_pool_elems_ * l;
+    __nv_bfloat16* vc = kc + kv_pool_elems_;
+    kernels::launch_add_rms_norm<float, float>(x_, l == 0 ? nullptr : y_, L.input_norm, rows, H, eps, h_, s);
+    gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
+    kernels::launch_qk_norm_rope_kv(qkv_, qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd, qkv_dim_,
+                                    L.q_norm, L.k_norm, in(at_.positions), inv_freq_, in(at_.slots), kc, vc, rows, nh,
+                                    nkv, hd, opt_.block_size, eps, s);
+    if (decode) {
+      const Graph& g = graphs_[static_cast<size_t>(graph_index)];
+      kernels::launch_attention_decode(qkv_, qkv_dim_, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims,
+                                       g.plan, attn_workspace_, attn_, s);
+    } else {
+      kernels::launch_attention_prefill(qkv_, qkv_dim_, in(at_.cu_seqlens), in(at_.seq_lens), num_seqs, kc, vc,
+                                        in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);
+    }
+    gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
+    kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
+    if (L.is_moe) {
+      moe::MoeLayerCuda& moe = rows <= moe_decode_capacity_ || !L.moe_prefill ? *L.moe_decode : *L.moe_prefill;
+      moe.forward(h_, num_tokens, y_, s);
+    } else {
+      const int I = static_cast<int>(c.intermediate_size);
+      gemm_->linear(h_, H, L.gate_up, rows, 2 * I, H, mlp_, 2 * I, s);
+      kernels::launch_swiglu(mlp_, rows, I, act_, s);
+      gemm_->linear(act_, I, L.down, rows, H, I, y_, H, s);
+    }
+  }
+  kernels::launch_add_rms_norm<float, float>(x_, y_, final_norm_, rows, H, eps, h_, s);
+  kernels::launch_gather_rows(h_, H, in(at_.logit_rows), logit_rows, H, h_last_, s);
+  gemm_->linear(h_last_, H, lm_head_, logit_rows, V, H, logits_, V, s);
+}
+
+Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
+  const Qwen3MoeConfig& c = config_;
+  const int T = in_batch.num_tokens, S = in_batch.num_seqs, R = static_cast<int>(in_batch.logit_rows.size());
+  if (in_batch.block_size != opt_.block_size || in_batch.max_blocks_per_seq != max_blocks_per_seq_)
+    return Error("the step batch was made for another cache geometry (use make_batch)");
+  if (T < 1 || T > opt_.max_tokens)
+    return Error::format("a step carries {} tokens; this runner holds 1 to {}", T, opt_.max_tokens);
+  if (S < 1 || S > opt_.max_seqs)
+    return Error::format("a step carries {} sequences; this runner holds 1 to {}", S, opt_.max_seqs);
+  if (R < 1 || R > opt_.max_logit_rows)
+    return Error::format("a step asks for {} logit rows; this runner holds 1 to {}", R, opt_.max_logit_rows);
+  if (in_batch.max_seq_len > opt_.max_context)
+    return Error::format("a sequence reaches {} tokens; this runner's context is {}", in_batch.max_seq_len,
+                         opt_.max_context);
+  for (int t = 0; t < T; ++t)
+    if (in_batch.ids[static_cast<size_t>(t)] < 0 || in_batch.ids[static_cast<size_t>(t)] >= c.vocab_size)
+      return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, in_batch.ids[static_cast<size_t>(t)],
+                           c.vocab_size);
+
+  // A decode step whose logits are exactly one per sequence may run as a graph of B >= S rows.
+  int graph_index = -1;
+  if (in_batch.is_decode() && T == S && R == S) {
+    for (size_t g = 0; g < graphs_.size(); ++g)
+      if (graphs_[g].batch >= S) {
+        graph_index = static_cast<int>(g);
+        break;
+      }
+  }
+  StepBatch padded;
+  const StepBatch* b = &in_batch;
+  if (graph_index >= 0 && graphs_[static_cast<size_t>(graph_index)].batch > S) {
+    padded = in_batch;
+    padded.pad_decode_to(graphs_[static_cast<size_t>(graph_index)].batch);
+    b = &padded;
+  }
+
+  // Pack the inputs ([TAG_STEP_ARENA]); first wait until the previous copy has read the staging area.
+  if (staged_pending_) CUDA_CHECK(cudaEventSynchronize(staged_));
+  auto put = [this](size_t off, const std::vector<int32_t>& v) {
+    std::memcpy(staging_ + off, v.data(), v.size() * sizeof(int32_t));
+  };
+  const int32_t counts[2] = {S, T};
+  std::memcpy(staging_ + at_.num_seqs, &counts[0], 4);
+  std::memcpy(staging_ + at_.num_tokens, &counts[1], 4);
+  put(at_.ids, b->ids);
+  put(at_.positions, b->positions);
+  put(at_.slots, b->slot_mapping);
+  put(at_.cu_seqlens, b->cu_seqlens);
+  put(at_.seq_lens, b->seq_lens);
+  put(at_.logit_rows, b->logit_rows);
+  put(at_.block_tables, b->block_tables);
+  const size_t bytes = at_.block_tables + b->block_tables.size() * sizeof(int32_t);
+  CUDA_CHECK(cudaMemcpyAsync(arena_, staging_, bytes, cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  staged_pending_ = true;
+
+  if (graph_index < 0) {
+    enqueue_layers(T, R, /*decode=*/false, -1, in_batch.max_q_len);
+    ++eager_steps_;
+    return Ok{};
+  }
+  Graph& g = graphs_[static_cast<size_t>(graph_index)];
+  if (g.exec == nullptr) {
+    // First step of this size: run it eagerly (this also loads every kernel and lets cuBLAS pick
+    // its algorithms outside capture), then capture the same enqueue for the next steps.
+    enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1);
+    ++eager_steps_;
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1);
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    return Ok{};
+  }
+  CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+  ++graph_steps_;
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::forward(const StepBatch& batch, float* logits) {
+  MOEBIUS_TRY(enqueue(batch));
+  const size_t n = batch.logit_rows.size() * static_cast<size_t>(config_.vocab_size);
+  CUDA_CHECK(cudaMemcpyAsync(logits, logits_, n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return Ok{};
+}
+
+}  // namespace moebius::model
+
+#endif  // MOEBIUS_HAS_CUDA

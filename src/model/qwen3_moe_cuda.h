@@ -1,0 +1,207 @@
+// Qwen3-MoE on the GPU: the model runner for batches of sequences over a paged bf16 KV cache.
+//
+// Per step (one call of enqueue/forward), for a flat list of T tokens from S sequences
+// (StepBatch, step_batch.h), all on one stream:
+//   x = embed[ids]                                   [T, H] fp32 residual   kernels/gather.cuh
+//   per layer l:
+//     h = RMSNorm(x += y) * input_norm_l              [T, H] bf16            kernels/norm.cuh
+//     qkv = h Wqkv^T                                  [T, (nh+2nkv) hd] bf16  cuBLAS (runtime/dense_gemm.h)
+//     q, k = QK-norm + RoPE; k, v -> cache slots                             kernels/rope.cuh
+//     a = causal GQA attention over the cache        [T, nh hd] bf16        kernels/attention.cuh
+//     y = a Wo^T                                      [T, H] bf16            cuBLAS
+//     h = RMSNorm(x += y) * post_norm_l
+//     y = MoE(h) (fused MoE layer) | down(SwiGLU(h [gate; up]^T))            moe/moe_layer_cuda.h | cuBLAS + kernels/swiglu.cuh
+//   h = RMSNorm(x += y) * norm;  logits = h[logit_rows] lm_head^T  [R, V] fp32   kernels/gather.cuh + cuBLAS
+// The residual stream stays fp32 like the CPU backend's; activations between ops are bf16.
+//
+// Buffers: everything is allocated at creation from the capacities in Qwen3MoeCudaOptions
+// (max_tokens, max_seqs, max_logit_rows, max_context, num_blocks), so device addresses never
+// change and a captured CUDA graph stays valid. The step's inputs (ids, positions, slots,
+// cu_seqlens, seq_lens, logit rows, block tables, live counts) are packed on the host into a
+// pinned staging area and uploaded with ONE cudaMemcpyAsync into a device arena of fixed layout.
+//
+// Synchronization: nothing inside the forward waits for the host. enqueue() waits (host) only for
+// the previous step's input copy to finish before reusing the pinned staging area; forward()
+// adds the logits download and one stream synchronize at the end.
+//
+// CUDA graphs: a pure decode step (every sequence one new token) whose sequence count fits a
+// graph batch size B (options.graph_batches) is padded to B rows (StepBatch::pad_decode_to) and
+// runs as a graph captured once for B (the first step of that size runs eagerly, then the graph
+// is captured). Decode graphs use the split-KV decode attention kernel with a plan for B
+// sequences up to max_context; everything else (prefill, chunked prefill, mixed batches) runs
+// eagerly through the prefill attention kernel. [TAG_ATTN_GRAPH_BUCKET] [TAG_MOE_GRAPH_CAPACITY]
+//
+// MoE layers: two MoeLayerCuda per layer over the same device weights (share_weights): one with
+// capacity max(graph_batches) for decode (fused small-batch routing) and one with capacity
+// max_tokens for prefill.
+#pragma once
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "formats/quant_matrix.h"
+#include "model/qwen3_moe_config.h"
+#include "model/step_batch.h"
+#include "moe/expert_layout.h"
+
+namespace moebius::moe {
+class MoeLayerCuda;
+}
+namespace moebius::runtime {
+class DenseGemm;
+}
+
+namespace moebius::model {
+
+struct Qwen3MoeCudaOptions {
+  // Experts: nullopt keeps the checkpoint's bf16 (F16/F32 checkpoints are converted to bf16);
+  // kNvFp4 / kInt4 / kInt2 quantize online exactly as the CPU backend does (Qwen3MoeLoadOptions).
+  std::optional<WeightFormat> experts_format;
+  int experts_group_size = 128;  // int formats (-1: per channel)
+  int max_tokens = 2048;         // tokens per step (the prefill chunk); >= max_seqs
+  int max_seqs = 1;              // sequences per step
+  int max_logit_rows = 0;        // logit rows per step; 0 = max_seqs
+  int max_context = 0;           // tokens per sequence; 0 = max_position_embeddings
+  int block_size = 16;           // tokens per KV block
+  int num_blocks = 0;            // KV blocks in the pool; 0 = max_seqs * ceil(max_context / block_size)
+  std::vector<int> graph_batches = {1};  // decode batch sizes run as CUDA graphs (each <= max_seqs)
+  // Called after each loaded layer (done, total) and once more at the end; may be empty.
+  std::function<void(int done, int total)> progress;
+  uint64_t seed = 1;  // create_dummy's weights
+};
+
+// Device bytes by kind, for the plan printed before generation.
+struct MemoryPlan {
+  uint64_t attention = 0;   // q/k/v/o projections and the q/k/layer norms
+  uint64_t experts = 0;     // packed experts (weights + scales) and routers
+  uint64_t dense_mlp = 0;   // dense MLP layers (mlp_only_layers)
+  uint64_t embeddings = 0;  // embed_tokens, lm_head (once when tied), the final norm
+  uint64_t kv_cache = 0;
+  uint64_t workspace = 0;   // activations, MoE and attention workspaces, cuBLAS workspace, step inputs
+  std::string expert_format;
+  int64_t kv_tokens = 0;    // tokens the KV pool holds
+  uint64_t weights() const { return attention + experts + dense_mlp + embeddings; }
+  uint64_t total() const { return weights() + kv_cache + workspace; }
+};
+std::string format_memory_plan(const MemoryPlan& plan);
+
+class Qwen3MoeCuda {
+ public:
+  // Loads `dir` (config.json + safetensors) layer by layer through the CPU backend's readers
+  // (load_qwen3_moe_layer) and uploads each layer as it is read.
+  static Result<std::unique_ptr<Qwen3MoeCuda>> load(const std::string& dir, const Qwen3MoeCudaOptions& options);
+  // Random weights of `config`'s geometry (benchmarks): dense bf16 weights uniform, norm weights 1,
+  // experts from MoeLayerCuda::create_dummy (neutral scales).
+  static Result<std::unique_ptr<Qwen3MoeCuda>> create_dummy(const Qwen3MoeConfig& config, moe::KernelFormat experts,
+                                                            const Qwen3MoeCudaOptions& options);
+  ~Qwen3MoeCuda();
+  Qwen3MoeCuda(const Qwen3MoeCuda&) = delete;
+  Qwen3MoeCuda& operator=(const Qwen3MoeCuda&) = delete;
+
+  const Qwen3MoeConfig& config() const { return config_; }
+  int max_tokens() const { return opt_.max_tokens; }
+  int max_seqs() const { return opt_.max_seqs; }
+  int max_logit_rows() const { return opt_.max_logit_rows; }
+  int max_context() const { return opt_.max_context; }
+  int block_size() const { return opt_.block_size; }
+  int32_t num_blocks() const { return opt_.num_blocks; }
+  int max_blocks_per_seq() const { return max_blocks_per_seq_; }
+  moe::KernelFormat experts_format() const { return experts_format_; }
+  const MemoryPlan& memory_plan() const { return plan_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // make_step_batch with this cache's geometry.
+  Result<StepBatch> make_batch(std::span<const SequenceStep> seqs, bool all_logits = false) const;
+
+  // Enqueues one step; no host synchronization beyond the staging reuse (see the header comment).
+  // logits_device() then holds [batch.logit_rows.size(), V] fp32 once the stream reaches that
+  // point. Errors (nothing enqueued) for a batch past the capacities or ids outside the vocabulary.
+  Status enqueue(const StepBatch& batch);
+  // enqueue(), then the logits of the step's logit rows [R, V] fp32 copied to `logits` (host),
+  // and a stream synchronize.
+  Status forward(const StepBatch& batch, float* logits);
+  const float* logits_device() const { return logits_; }
+
+  // Weight bytes one decode token reads: one embedding row, every dense weight (attention, norms,
+  // routers, dense MLPs, final norm, lm_head) and top_k experts per MoE layer (assumed distinct).
+  // The KV cache is not included (kv_bytes_per_token gives it per context token).
+  uint64_t decode_weight_bytes() const;
+  // Bytes of K and V one decode token reads per token of context (all layers).
+  uint64_t kv_bytes_per_context_token() const;
+  // Every weight byte on the device: what a large prefill reads once.
+  uint64_t total_weight_bytes() const { return plan_.weights(); }
+
+  // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
+  int64_t graph_steps() const { return graph_steps_; }
+  int64_t eager_steps() const { return eager_steps_; }
+
+ private:
+  struct Layer;
+  struct Graph;
+  Qwen3MoeCuda();
+  Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
+  Status allocate_runtime(int moe_decode_capacity);
+  Result<void*> device_alloc(size_t bytes, uint64_t* account);
+  Status upload_bf16(const std::vector<float>& host, __nv_bfloat16* dst);
+  void enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len);
+
+  Qwen3MoeConfig config_;
+  Qwen3MoeCudaOptions opt_;
+  moe::KernelFormat experts_format_ = moe::KernelFormat::kBF16;
+  MemoryPlan plan_;
+  int max_blocks_per_seq_ = 0;
+  int qkv_dim_ = 0;  // (nh + 2 nkv) hd
+  int moe_decode_capacity_ = 1;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<runtime::DenseGemm> gemm_;
+  std::vector<Buffer> buffers_;  // every device and pinned allocation
+  std::vector<Layer> layers_;
+  std::vector<Graph> graphs_;    // one per graph batch size, captured on first use
+
+  // Weights.
+  __nv_bfloat16* embed_ = nullptr;    // [V, H]
+  __nv_bfloat16* lm_head_ = nullptr;  // [V, H] (embed_ when tied)
+  float* final_norm_ = nullptr;       // [H]
+  float* inv_freq_ = nullptr;         // [hd / 2]
+  // KV cache: per layer, k then v pools [num_blocks, nkv, block_size, hd] bf16.
+  __nv_bfloat16* kv_ = nullptr;
+  int64_t kv_pool_elems_ = 0;
+  // Activations, [max_tokens] rows.
+  float* x_ = nullptr;              // [T, H] fp32 residual
+  __nv_bfloat16* h_ = nullptr;      // [T, H]
+  __nv_bfloat16* y_ = nullptr;      // [T, H]
+  __nv_bfloat16* qkv_ = nullptr;    // [T, qkv_dim]
+  __nv_bfloat16* attn_ = nullptr;   // [T, nh hd]
+  __nv_bfloat16* mlp_ = nullptr;    // [T, 2 I_dense] (dense layers only)
+  __nv_bfloat16* act_ = nullptr;    // [T, I_dense]
+  __nv_bfloat16* h_last_ = nullptr; // [R, H]
+  float* logits_ = nullptr;         // [R, V]
+  void* attn_workspace_ = nullptr;  // the largest decode plan's split workspace
+  // Step inputs: device arena and its pinned host mirror, same layout ([TAG_STEP_ARENA]).
+  uint8_t* arena_ = nullptr;
+  uint8_t* staging_ = nullptr;
+  size_t arena_bytes_ = 0;
+  struct ArenaLayout {
+    size_t num_seqs, num_tokens, ids, positions, slots, cu_seqlens, seq_lens, logit_rows, block_tables;
+  } at_{};
+  cudaEvent_t staged_ = nullptr;  // the last input copy; staging is reused after it completes
+  bool staged_pending_ = false;
+  int num_sms_ = 0;
+
+  int64_t graph_steps_ = 0, eager_steps_ = 0;
+};
+
+}  // namespace moebius::model
+
+#endif  // MOEBIUS_HAS_CUDA

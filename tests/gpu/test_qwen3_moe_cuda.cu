@@ -1,0 +1,372 @@
+// The CUDA Qwen3-MoE runner (src/model/qwen3_moe_cuda.h) end to end on the tiny fixture
+// (tests/data/tiny-qwen3-moe: 3 layers, layer 1 dense, H=64, 16 experts top-4, hd 16, V=512).
+//
+// References:
+//  - HF transformers' fp32 logits (reference.safetensors: `logits` of the 20-token prefill,
+//    `decode_logits` of prefill 12 + teacher-forced decode at positions 11..18), for bf16 experts;
+//  - the CPU backend (Qwen3MoeCpu, fp32) loaded with the SAME expert format, for bf16 and for the
+//    online-quantized nvfp4 / int4 / int2 experts (the CPU backend is the oracle for quantized
+//    formats; it rounds the SwiGLU intermediate to bf16 as the GPU kernels do).
+//
+// Tolerances (max |Δlogit| over every logit; the fixture's logits span about ±4.1):
+//  - The GPU path rounds every activation that enters a GEMM to bf16 (the residual stays fp32).
+//    transformers run entirely in bf16 deviates from its own fp32 run by 0.039 at most on this
+//    fixture (logits_bf16 vs logits), and our path rounds less than that; kBf16Tol = 0.1 (2.4% of
+//    the logit range) leaves room for a top-k routing near-tie resolved differently, and nmse over
+//    all logits <= 1e-3 keeps the bulk honest.
+//  - Quantized experts against the CPU backend with the same codes: the same bf16 activation
+//    rounding, plus the router seeing bf16 instead of fp32 inputs: kQuantTol = 0.15, nmse <= 1e-3.
+//  - The argmax must agree wherever the reference's top-1 margin exceeds 2 * tolerance.
+// These bounds are first estimates made without a GPU run; the tests print the measured values.
+// Batching: a sequence's logits in a batch of two vs alone differ only by cuBLAS picking other
+// kernels for other M (bf16 rounding of GEMM outputs): kBatchTol = 0.02.
+#include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.h"
+#include "formats/safetensors.h"
+#include "model/block_allocator.h"
+#include "model/qwen3_moe_cpu.h"
+#include "model/qwen3_moe_cuda.h"
+#include "model/step_batch.h"
+#include "test_util.h"
+
+namespace moebius::model {
+namespace {
+
+constexpr int kPrompt = 12;  // the fixture's decode reference: prefill 12, then 7 single steps
+constexpr float kBf16Tol = 0.1f, kQuantTol = 0.15f, kBatchTol = 0.02f;
+constexpr double kMaxNmse = 1e-3;
+
+std::string fixture_dir() { return testing::test_data_dir() + "/tiny-qwen3-moe"; }
+
+struct Reference {
+  std::vector<int32_t> ids;          // [20]
+  std::vector<float> logits;         // [20, V]
+  std::vector<float> decode_logits;  // [8, V]
+  int64_t vocab = 0;
+};
+
+Reference load_reference() {
+  Reference r;
+  auto f = SafetensorsFile::open(fixture_dir() + "/reference.safetensors");
+  EXPECT_TRUE(f.ok()) << f.error().what();
+  auto ids = f->get("input_ids", DType::kI64);
+  auto lg = f->get("logits", DType::kF32);
+  auto dl = f->get("decode_logits", DType::kF32);
+  EXPECT_TRUE(ids.ok() && lg.ok() && dl.ok());
+  for (int64_t i = 0; i < ids->numel(); ++i) {
+    int64_t v;
+    std::memcpy(&v, static_cast<const uint8_t*>(ids->data) + i * 8, 8);
+    r.ids.push_back(static_cast<int32_t>(v));
+  }
+  r.vocab = lg->shape[1];
+  r.logits.resize(static_cast<size_t>(lg->numel()));
+  std::memcpy(r.logits.data(), lg->data, lg->nbytes());
+  r.decode_logits.resize(static_cast<size_t>(dl->numel()));
+  std::memcpy(r.decode_logits.data(), dl->data, dl->nbytes());
+  return r;
+}
+
+float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+// Compares logits [rows, V] with a reference: max |Δ|, nmse, all finite, and argmax where the
+// reference is decisive.
+void expect_close(const char* what, const std::vector<float>& got, const std::vector<float>& want, int64_t V,
+                  float tol) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (float x : got) ASSERT_TRUE(std::isfinite(x)) << what << ": non-finite logit";
+  const float d = max_abs_diff(got, want);
+  const double e = testing::nmse(got.data(), want.data(), got.size());
+  std::printf("%-44s max |dlogit| %.4g  nmse %.3g\n", what, d, e);
+  EXPECT_LE(d, tol) << what;
+  EXPECT_LE(e, kMaxNmse) << what;
+  const int64_t rows = static_cast<int64_t>(got.size()) / V;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* w = want.data() + r * V;
+    const float* g = got.data() + r * V;
+    const int64_t top = std::max_element(w, w + V) - w;
+    float second = -1e30f;
+    for (int64_t i = 0; i < V; ++i)
+      if (i != top) second = std::max(second, w[i]);
+    if (w[top] - second > 2 * tol) EXPECT_EQ(std::max_element(g, g + V) - g, top) << what << " row " << r;
+  }
+}
+
+Qwen3MoeCudaOptions tiny_options(std::optional<WeightFormat> experts, int block_size = 16) {
+  Qwen3MoeCudaOptions o;
+  o.experts_format = experts;
+  o.experts_group_size = 32;  // int formats: H = 64 and I = 32 hold no group of 128
+  o.max_tokens = 32;
+  o.max_seqs = 2;
+  o.max_logit_rows = 32;
+  o.max_context = 64;
+  o.block_size = block_size;
+  o.graph_batches = {1, 2};
+  return o;
+}
+
+std::unique_ptr<Qwen3MoeCuda> load_cuda(const Qwen3MoeCudaOptions& o) {
+  auto m = Qwen3MoeCuda::load(fixture_dir(), o);
+  EXPECT_TRUE(m.ok()) << m.error().what();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+Qwen3MoeCpu load_cpu(std::optional<WeightFormat> experts, bool round_intermediate) {
+  Qwen3MoeLoadOptions o;
+  o.experts_format = experts;
+  o.experts_group_size = 32;
+  o.round_intermediate_to_bf16 = round_intermediate;
+  auto m = Qwen3MoeCpu::load(fixture_dir(), o);
+  EXPECT_TRUE(m.ok()) << m.error().what();
+  return std::move(m).value();
+}
+
+// One sequence on the CUDA runner: the prefill of `ids` with every row's logits.
+std::vector<float> cuda_prefill_all(Qwen3MoeCuda& m, const std::vector<int32_t>& ids) {
+  BlockAllocator blocks(m.num_blocks());
+  std::vector<int32_t> table;
+  EXPECT_TRUE(blocks.ensure(table, static_cast<int64_t>(ids.size()), m.block_size()).ok());
+  const SequenceStep seq{ids, 0, table};
+  auto b = m.make_batch(std::span<const SequenceStep>(&seq, 1), /*all_logits=*/true);
+  EXPECT_TRUE(b.ok()) << b.error().what();
+  std::vector<float> logits(ids.size() * static_cast<size_t>(m.config().vocab_size));
+  const Status st = m.forward(*b, logits.data());
+  EXPECT_TRUE(st.ok()) << st.error().what();
+  return logits;
+}
+
+// Prefill kPrompt, then teacher-forced decode of ids[kPrompt .. 18]: 8 rows of logits (positions
+// 11..18), as the fixture's decode_logits.
+std::vector<float> cuda_decode_8(Qwen3MoeCuda& m, const std::vector<int32_t>& ids) {
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  BlockAllocator blocks(m.num_blocks());
+  std::vector<int32_t> table;
+  EXPECT_TRUE(blocks.ensure(table, kPrompt + 7, m.block_size()).ok());
+  std::vector<float> out, step(V);
+  const SequenceStep pre{std::span<const int32_t>(ids.data(), kPrompt), 0, table};
+  auto b = m.make_batch(std::span<const SequenceStep>(&pre, 1));
+  EXPECT_TRUE(b.ok());
+  EXPECT_TRUE(m.forward(*b, step.data()).ok());
+  out.insert(out.end(), step.begin(), step.end());
+  for (int i = 0; i < 7; ++i) {
+    const SequenceStep s{std::span<const int32_t>(ids.data() + kPrompt + i, 1), kPrompt + i, table};
+    auto d = m.make_batch(std::span<const SequenceStep>(&s, 1));
+    EXPECT_TRUE(d.ok());
+    EXPECT_TRUE(m.forward(*d, step.data()).ok());
+    out.insert(out.end(), step.begin(), step.end());
+  }
+  return out;
+}
+
+std::vector<float> cpu_prefill_all(const Qwen3MoeCpu& m, const std::vector<int32_t>& ids) {
+  KvCache cache = m.make_cache(64);
+  std::vector<float> logits(ids.size() * static_cast<size_t>(m.config().vocab_size));
+  EXPECT_TRUE(m.forward(ids.data(), static_cast<int>(ids.size()), cache, logits.data()).ok());
+  return logits;
+}
+
+std::vector<float> cpu_decode_8(const Qwen3MoeCpu& m, const std::vector<int32_t>& ids) {
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  KvCache cache = m.make_cache(64);
+  std::vector<float> pre(kPrompt * V), step(V);
+  EXPECT_TRUE(m.forward(ids.data(), kPrompt, cache, pre.data()).ok());
+  std::vector<float> out(pre.end() - static_cast<int64_t>(V), pre.end());
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_TRUE(m.forward(ids.data() + kPrompt + i, 1, cache, step.data()).ok());
+    out.insert(out.end(), step.begin(), step.end());
+  }
+  return out;
+}
+
+TEST(Qwen3MoeCuda, Bf16ExpertsMatchTransformersAndTheCpuBackend) {
+  MOEBIUS_REQUIRE_GPU();
+  const Reference ref = load_reference();
+  for (int block_size : {16, 5}) {
+    SCOPED_TRACE(::testing::Message() << "block_size " << block_size);
+    auto m = load_cuda(tiny_options(WeightFormat::kBF16, block_size));
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->config().vocab_size, ref.vocab);
+    const std::vector<float> pre = cuda_prefill_all(*m, ref.ids);
+    expect_close("bf16 prefill vs transformers fp32", pre, ref.logits, ref.vocab, kBf16Tol);
+    const int64_t graphs_before = m->graph_steps();
+    const std::vector<float> dec = cuda_decode_8(*m, ref.ids);
+    expect_close("bf16 decode (graph) vs transformers fp32", dec, ref.decode_logits, ref.vocab, kBf16Tol);
+    EXPECT_EQ(m->graph_steps() - graphs_before, 6);  // the first decode step runs eagerly and captures
+
+    const Qwen3MoeCpu cpu = load_cpu(WeightFormat::kBF16, /*round_intermediate=*/true);
+    expect_close("bf16 prefill vs CPU backend", pre, cpu_prefill_all(cpu, ref.ids), ref.vocab, kBf16Tol);
+    expect_close("bf16 decode vs CPU backend", dec, cpu_decode_8(cpu, ref.ids), ref.vocab, kBf16Tol);
+  }
+}
+
+TEST(Qwen3MoeCuda, QuantizedExpertsMatchTheCpuBackend) {
+  MOEBIUS_REQUIRE_GPU();
+  const Reference ref = load_reference();
+  for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
+    const std::string name(weight_format_name(f));
+    SCOPED_TRACE(name);
+    auto m = load_cuda(tiny_options(f));
+    ASSERT_TRUE(m);
+    const Qwen3MoeCpu cpu = load_cpu(f, /*round_intermediate=*/true);
+    expect_close((name + " prefill vs CPU backend").c_str(), cuda_prefill_all(*m, ref.ids),
+                 cpu_prefill_all(cpu, ref.ids), ref.vocab, kQuantTol);
+    expect_close((name + " decode (graph) vs CPU backend").c_str(), cuda_decode_8(*m, ref.ids),
+                 cpu_decode_8(cpu, ref.ids), ref.vocab, kQuantTol);
+  }
+}
+
+TEST(Qwen3MoeCuda, ABatchOfTwoMatchesEachSequenceAlone) {
+  MOEBIUS_REQUIRE_GPU();
+  const Reference ref = load_reference();
+  auto m = load_cuda(tiny_options(WeightFormat::kBF16));
+  ASSERT_TRUE(m);
+  const int64_t V = ref.vocab;
+  const std::vector<int32_t> a(ref.ids.begin(), ref.ids.begin() + 12), b(ref.ids.begin() + 5, ref.ids.begin() + 12);
+  BlockAllocator blocks(m->num_blocks());
+  std::vector<int32_t> ta, tb;
+  ASSERT_TRUE(blocks.ensure(ta, 13, m->block_size()).ok());
+  ASSERT_TRUE(blocks.ensure(tb, 8, m->block_size()).ok());
+  // Prefill both in one step: the last logits of each.
+  const SequenceStep both[] = {{a, 0, ta}, {b, 0, tb}};
+  auto batch = m->make_batch(both);
+  ASSERT_TRUE(batch.ok()) << batch.error().what();
+  std::vector<float> together(2 * static_cast<size_t>(V));
+  ASSERT_TRUE(m->forward(*batch, together.data()).ok());
+  // One decode step of both (the batch-2 graph's first, eager step), then a second (replay).
+  const int32_t next[] = {ref.ids[12], ref.ids[13]};
+  std::vector<float> dec_together;
+  for (int s = 0; s < 2; ++s) {
+    const SequenceStep d[] = {{std::span<const int32_t>(&next[s], 1), 12 + s, ta},
+                              {std::span<const int32_t>(&next[s], 1), 7 + s, tb}};
+    std::vector<float> lg(2 * static_cast<size_t>(V));
+    auto db = m->make_batch(d);
+    ASSERT_TRUE(db.ok());
+    ASSERT_TRUE(m->forward(*db, lg.data()).ok());
+    dec_together.insert(dec_together.end(), lg.begin(), lg.end());
+  }
+  EXPECT_GE(m->graph_steps(), 1);
+  // Each alone, in fresh blocks.
+  for (int which = 0; which < 2; ++which) {
+    const std::vector<int32_t>& ids = which == 0 ? a : b;
+    std::vector<int32_t> t;
+    ASSERT_TRUE(blocks.ensure(t, static_cast<int64_t>(ids.size()) + 2, m->block_size()).ok());
+    const SequenceStep one{ids, 0, t};
+    std::vector<float> alone(static_cast<size_t>(V));
+    auto ob = m->make_batch(std::span<const SequenceStep>(&one, 1));
+    ASSERT_TRUE(ob.ok());
+    ASSERT_TRUE(m->forward(*ob, alone.data()).ok());
+    const std::vector<float> got(together.begin() + which * V, together.begin() + (which + 1) * V);
+    expect_close(which == 0 ? "batched prefill, sequence 0 vs alone" : "batched prefill, sequence 1 vs alone", got,
+                 alone, V, kBatchTol);
+    for (int s = 0; s < 2; ++s) {
+      const SequenceStep d{std::span<const int32_t>(&next[s], 1), static_cast<int64_t>(ids.size()) + s, t};
+      auto db = m->make_batch(std::span<const SequenceStep>(&d, 1));
+      ASSERT_TRUE(db.ok());
+      ASSERT_TRUE(m->forward(*db, alone.data()).ok());
+      const size_t off = (static_cast<size_t>(s) * 2 + which) * V;
+      const std::vector<float> g(dec_together.begin() + static_cast<int64_t>(off),
+                                 dec_together.begin() + static_cast<int64_t>(off + V));
+      expect_close("batched decode vs alone", g, alone, V, kBatchTol);
+    }
+    blocks.release(t);
+  }
+}
+
+TEST(Qwen3MoeCuda, RefusesStepsPastItsCapacities) {
+  MOEBIUS_REQUIRE_GPU();
+  auto m = load_cuda(tiny_options(WeightFormat::kBF16));
+  ASSERT_TRUE(m);
+  BlockAllocator blocks(m->num_blocks());
+  std::vector<int32_t> table;
+  ASSERT_TRUE(blocks.ensure(table, 64, m->block_size()).ok());
+  std::vector<float> logits(64 * 512);
+  const std::vector<int32_t> too_many(33, 1), bad_id{1, 512};
+  const SequenceStep s1{too_many, 0, table};
+  auto b1 = m->make_batch(std::span<const SequenceStep>(&s1, 1));
+  ASSERT_TRUE(b1.ok());
+  EXPECT_FALSE(m->forward(*b1, logits.data()).ok());  // 33 tokens > max_tokens 32
+  const SequenceStep s2{bad_id, 0, table};
+  auto b2 = m->make_batch(std::span<const SequenceStep>(&s2, 1));
+  ASSERT_TRUE(b2.ok());
+  EXPECT_FALSE(m->forward(*b2, logits.data()).ok());  // id 512 outside V
+  const std::vector<int32_t> one{1};
+  const SequenceStep s3{one, 64, table};  // position 64: past max_context and the table
+  EXPECT_FALSE(m->make_batch(std::span<const SequenceStep>(&s3, 1)).ok());
+}
+
+TEST(Qwen3MoeCuda, DummyWeightsRunEveryFormat) {
+  MOEBIUS_REQUIRE_GPU();
+  // A small geometry with the real model's structure (a dense layer too).
+  Qwen3MoeConfig c;
+  c.vocab_size = 1000;
+  c.hidden_size = 256;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.rope_theta = 1e6;
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 128;
+  c.intermediate_size = 256;
+  c.norm_topk_prob = true;
+  c.mlp_only_layers = {1};
+  c.max_position_embeddings = 512;
+  for (moe::KernelFormat f :
+       {moe::KernelFormat::kBF16, moe::KernelFormat::kNvFp4, moe::KernelFormat::kInt4, moe::KernelFormat::kInt2}) {
+    SCOPED_TRACE(moe::kernel_format_name(f));
+    Qwen3MoeCudaOptions o;
+    o.max_tokens = 64;
+    o.max_context = 128;
+    int progress_calls = 0;
+    o.progress = [&](int done, int total) {
+      ++progress_calls;
+      EXPECT_LE(done, total);
+    };
+    auto m = Qwen3MoeCuda::create_dummy(c, f, o);
+    ASSERT_TRUE(m.ok()) << m.error().what();
+    EXPECT_EQ(progress_calls, c.num_hidden_layers + 1);
+    const MemoryPlan& plan = (*m)->memory_plan();
+    EXPECT_GT(plan.experts, 0u);
+    EXPECT_GT(plan.dense_mlp, 0u);
+    EXPECT_GT(plan.kv_cache, 0u);
+    std::printf("%s", format_memory_plan(plan).c_str());
+    BlockAllocator blocks((*m)->num_blocks());
+    std::vector<int32_t> table;
+    ASSERT_TRUE(blocks.ensure(table, 60, (*m)->block_size()).ok());
+    std::vector<int32_t> ids(50);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 37) % 1000);
+    std::vector<float> logits(1000);
+    const SequenceStep pre{ids, 0, table};
+    auto b = (*m)->make_batch(std::span<const SequenceStep>(&pre, 1));
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE((*m)->forward(*b, logits.data()).ok());
+    for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+    for (int s = 0; s < 3; ++s) {
+      const int32_t id = 7 + s;
+      const SequenceStep d{std::span<const int32_t>(&id, 1), 50 + s, table};
+      auto db = (*m)->make_batch(std::span<const SequenceStep>(&d, 1));
+      ASSERT_TRUE(db.ok());
+      ASSERT_TRUE((*m)->forward(*db, logits.data()).ok());
+      for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << "decode step " << s;
+    }
+    EXPECT_EQ((*m)->graph_steps(), 2);
+    EXPECT_GT((*m)->decode_weight_bytes(), 0u);
+  }
+}
+
+}  // namespace
+}  // namespace moebius::model
