@@ -114,8 +114,10 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[tt][i] = grp[tt][i] = 0.0f;
 
-  // Applies a group's scales (rows g and g + 8) to its unscaled sums.
-  auto apply_group = [&](float s_lo, float s_hi) {
+  auto flush_group = [&](int group) {
+    const __half* sc = static_cast<const __half*>(ptrs.scales) +
+                       (static_cast<int64_t>(row_tile) * d.groups + group) * 16;
+    const float s_lo = __half2float(sc[g]), s_hi = __half2float(sc[g + 8]);
 #pragma unroll
     for (int tt = 0; tt < NT; ++tt) {
       acc[tt][0] += grp[tt][0] * s_lo;
@@ -126,45 +128,20 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
       for (int i = 0; i < 4; ++i) grp[tt][i] = 0.0f;
     }
   };
-  const __half* scale_tile = static_cast<const __half*>(ptrs.scales) + static_cast<int64_t>(row_tile) * d.groups * 16;
-  auto load_group_scales = [&](int group, float& s_lo, float& s_hi) {
-    const __half* sc = scale_tile + static_cast<int64_t>(group) * 16;
-    s_lo = __half2float(sc[g]);
-    s_hi = __half2float(sc[g + 8]);
-  };
-  auto flush_group = [&](int group) {
-    float s_lo, s_hi;
-    load_group_scales(group, s_lo, s_hi);
-    apply_group(s_lo, s_hi);
-  };
-  // Int formats with group_size >= chunk_k (the usual g=128): a chunk spans at most two groups,
-  // so the scales of both (first and last k of the chunk) are loaded with the chunk's weights and
-  // the group flushes never wait on memory. Smaller groups load at the flush (the first version:
-  // a dependent global load per group, measured ~5 us of int4's 17.5 us GEMM1 at T=1; PERF.md).
-  const bool prefetch_scales = kIsIntF && d.group_size >= KC;
-  float cur_lo = 0.0f, cur_hi = 0.0f;  // prefetch_scales: the scales of current_group
 
   // 16-byte weight loads in flight per lane before the first use. 8 for NT <= 2 was measured
   // slower than 4 at every batch size (docs/PERF.md, 2026-12-02), so 4 it is.
   constexpr int kPrefetch = 4;
-  int current_group = kIsIntF ? (prefetch_scales ? -1 : (c_begin * KC) / d.group_size) : 0;
+  int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     uint4 wv[kPrefetch];
     uint2 sv[kPrefetch];
-    float ga_lo[kPrefetch], ga_hi[kPrefetch], gb_lo[kPrefetch], gb_hi[kPrefetch];  // int: first/last group
 #pragma unroll
     for (int p = 0; p < kPrefetch; ++p) {
       if (c0 + p < c_end) {
         wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
         if constexpr (F == MoeWeightFormat::kNvFp4)
           sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
-        if constexpr (kIsIntF) {
-          if (prefetch_scales) {
-            const int k_first = (c0 + p) * KC;
-            load_group_scales(k_first / d.group_size, ga_lo[p], ga_hi[p]);
-            load_group_scales(min(k_first + KC - 1, d.groups * d.group_size - 1) / d.group_size, gb_lo[p], gb_hi[p]);
-          }
-        }
       }
     }
 #pragma unroll
@@ -183,14 +160,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
         if constexpr (kIsIntF) {
           const int group = k0 / d.group_size;
           if (group != current_group) {
-            if (prefetch_scales) {
-              if (current_group >= 0) apply_group(cur_lo, cur_hi);
-              const bool first = group == (c * KC) / d.group_size;
-              cur_lo = first ? ga_lo[p] : gb_lo[p];
-              cur_hi = first ? ga_hi[p] : gb_hi[p];
-            } else {
-              flush_group(current_group);
-            }
+            flush_group(current_group);
             current_group = group;
           }
         }
@@ -208,10 +178,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
     }
   }
   if constexpr (kIsIntF) {
-    if (c_end > c_begin) {
-      if (prefetch_scales) apply_group(cur_lo, cur_hi);
-      else flush_group(current_group);
-    }
+    if (c_end > c_begin) flush_group(current_group);
   }
 
   // Deterministic split-K reduction: every warp parks its sums, warp 0 adds them in warp order.
