@@ -108,9 +108,8 @@ Result<QuantMatrix> load_quantized_matrix(const SafetensorsCheckpoint& ck, std::
     gptq::CheckpointTensors t;
     MOEBIUS_ASSIGN_OR_RETURN(t.qweight, get_quant_tensor(ck, module, "qweight", lq));
     if (cols % P != 0 || !(t.qweight.shape == Shape{cols / P, rows}))
-      return Error::format("has shape {}, expected [{} / {}, {}] ({}-bit GPTQ packing of a [{}, {}] weight from "
-                           "config.json)",
-                           t.qweight.shape.str(), cols, P, rows, lq.bits, rows, cols)
+      return Error::format("has shape {}, expected {} ({}-bit GPTQ packing of a [{}, {}] weight from config.json)",
+                           t.qweight.shape.str(), shape_str({cols / P, rows}), lq.bits, rows, cols)
           .in_tensor(module_tensor_name(module, "qweight"))
           .in_file(ck.path());
     MOEBIUS_ASSIGN_OR_RETURN(t.qzeros, get_quant_tensor(ck, module, "qzeros", lq));
