@@ -9,7 +9,10 @@
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "core/log.h"
 #include "cpu/swiglu.h"
+#include "formats/gptq.h"
+#include "formats/nvfp4.h"
 #include "formats/safetensors.h"
 
 namespace moebius::model {
@@ -58,11 +61,81 @@ Result<std::vector<float>> load_float_tensor(const SafetensorsCheckpoint& ck, co
 
 namespace {
 
-// One expert projection [rows, cols] as a QuantMatrix (see the header for the format choice).
-Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCheckpoint>& ck, const std::string& name,
-                                       int64_t rows, int64_t cols, const Qwen3MoeLoadOptions& opt) {
+// True when the checkpoint stores `module` in the quantized layout `lq` describes (GPTQ: a
+// qweight; NVFP4: a weight_scale next to the weight).
+bool has_quantized_tensors(const SafetensorsCheckpoint& ck, const LayerQuant& lq, const std::string& module) {
+  if (lq.format == WeightFormat::kNvFp4) return ck.find(module_tensor_name(module, "weight_scale")) != nullptr;
+  return ck.find(module_tensor_name(module, "qweight")) != nullptr;
+}
+
+// A tensor of a quantized module, which must be present.
+Result<TensorView> get_quant_tensor(const SafetensorsCheckpoint& ck, const std::string& module,
+                                    std::string_view suffix, const LayerQuant& lq) {
+  const std::string name = module_tensor_name(module, suffix);
+  if (ck.find(name) == nullptr)
+    return Error::format("missing from the checkpoint (the quantization config makes {} {} with group size {})",
+                         module, weight_format_name(lq.format), lq.group_size)
+        .in_tensor(name)
+        .in_file(ck.path());
+  return ck.view(name);
+}
+
+std::string shape_str(std::initializer_list<int64_t> dims) { return Shape(dims).str(); }
+
+// The quantized module `module` [rows, cols] straight from its checkpoint tensors (zero copy; the
+// matrix keeps `owner` alive). The packed weight's shape is checked against [rows, cols] from
+// config.json before the format module looks at the rest.
+Result<QuantMatrix> load_quantized_matrix(const SafetensorsCheckpoint& ck, std::shared_ptr<const void> owner,
+                                          const LayerQuant& lq, const std::string& module, int64_t rows,
+                                          int64_t cols) {
+  Result<QuantMatrix> m = Error("unreachable");
+  if (lq.format == WeightFormat::kNvFp4) {
+    nvfp4::CheckpointTensors t;
+    MOEBIUS_ASSIGN_OR_RETURN(t.weight, get_quant_tensor(ck, module, "weight", lq));
+    if (!(t.weight.shape == Shape{rows, cols / 2}))
+      return Error::format("has shape {}, expected {} (NVFP4 codes of a [{}, {}] weight from config.json)",
+                           t.weight.shape.str(), shape_str({rows, cols / 2}), rows, cols)
+          .in_tensor(module_tensor_name(module, "weight"))
+          .in_file(ck.path());
+    MOEBIUS_ASSIGN_OR_RETURN(t.weight_scale, get_quant_tensor(ck, module, "weight_scale", lq));
+    MOEBIUS_ASSIGN_OR_RETURN(t.weight_scale_2, get_quant_tensor(ck, module, "weight_scale_2", lq));
+    if (ck.find(module_tensor_name(module, "input_scale")) != nullptr) {
+      MOEBIUS_ASSIGN_OR_RETURN(t.input_scale, ck.view(module_tensor_name(module, "input_scale")));
+    }
+    m = nvfp4::from_checkpoint(t, module, std::move(owner));
+  } else {
+    const int P = gptq::pack_factor(lq.bits);
+    gptq::CheckpointTensors t;
+    MOEBIUS_ASSIGN_OR_RETURN(t.qweight, get_quant_tensor(ck, module, "qweight", lq));
+    if (cols % P != 0 || !(t.qweight.shape == Shape{cols / P, rows}))
+      return Error::format("has shape {}, expected {} ({}-bit GPTQ packing of a [{}, {}] weight from config.json)",
+                           t.qweight.shape.str(), shape_str({cols / P, rows}), lq.bits, rows, cols)
+          .in_tensor(module_tensor_name(module, "qweight"))
+          .in_file(ck.path());
+    MOEBIUS_ASSIGN_OR_RETURN(t.qzeros, get_quant_tensor(ck, module, "qzeros", lq));
+    MOEBIUS_ASSIGN_OR_RETURN(t.scales, get_quant_tensor(ck, module, "scales", lq));
+    if (ck.find(module_tensor_name(module, "g_idx")) != nullptr) {
+      MOEBIUS_ASSIGN_OR_RETURN(t.g_idx, ck.view(module_tensor_name(module, "g_idx")));
+    }
+    const gptq::Layout layout{lq.bits, lq.group_size, lq.zeros};
+    m = gptq::from_checkpoint(t, layout, module, std::move(owner));
+  }
+  if (!m.ok()) return std::move(m).error().in_tensor(module).in_file(ck.path());
+  if (m->rows != rows || m->cols != cols)  // defensive: the packed weight's shape was checked
+    return Error::format("holds a [{}, {}] matrix, config.json gives [{}, {}]", m->rows, m->cols, rows, cols)
+        .in_tensor(module)
+        .in_file(ck.path());
+  return m;
+}
+
+// An unquantized expert projection [rows, cols] (see the header for the format choice).
+// `convert`: experts_format applies (false for modules a pre-quantized checkpoint excludes).
+Result<QuantMatrix> load_float_expert(const std::shared_ptr<const SafetensorsCheckpoint>& ck, const std::string& name,
+                                      int64_t rows, int64_t cols, const Qwen3MoeLoadOptions& opt, bool convert) {
   MOEBIUS_ASSIGN_OR_RETURN(TensorView v, get_float_tensor(*ck, name, Shape{rows, cols}));
-  const bool keep_bf16 = v.dtype == DType::kBF16 && (!opt.experts_format || *opt.experts_format == WeightFormat::kBF16);
+  std::optional<WeightFormat> target = convert ? opt.experts_format : std::nullopt;
+  if (!target && opt.unquantized_experts_bf16) target = WeightFormat::kBF16;
+  const bool keep_bf16 = v.dtype == DType::kBF16 && (!target || *target == WeightFormat::kBF16);
   if (keep_bf16) {  // zero copy: the matrix points into the mmap, which `owner` keeps alive
     QuantMatrix m;
     m.format = WeightFormat::kBF16;
@@ -73,7 +146,7 @@ Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCh
     MOEBIUS_TRY(m.validate());
     return m;
   }
-  const WeightFormat f = opt.experts_format.value_or(WeightFormat::kF32);
+  const WeightFormat f = target.value_or(WeightFormat::kF32);
   const int group = f == WeightFormat::kNvFp4 ? 16 : is_int_format(f) ? opt.experts_group_size : 0;
   const std::vector<float> w = to_f32(v);
   auto q = quantize(f, w.data(), rows, cols, group);
@@ -81,10 +154,53 @@ Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCh
   return q;
 }
 
+// One expert projection `module` [rows, cols]. `*kept_float` is set when a pre-quantized
+// checkpoint excludes it.
+Result<QuantMatrix> load_expert_matrix(const std::shared_ptr<const SafetensorsCheckpoint>& ck, const QuantConfig& qc,
+                                       const std::string& module, int64_t rows, int64_t cols,
+                                       const Qwen3MoeLoadOptions& opt, bool* kept_float) {
+  const LayerQuant lq = qc.layer(module);
+  if (!lq.quantized) {
+    *kept_float = qc.is_quantized();
+    return load_float_expert(ck, module + ".weight", rows, cols, opt, !qc.is_quantized());
+  }
+  if (opt.experts_format && *opt.experts_format != lq.format)
+    return Error::format("the checkpoint stores this expert as {} ({} quantization config); --experts {} would "
+                         "re-quantize already-quantized weights, which moebius refuses. Omit --experts (or pass "
+                         "--experts {}), or start from the unquantized checkpoint",
+                         weight_format_name(lq.format), quant_method_name(qc.method),
+                         weight_format_name(*opt.experts_format), weight_format_name(lq.format))
+        .in_tensor(module)
+        .in_file(ck->path());
+  return load_quantized_matrix(*ck, ck, lq, module, rows, cols);
+}
+
 }  // namespace
 
+Result<std::vector<float>> load_linear_weight(const SafetensorsCheckpoint& ck, const QuantConfig& qc,
+                                              const std::string& module, int64_t rows, int64_t cols) {
+  const LayerQuant lq = qc.layer(module);
+  if (!lq.quantized || !has_quantized_tensors(ck, lq, module))
+    return load_float_tensor(ck, module_tensor_name(module, "weight"), Shape{rows, cols});
+  MOEBIUS_ASSIGN_OR_RETURN(QuantMatrix m, load_quantized_matrix(ck, nullptr, lq, module, rows, cols));
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  dequantize_rows(m, 0, rows, out.data());
+  return out;
+}
+
+std::optional<WeightFormat> quantized_experts_format(const Qwen3MoeConfig& c, const QuantConfig& qc) {
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.is_moe_layer(l)) continue;
+    const LayerQuant lq = qc.layer("model.layers." + std::to_string(l) + ".mlp.experts.0.gate_proj");
+    if (lq.quantized) return lq.format;
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
 Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const SafetensorsCheckpoint>& ck,
-                                        const Qwen3MoeConfig& c, int layer, const Qwen3MoeLoadOptions& opt) {
+                                                  const Qwen3MoeConfig& c, const QuantConfig& qc, int layer,
+                                                  const Qwen3MoeLoadOptions& opt) {
   const SafetensorsCheckpoint& k = *ck;
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const int64_t H = c.hidden_size, hd = c.head_dim, q_dim = int64_t{c.num_attention_heads} * hd,
@@ -92,18 +208,18 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
   Qwen3MoeLayerWeights w;
   MOEBIUS_ASSIGN_OR_RETURN(w.input_norm, load_float_tensor(k, p + "input_layernorm.weight", Shape{H}));
   MOEBIUS_ASSIGN_OR_RETURN(w.post_norm, load_float_tensor(k, p + "post_attention_layernorm.weight", Shape{H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.q_proj, load_float_tensor(k, p + "self_attn.q_proj.weight", Shape{q_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.k_proj, load_float_tensor(k, p + "self_attn.k_proj.weight", Shape{kv_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.v_proj, load_float_tensor(k, p + "self_attn.v_proj.weight", Shape{kv_dim, H}));
-  MOEBIUS_ASSIGN_OR_RETURN(w.o_proj, load_float_tensor(k, p + "self_attn.o_proj.weight", Shape{H, q_dim}));
+  MOEBIUS_ASSIGN_OR_RETURN(w.q_proj, load_linear_weight(k, qc, p + "self_attn.q_proj", q_dim, H));
+  MOEBIUS_ASSIGN_OR_RETURN(w.k_proj, load_linear_weight(k, qc, p + "self_attn.k_proj", kv_dim, H));
+  MOEBIUS_ASSIGN_OR_RETURN(w.v_proj, load_linear_weight(k, qc, p + "self_attn.v_proj", kv_dim, H));
+  MOEBIUS_ASSIGN_OR_RETURN(w.o_proj, load_linear_weight(k, qc, p + "self_attn.o_proj", H, q_dim));
   MOEBIUS_ASSIGN_OR_RETURN(w.q_norm, load_float_tensor(k, p + "self_attn.q_norm.weight", Shape{hd}));
   MOEBIUS_ASSIGN_OR_RETURN(w.k_norm, load_float_tensor(k, p + "self_attn.k_norm.weight", Shape{hd}));
   w.is_moe = c.is_moe_layer(layer);
   if (!w.is_moe) {
     const int64_t I = c.intermediate_size;
-    MOEBIUS_ASSIGN_OR_RETURN(w.gate_proj, load_float_tensor(k, p + "mlp.gate_proj.weight", Shape{I, H}));
-    MOEBIUS_ASSIGN_OR_RETURN(w.up_proj, load_float_tensor(k, p + "mlp.up_proj.weight", Shape{I, H}));
-    MOEBIUS_ASSIGN_OR_RETURN(w.down_proj, load_float_tensor(k, p + "mlp.down_proj.weight", Shape{H, I}));
+    MOEBIUS_ASSIGN_OR_RETURN(w.gate_proj, load_linear_weight(k, qc, p + "mlp.gate_proj", I, H));
+    MOEBIUS_ASSIGN_OR_RETURN(w.up_proj, load_linear_weight(k, qc, p + "mlp.up_proj", I, H));
+    MOEBIUS_ASSIGN_OR_RETURN(w.down_proj, load_linear_weight(k, qc, p + "mlp.down_proj", H, I));
     return w;
   }
   const int64_t I = c.moe_intermediate_size;
@@ -116,15 +232,26 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
   m.router.renormalize = c.norm_topk_prob;
   m.options.activation.kind = cpu::Activation::kSiLU;
   m.options.round_intermediate_to_bf16 = opt.round_intermediate_to_bf16;
-  MOEBIUS_ASSIGN_OR_RETURN(m.router_weight, load_float_tensor(k, p + "mlp.gate.weight", Shape{E, H}));
+  MOEBIUS_ASSIGN_OR_RETURN(m.router_weight, load_linear_weight(k, qc, p + "mlp.gate", E, H));
   m.experts.resize(static_cast<size_t>(E));
+  int kept_float = 0;  // expert projections a pre-quantized checkpoint excludes
   for (int e = 0; e < E; ++e) {
     const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
     cpu::ExpertWeights& x = m.experts[static_cast<size_t>(e)];
-    MOEBIUS_ASSIGN_OR_RETURN(x.gate, load_expert_matrix(ck, q + "gate_proj.weight", I, H, opt));
-    MOEBIUS_ASSIGN_OR_RETURN(x.up, load_expert_matrix(ck, q + "up_proj.weight", I, H, opt));
-    MOEBIUS_ASSIGN_OR_RETURN(x.down, load_expert_matrix(ck, q + "down_proj.weight", H, I, opt));
+    bool kf[3] = {false, false, false};
+    MOEBIUS_ASSIGN_OR_RETURN(x.gate, load_expert_matrix(ck, qc, q + "gate_proj", I, H, opt, &kf[0]));
+    MOEBIUS_ASSIGN_OR_RETURN(x.up, load_expert_matrix(ck, qc, q + "up_proj", I, H, opt, &kf[1]));
+    MOEBIUS_ASSIGN_OR_RETURN(x.down, load_expert_matrix(ck, qc, q + "down_proj", H, I, opt, &kf[2]));
+    kept_float += int{kf[0]} + int{kf[1]} + int{kf[2]};
   }
+  if (kept_float > 0 && kept_float < 3 * E)
+    log_warn("layer {}: {} of {} expert projections are excluded from the checkpoint's {} quantization and keep "
+             "their source precision; the others are quantized",
+             layer, kept_float, 3 * E, quant_method_name(qc.method));
+  else if (kept_float > 0 && opt.experts_format && *opt.experts_format != WeightFormat::kBF16)
+    log_warn("layer {}: the checkpoint's {} quantization excludes these experts; they keep their source "
+             "precision instead of --experts {}",
+             layer, quant_method_name(qc.method), weight_format_name(*opt.experts_format));
   if (auto st = m.validate(); !st.ok()) return std::move(st).error().with_context("layer " + std::to_string(layer));
   return w;
 }
@@ -136,6 +263,7 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
 Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoadOptions& options) {
   Qwen3MoeCpu m;
   MOEBIUS_ASSIGN_OR_RETURN(m.config_, load_qwen3_moe_config(dir));
+  MOEBIUS_ASSIGN_OR_RETURN(m.quant_, load_quant_config(dir));
   const Qwen3MoeConfig& c = m.config_;
   MOEBIUS_ASSIGN_OR_RETURN(SafetensorsCheckpoint opened, SafetensorsCheckpoint::open(dir));
   auto ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
@@ -144,10 +272,10 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
   MOEBIUS_ASSIGN_OR_RETURN(m.embed_, load_float_tensor(*ck, "model.embed_tokens.weight", Shape{V, H}));
   MOEBIUS_ASSIGN_OR_RETURN(m.norm_, load_float_tensor(*ck, "model.norm.weight", Shape{H}));
   if (!c.tie_word_embeddings) {
-    MOEBIUS_ASSIGN_OR_RETURN(m.lm_head_, load_float_tensor(*ck, "lm_head.weight", Shape{V, H}));
+    MOEBIUS_ASSIGN_OR_RETURN(m.lm_head_, load_linear_weight(*ck, m.quant_, "lm_head", V, H));
   }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, l, options));
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, m.quant_, l, options));
     m.layers_.push_back(std::move(w));
   }
   m.inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.head_dim);

@@ -17,6 +17,22 @@
 // upcast to fp32 vectors. Experts are QuantMatrix: by default kBF16 pointing straight into the
 // mmap'd checkpoint for BF16 checkpoints (no copy, exact values), kF32 upcast for F16/F32 ones;
 // `experts_format` re-quantizes them online (e.g. nvfp4 or int4) to study quantization error.
+//
+// Pre-quantized checkpoints (load_quant_config: hf_quant_config.json or config.json's
+// "quantization_config"; ModelOpt NVFP4, GPTQ / AutoRound int2/4/8), see docs/FORMATS.md:
+//   - An expert projection the config quantizes is built straight from its checkpoint tensors
+//     (nvfp4::from_checkpoint / gptq::from_checkpoint, zero copy into the mmap) and its shape is
+//     checked against config.json. Its tensors must be there: a missing weight_scale_2 or qweight
+//     is an error naming the tensor.
+//   - `experts_format` may only name the checkpoint's own format (the checkpoint's group size is
+//     kept); any other format is refused: re-quantizing already-quantized weights would stack two
+//     rounding errors into a model nobody validated. Start from the bf16 checkpoint instead.
+//   - Expert projections the config excludes keep their source precision (never quantized
+//     online, even with `experts_format`; a warning says so once per layer).
+//   - Dense linear modules (attention, dense MLP, router, lm_head) the config quantizes and the
+//     checkpoint stores quantized are dequantized to fp32 at load; when the checkpoint stores
+//     them as float (tools leave e.g. the router unquantized without listing it), the float
+//     tensor is used.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +44,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/moe_layer.h"
+#include "formats/quant_config.h"
 #include "formats/quant_matrix.h"
 #include "model/kv_cache.h"
 #include "model/qwen3_moe_config.h"
@@ -43,6 +60,10 @@ struct Qwen3MoeLoadOptions {
   // kF32 convert; kNvFp4 and the int formats quantize the (upcast) weights with quantize().
   std::optional<WeightFormat> experts_format;
   int experts_group_size = 128;  // int formats only (-1 = per-channel); NVFP4 always uses 16
+  // Unquantized experts that experts_format does not convert (none given, or modules a
+  // pre-quantized checkpoint excludes) become kBF16 even from F16/F32 checkpoints (the CUDA
+  // runner has no fp32 experts); otherwise BF16 stays as is and F16/F32 is upcast to kF32.
+  bool unquantized_experts_bf16 = false;
   // Round the SwiGLU intermediate to bf16 before the down projection, as the GPU kernels do.
   // Off (pure fp32) for comparisons with transformers in fp32.
   bool round_intermediate_to_bf16 = false;
@@ -69,17 +90,28 @@ struct Qwen3MoeLayerWeights {
 // The tensor `name` upcast to fp32; it must exist with exactly `shape` and dtype BF16, F16 or F32.
 Result<std::vector<float>> load_float_tensor(const SafetensorsCheckpoint& ck, const std::string& name,
                                              const Shape& shape);
-// Layer `layer`'s weights (experts per options.experts_format, see Qwen3MoeLoadOptions).
+// Linear module `module` ("lm_head", "model.layers.0.self_attn.q_proj") as fp32 [rows, cols]:
+// dequantized when `quant` quantizes it and the checkpoint stores it quantized, else the float
+// tensor "<module>.weight" (load_float_tensor).
+Result<std::vector<float>> load_linear_weight(const SafetensorsCheckpoint& ck, const QuantConfig& quant,
+                                              const std::string& module, int64_t rows, int64_t cols);
+// Layer `layer`'s weights (experts per options.experts_format and `quant`, the checkpoint's
+// load_quant_config(); see the notes above).
 Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const SafetensorsCheckpoint>& ck,
-                                                  const Qwen3MoeConfig& config, int layer,
-                                                  const Qwen3MoeLoadOptions& options);
+                                                  const Qwen3MoeConfig& config, const QuantConfig& quant,
+                                                  int layer, const Qwen3MoeLoadOptions& options);
+// The format of the checkpoint's quantized experts (the first MoE layer's expert 0 gate_proj as
+// `quant` describes it); nullopt when it is not quantized.
+std::optional<WeightFormat> quantized_experts_format(const Qwen3MoeConfig& config, const QuantConfig& quant);
 
 class Qwen3MoeCpu {
  public:
-  // `dir`: a model directory with config.json and model.safetensors (or an index + shards).
+  // `dir`: a model directory with config.json and model.safetensors (or an index + shards), and
+  // for pre-quantized checkpoints hf_quant_config.json or config.json's quantization_config.
   static Result<Qwen3MoeCpu> load(const std::string& dir, const Qwen3MoeLoadOptions& options = {});
 
   const Qwen3MoeConfig& config() const { return config_; }
+  const QuantConfig& quant_config() const { return quant_; }
   const std::vector<Qwen3MoeLayerWeights>& layers() const { return layers_; }
 
   // A cache shaped for this model; max_tokens defaults to max_position_embeddings.
@@ -96,6 +128,7 @@ class Qwen3MoeCpu {
                    float* out) const;
 
   Qwen3MoeConfig config_;
+  QuantConfig quant_;
   std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;  // owns the mmap that bf16 experts point into
   std::vector<float> embed_;    // [V, H]
   std::vector<float> norm_;     // [H]

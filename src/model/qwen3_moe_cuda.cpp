@@ -287,6 +287,7 @@ moe::MoeCudaOptions moe_options(int capacity) {
 
 Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir, const Qwen3MoeCudaOptions& options) {
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig c, load_qwen3_moe_config(dir));
+  MOEBIUS_ASSIGN_OR_RETURN(QuantConfig quant, load_quant_config(dir));
   MOEBIUS_ASSIGN_OR_RETURN(SafetensorsCheckpoint opened, SafetensorsCheckpoint::open(dir));
   auto ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda());
@@ -297,7 +298,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
     MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> e, load_float_tensor(*ck, "model.embed_tokens.weight", Shape{V, H}));
     MOEBIUS_TRY(m->upload_bf16(e, m->embed_));
     if (!c.tie_word_embeddings) {
-      MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> lm, load_float_tensor(*ck, "lm_head.weight", Shape{V, H}));
+      MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> lm, load_linear_weight(*ck, quant, "lm_head", V, H));
       MOEBIUS_TRY(m->upload_bf16(lm, m->lm_head_));
     }
     MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> n, load_float_tensor(*ck, "model.norm.weight", Shape{H}));
@@ -306,12 +307,18 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
   if (m->opt_.progress) m->opt_.progress(1, total);
 
   // The CUDA kernels have no fp32 experts: keep bf16 for checkpoints stored in another float type.
+  // Pre-quantized experts load as stored (load_qwen3_moe_layer refuses an --experts of another
+  // format); a layer mixing formats (a checkpoint excluding some of its experts) is refused by
+  // MoeLayerCuda::create.
   Qwen3MoeLoadOptions lo;
-  lo.experts_format = options.experts_format.value_or(WeightFormat::kBF16);
+  lo.experts_format = options.experts_format;
   lo.experts_group_size = options.experts_group_size;
-  MOEBIUS_ASSIGN_OR_RETURN(m->experts_format_, moe::kernel_format_for(*lo.experts_format));
+  lo.unquantized_experts_bf16 = true;
+  MOEBIUS_ASSIGN_OR_RETURN(m->experts_format_,
+                           moe::kernel_format_for(options.experts_format.value_or(
+                               quantized_experts_format(c, quant).value_or(WeightFormat::kBF16))));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, l, lo));
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, quant, l, lo));
     Layer& L = m->layers_[static_cast<size_t>(l)];
     CUDA_CHECK(cudaMemcpy(L.input_norm, w.input_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(L.post_norm, w.post_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));

@@ -65,8 +65,9 @@ class DenseGemm;
 namespace moebius::model {
 
 struct Qwen3MoeCudaOptions {
-  // Experts: nullopt keeps the checkpoint's bf16 (F16/F32 checkpoints are converted to bf16);
-  // kNvFp4 / kInt4 / kInt2 quantize online exactly as the CPU backend does (Qwen3MoeLoadOptions).
+  // Experts: nullopt keeps the checkpoint's bf16 (F16/F32 checkpoints are converted to bf16) or
+  // its pre-quantized format; kNvFp4 / kInt4 / kInt2 quantize online exactly as the CPU backend
+  // does (Qwen3MoeLoadOptions: a pre-quantized checkpoint only accepts its own format).
   std::optional<WeightFormat> experts_format;
   int experts_group_size = 128;  // int formats (-1: per channel)
   int max_tokens = 2048;         // tokens per step (the prefill chunk); >= max_seqs
