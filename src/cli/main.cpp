@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   moebius::cli::register_bench_attention(*bench);
   moebius::cli::register_bench_generate(*bench);
   moebius::cli::register_generate(app);
+  moebius::cli::register_eval(app);
 
   try {
     app.parse(argc, argv);
