@@ -93,6 +93,8 @@ step bench-attention bench_attention
 # context against the bytes floor.
 step generate-tiny-cuda "$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3,4,5 \
   --max-tokens 16 --temperature 0 --backend cuda
+step eval-logprobs-tiny-cuda "$BUILD/moebius" eval logprobs --model tests/data/tiny-qwen3-moe \
+  --ref tests/data/tiny-qwen3-moe/logprobs_ref.safetensors --backend cuda --chunk 7
 bench_generate() {
   "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
     --context 1024,10240 --prefill 1024 --decode-steps 64 || return 1
@@ -103,6 +105,7 @@ cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/bench-attention.log"
 cat "$OUT/probes.log"
 cat "$OUT/generate-tiny-cuda.log"
+cat "$OUT/eval-logprobs-tiny-cuda.log"
 cat "$OUT/bench-generate.log"
 
 echo
