@@ -1,9 +1,11 @@
 // The fused QK-norm + RoPE + KV-cache write; the launcher is declared in rope.cuh.
 //
-// One block of 4 warps per token. The block first fills cos/sin of its position for the hd/2
-// frequencies in shared memory (double sincos, ~hd/2 per token instead of per head: Qwen3-30B-A3B
-// has 36 q/k heads sharing each value), then each warp takes whole heads: the nh q heads, the nkv
-// k heads and the nkv v heads of the token, round-robin. A lane holds the pairs i = 2*lane + 64*j
+// Grid (T, ceil((nh + 2 nkv) / 4)): a block of 4 warps per token and group of 4 heads. The block
+// first fills cos/sin of its position for the hd/2 frequencies in shared memory (double sincos,
+// once per block instead of per head), then each warp takes one whole head of the token's nh q
+// heads, nkv k heads and nkv v heads. Splitting the heads over blocks matters at decode: with one
+// block per token, a T=1 step walked Qwen3-30B-A3B's 40 heads 10 deep per warp, each a dependent
+// global round trip, 11 us per layer on the H200 (ncu, docs/PERF.md run E). A lane holds the pairs i = 2*lane + 64*j
 // and i + 1 of the first half and the same pairs of the second half (one 4-byte bf16x2 load
 // each), so the rotation partner of every value is in the same lane and a head needs one
 // warp-shuffle sum of squares and no shared memory. Rows are 256 bytes at hd 128: the warp's
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int slot = slot_mapping[t];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int items = nh + 2 * nkv;
-  for (int item = warp; item < items; item += kWarps) {
+  for (int item = blockIdx.y * kWarps + warp; item < items; item += kWarps * gridDim.y) {
     // Which head, where it comes from and where it goes.
     const __nv_bfloat16* src;
     __nv_bfloat16* dst;
@@ -125,7 +127,9 @@ void launch_qk_norm_rope_kv(__nv_bfloat16* q, int64_t q_stride, const __nv_bfloa
                             reinterpret_cast<uintptr_t>(v) % 4 == 0,
                         "qk_norm_rope_kv: q/k/v and their strides must be 4-byte aligned");
   if (T == 0) return;
-  qk_norm_rope_kv_kernel<<<T, kWarps * 32, 0, stream>>>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm,
+  const dim3 grid(T, (nh + 2 * nkv + kWarps - 1) / kWarps);
+  MOEBIUS_LAUNCH_ASSERT(grid.y <= 65535, "qk_norm_rope_kv: too many heads");
+  qk_norm_rope_kv_kernel<<<grid, kWarps * 32, 0, stream>>>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm,
                                                         positions, inv_freq, slot_mapping, k_cache, v_cache, nh, nkv,
                                                         hd, block_size, eps);
   CUDA_CHECK_LAUNCH();
