@@ -22,6 +22,7 @@
 #include "model/qwen3_moe_config.h"
 #include "model/qwen3_moe_cpu.h"
 #include "test_util.h"
+#include "tiny_fixture.h"
 
 namespace moebius::model {
 namespace {
@@ -36,33 +37,8 @@ std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-struct Reference {
-  std::vector<int32_t> ids;           // [20]
-  std::vector<float> logits;          // [20, V]
-  std::vector<float> decode_logits;   // [8, V], positions 11..18
-  int64_t vocab = 0;
-};
-
-Reference load_reference() {
-  Reference r;
-  auto f = SafetensorsFile::open(kDir + "/reference.safetensors");
-  EXPECT_TRUE(f.ok()) << f.error().what();
-  auto ids = f->get("input_ids", DType::kI64);
-  auto lg = f->get("logits", DType::kF32);
-  auto dl = f->get("decode_logits", DType::kF32);
-  EXPECT_TRUE(ids.ok() && lg.ok() && dl.ok());
-  for (int64_t i = 0; i < ids->numel(); ++i) {
-    int64_t v;
-    std::memcpy(&v, static_cast<const uint8_t*>(ids->data) + i * 8, 8);
-    r.ids.push_back(static_cast<int32_t>(v));
-  }
-  r.vocab = lg->shape[1];
-  r.logits.resize(static_cast<size_t>(lg->numel()));
-  std::memcpy(r.logits.data(), lg->data, lg->nbytes());
-  r.decode_logits.resize(static_cast<size_t>(dl->numel()));
-  std::memcpy(r.decode_logits.data(), dl->data, dl->nbytes());
-  return r;
-}
+using Reference = testing::TinyReference;
+Reference load_reference() { return testing::load_tiny_reference(); }
 
 float max_abs_diff(const float* a, const float* b, size_t n) {
   float m = 0;

@@ -30,6 +30,7 @@
 
 #include "core/memory.h"
 #include "kernels/attention.cuh"
+#include "cli/graph_timer.h"
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #endif
@@ -52,33 +53,6 @@ struct BenchAttentionOptions {
 };
 
 #ifdef MOEBIUS_HAS_CUDA
-
-// Captures enqueue() into a graph, warms up, replays `iters` times between events; returns
-// microseconds per replay divided by `per_replay`. (Same method as bench moe.)
-template <typename Enqueue>
-double time_graph_us(cudaStream_t stream, int iters, int per_replay, Enqueue enqueue) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue();
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  CUDA_CHECK(cudaEventRecord(e0, stream));
-  for (int i = 0; i < iters; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaEventRecord(e1, stream));
-  CUDA_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  return 1e3 * ms / (static_cast<double>(iters) * per_replay);
-}
 
 template <typename T>
 T* device_alloc(size_t count) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/log.h"
+#include "cli/graph_timer.h"
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #include "moe/moe_layer_cuda.h"
@@ -49,33 +50,6 @@ Result<moe::MoeGemmPath> parse_gemm_path(const std::string& s) {
   if (s == "decode") return moe::MoeGemmPath::kDecode;
   if (s == "prefill") return moe::MoeGemmPath::kPrefill;
   return Error::format("expected auto, decode or prefill, not '{}'", s).in_field("--gemm-path");
-}
-
-// Captures enqueue() into a graph, replays it once to warm up, then `iters` times between CUDA
-// events; returns microseconds per replay divided by `per_replay` (the layers in the graph).
-template <typename Enqueue>
-double time_graph_us(cudaStream_t stream, int iters, int per_replay, Enqueue enqueue) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  enqueue();
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  CUDA_CHECK(cudaEventRecord(e0, stream));
-  for (int i = 0; i < iters; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  CUDA_CHECK(cudaEventRecord(e1, stream));
-  CUDA_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  return 1e3 * ms / (static_cast<double>(iters) * per_replay);
 }
 
 }  // namespace

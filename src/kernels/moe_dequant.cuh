@@ -1,5 +1,5 @@
 // Device helpers shared by the expert GEMM kernels (moe_gemm.cu, decode; moe_gemm_prefill.cu,
-// prefill): the mma.sync wrapper, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT]
+// prefill): their kernel arguments and epilogue kinds, the mma.sync wrapper, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT]
 // lane slice into A fragments, the e4m3 block-scale table and the fused activations. Device code
 // only; include it from .cu files, never from a launcher header.
 //
@@ -23,6 +23,27 @@
 #include "kernels/moe_gemm.cuh"
 
 namespace moebius::kernels::moe_detail {
+
+// What the kernel does with its sums: GEMM1 + activation, GEMM2 stored per pair, or GEMM2
+// weighted into the output with bf16 atomics.
+enum class Epilogue : uint8_t { kGateUp, kDownStore, kDownAtomic };
+
+// The arguments of both expert GEMM kernel families (passed by value).
+struct GemmKernelArgs {
+  const ExpertMatrixPtrs* experts;
+  MoeGemmDims dims;
+  MoeTiles tiles;
+  const __nv_bfloat16* act_in;  // GEMM1: x [T, stride]; GEMM2: h [padded, stride]
+  int in_stride;
+  MoeActivationParams act;
+  __nv_bfloat16* h_out;  // GEMM1
+  int h_stride;
+  float* y;  // GEMM2 kStore
+  int y_stride;
+  const float* topk_weights;  // GEMM2 kAtomic
+  __nv_bfloat16* out;
+  int out_stride;
+};
 
 // K elements per 16-byte lane slice of a tile chunk; mirrors moe::chunk_k (expert_layout.h).
 template <MoeWeightFormat F>

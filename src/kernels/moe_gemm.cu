@@ -52,26 +52,8 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
   }
 }
 
-enum class Epilogue : uint8_t { kGateUp, kDownStore, kDownAtomic };
-
-struct KernelArgs {
-  const ExpertMatrixPtrs* experts;
-  MoeGemmDims dims;
-  MoeTiles tiles;
-  const __nv_bfloat16* act_in;  // GEMM1: x [T, stride]; GEMM2: h [padded, stride]
-  int in_stride;
-  MoeActivationParams act;
-  __nv_bfloat16* h_out;  // GEMM1
-  int h_stride;
-  float* y;  // GEMM2 kStore
-  int y_stride;
-  const float* topk_weights;  // GEMM2 kAtomic
-  __nv_bfloat16* out;
-  int out_stride;
-};
-
 template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs args) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   const int tile = blockIdx.y;
@@ -228,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const KernelArgs arg
 }
 
 template <MoeWeightFormat F, Epilogue EPI>
-void launch_for_format(const KernelArgs& args, bool odd_k, cudaStream_t stream) {
+void launch_for_format(const GemmKernelArgs& args, bool odd_k, cudaStream_t stream) {
   const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
   const int nt = args.tiles.block_m / 8;
 #define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
@@ -247,7 +229,7 @@ void launch_for_format(const KernelArgs& args, bool odd_k, cudaStream_t stream) 
 }
 
 template <Epilogue EPI>
-void launch(MoeWeightFormat format, const KernelArgs& args, bool odd_k, cudaStream_t stream) {
+void launch(MoeWeightFormat format, const GemmKernelArgs& args, bool odd_k, cudaStream_t stream) {
   if (args.tiles.grid_tiles == 0 || args.dims.row_tiles == 0) return;
   switch (format) {
     case MoeWeightFormat::kBF16: return launch_for_format<MoeWeightFormat::kBF16, EPI>(args, odd_k, stream);
@@ -271,7 +253,7 @@ void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* exp
                              const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,
                              const MoeActivationParams& act, __nv_bfloat16* h, int h_stride, cudaStream_t stream) {
   check_dims(format, dims, tiles);
-  KernelArgs a{};
+  GemmKernelArgs a{};
   a.experts = experts;
   a.dims = dims;
   a.tiles = tiles;
@@ -288,7 +270,7 @@ void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* expert
                           float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
                           cudaStream_t stream) {
   check_dims(format, dims, tiles);
-  KernelArgs a{};
+  GemmKernelArgs a{};
   a.experts = experts;
   a.dims = dims;
   a.tiles = tiles;

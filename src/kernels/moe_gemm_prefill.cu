@@ -119,26 +119,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                : "r"(addr));
 }
 
-enum class Epilogue : uint8_t { kGateUp, kDownStore, kDownAtomic };
-
-struct PrefillArgs {
-  const ExpertMatrixPtrs* experts;
-  MoeGemmDims dims;
-  MoeTiles tiles;
-  const __nv_bfloat16* act_in;  // GEMM1: x [T, stride]; GEMM2: h [padded, stride]
-  int in_stride;
-  MoeActivationParams act;
-  __nv_bfloat16* h_out;  // GEMM1
-  int h_stride;
-  float* y;  // GEMM2 kStore
-  int y_stride;
-  const float* topk_weights;  // GEMM2 kAtomic
-  __nv_bfloat16* out;
-  int out_stride;
-};
-
 template <MoeWeightFormat F, int BN, Epilogue EPI, bool kAlignedB>
-__global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const PrefillArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const GemmKernelArgs args) {
   using L = StageLayout<F, BN>;
   constexpr int KS = kStageK<F>;
   constexpr int kRowBytes = KS * 2;          // one activation row of a stage
@@ -407,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Pre
 }
 
 template <MoeWeightFormat F, int BN, Epilogue EPI, bool kAlignedB>
-void launch_kernel(const PrefillArgs& args, cudaStream_t stream) {
+void launch_kernel(const GemmKernelArgs& args, cudaStream_t stream) {
   using L = StageLayout<F, BN>;
   auto* kernel = &moe_gemm_prefill_kernel<F, BN, EPI, kAlignedB>;
   // Above 48 KiB a block needs the opt-in; this is not a stream operation, so it is legal while
@@ -421,7 +403,7 @@ void launch_kernel(const PrefillArgs& args, cudaStream_t stream) {
 // the int group accumulators (bf16 needs it for L2 intensity, nvfp4 may use it); unaligned
 // activation rows for GEMM1 only (x is the caller's; h is the layer's, always aligned).
 template <Epilogue EPI, bool kAlignedB>
-void launch_aligned(MoeWeightFormat format, const PrefillArgs& args, cudaStream_t stream) {
+void launch_aligned(MoeWeightFormat format, const GemmKernelArgs& args, cudaStream_t stream) {
   const int bm = args.tiles.block_m;
   MOEBIUS_LAUNCH_ASSERT(moe_gemm_prefill_supports(format, bm),
                         "prefill GEMM: block_m must be 64, or 128 for bf16 and nvfp4");
@@ -459,7 +441,7 @@ void launch_moe_gemm_prefill_gate_up(MoeWeightFormat format, const ExpertMatrixP
                                      cudaStream_t stream) {
   check_dims(format, dims, tiles);
   if (tiles.grid_tiles == 0 || dims.row_tiles == 0) return;
-  PrefillArgs a{};
+  GemmKernelArgs a{};
   a.experts = experts;
   a.dims = dims;
   a.tiles = tiles;
@@ -479,7 +461,7 @@ void launch_moe_gemm_prefill_down(MoeWeightFormat format, const ExpertMatrixPtrs
   check_dims(format, dims, tiles);
   MOEBIUS_LAUNCH_ASSERT(rows_aligned(h, h_stride), "prefill GEMM2: h rows must be 16-byte aligned");
   if (tiles.grid_tiles == 0 || dims.row_tiles == 0) return;
-  PrefillArgs a{};
+  GemmKernelArgs a{};
   a.experts = experts;
   a.dims = dims;
   a.tiles = tiles;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -16,6 +17,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 uint64_t float_bytes(const std::vector<float>& v) { return static_cast<uint64_t>(v.size()) * sizeof(float); }
+
+// One generation step's host side, the same for every backend: samples from the last logits,
+// records the hash, and either stops at an eos id (nullopt) or records and streams the token.
+Result<std::optional<int32_t>> take_token(Sampler& sampler, std::span<const float> last,
+                                          std::span<const int32_t> eos_token_ids, const TokenCallback& on_token,
+                                          GenerateStats& stats) {
+  MOEBIUS_ASSIGN_OR_RETURN(int32_t id, sampler.sample(last));
+  stats.logits_hash = fnv1a_logits(last);
+  if (std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end()) {
+    stats.stopped_at_eos = true;
+    return std::optional<int32_t>{};
+  }
+  stats.generated.push_back(id);
+  if (on_token) on_token(id);
+  return std::optional<int32_t>{id};
+}
 
 }  // namespace
 
@@ -107,14 +124,9 @@ Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t
 
   t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < max_tokens; ++i) {
-    MOEBIUS_ASSIGN_OR_RETURN(int32_t id, sampler.sample(last));
-    stats.logits_hash = fnv1a_logits(last);
-    if (std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end()) {
-      stats.stopped_at_eos = true;
-      break;
-    }
-    stats.generated.push_back(id);
-    if (on_token) on_token(id);
+    MOEBIUS_ASSIGN_OR_RETURN(std::optional<int32_t> next, take_token(sampler, last, eos_token_ids, on_token, stats));
+    if (!next) break;
+    const int32_t id = *next;
     // Stop when the budget is spent or the context is full (the next step would not fit).
     if (i + 1 == max_tokens || cache.position() >= cache.max_tokens()) break;
     MOEBIUS_TRY(model.forward(&id, 1, cache, logits.data()));
@@ -162,14 +174,9 @@ Result<GenerateStats> generate(Qwen3MoeCuda& model, std::span<const int32_t> pro
   int64_t pos = stats.prompt_tokens;
   t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < max_tokens; ++i) {
-    MOEBIUS_ASSIGN_OR_RETURN(int32_t id, sampler.sample(last));
-    stats.logits_hash = fnv1a_logits(last);
-    if (std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end()) {
-      stats.stopped_at_eos = true;
-      break;
-    }
-    stats.generated.push_back(id);
-    if (on_token) on_token(id);
+    MOEBIUS_ASSIGN_OR_RETURN(std::optional<int32_t> next, take_token(sampler, last, eos_token_ids, on_token, stats));
+    if (!next) break;
+    const int32_t id = *next;
     if (i + 1 == max_tokens || pos >= cache_tokens) break;
     const SequenceStep seq{std::span<const int32_t>(&id, 1), pos, table};
     MOEBIUS_ASSIGN_OR_RETURN(StepBatch batch, model.make_batch(std::span<const SequenceStep>(&seq, 1)));

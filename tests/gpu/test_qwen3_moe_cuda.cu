@@ -38,6 +38,7 @@
 #include "model/qwen3_moe_cuda.h"
 #include "model/step_batch.h"
 #include "test_util.h"
+#include "tiny_fixture.h"
 
 namespace moebius::model {
 namespace {
@@ -48,33 +49,8 @@ constexpr double kMaxNmse = 1e-3;
 
 std::string fixture_dir() { return testing::test_data_dir() + "/tiny-qwen3-moe"; }
 
-struct Reference {
-  std::vector<int32_t> ids;          // [20]
-  std::vector<float> logits;         // [20, V]
-  std::vector<float> decode_logits;  // [8, V]
-  int64_t vocab = 0;
-};
-
-Reference load_reference() {
-  Reference r;
-  auto f = SafetensorsFile::open(fixture_dir() + "/reference.safetensors");
-  EXPECT_TRUE(f.ok()) << f.error().what();
-  auto ids = f->get("input_ids", DType::kI64);
-  auto lg = f->get("logits", DType::kF32);
-  auto dl = f->get("decode_logits", DType::kF32);
-  EXPECT_TRUE(ids.ok() && lg.ok() && dl.ok());
-  for (int64_t i = 0; i < ids->numel(); ++i) {
-    int64_t v;
-    std::memcpy(&v, static_cast<const uint8_t*>(ids->data) + i * 8, 8);
-    r.ids.push_back(static_cast<int32_t>(v));
-  }
-  r.vocab = lg->shape[1];
-  r.logits.resize(static_cast<size_t>(lg->numel()));
-  std::memcpy(r.logits.data(), lg->data, lg->nbytes());
-  r.decode_logits.resize(static_cast<size_t>(dl->numel()));
-  std::memcpy(r.decode_logits.data(), dl->data, dl->nbytes());
-  return r;
-}
+using Reference = testing::TinyReference;
+Reference load_reference() { return testing::load_tiny_reference(); }
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   float m = 0;
