@@ -1,7 +1,8 @@
 // Device helpers shared by the expert GEMM kernels (moe_gemm.cu, decode; moe_gemm_prefill.cu,
-// prefill): their kernel arguments and epilogue kinds, the mma.sync wrapper, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT]
-// lane slice into A fragments, the e4m3 block-scale table and the fused activations. Device code
-// only; include it from .cu files, never from a launcher header.
+// prefill): their kernel arguments and epilogue kinds, the cp.async / ldmatrix / mma.sync
+// wrappers, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT] lane slice into A
+// fragments, the e4m3 block-scale table and the fused activations. Device code only; include it
+// from .cu files, never from a launcher header.
 //
 // Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
 //   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
@@ -43,6 +44,10 @@ struct GemmKernelArgs {
   const float* topk_weights;  // GEMM2 kAtomic
   __nv_bfloat16* out;
   int out_stride;
+  // Decode kernel with activations staged in shared memory: rows staged per tile and the row
+  // stride in elements (0 when the kernel reads them from global memory).
+  int stage_rows;
+  int stage_stride;
 };
 
 // K elements per 16-byte lane slice of a tile chunk; mirrors moe::chunk_k (expert_layout.h).
@@ -61,6 +66,29 @@ inline constexpr float kTwo62 = 4611686018427387904.0f;
 
 __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// Shared-memory address of a generic pointer, for the asm below.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; bytes past src_bytes (0..16) are written as zeros and not
+// read. .cg: stage in L2 only; the data is consumed from shared memory.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 bf16 matrices: the B fragments (b0, b1) of two n8 token tiles for one k-step (prefill).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
 
 // c += A * B, m16n8k16, bf16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

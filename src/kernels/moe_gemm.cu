@@ -12,6 +12,13 @@
 // per expert wastes 7/8 of an n8 tile rather than 15/16 of an m16 tile; larger token tiles reuse
 // each dequantized fragment for block_m / 8 mma.
 //
+// Activations: when the tile's live rows (min(block_m, capacity)) of padded K fit 72 KB, the block
+// stages them in shared memory with cp.async (issued after the first weight loads, so the two
+// latencies overlap) and the k-loop reads B fragments there. Reading them from global memory in
+// the k-loop, as the first version did, put an L1/L2 round trip in front of every mma (ncu:
+// GEMM1 at T=1 spent most of its 17 cycles per issue waiting on L1TEX; docs/PERF.md). Larger
+// tiles (32-64 tokens at K = 2048) keep the global-memory path.
+//
 // Dequantization (shared with the prefill kernel) is described in kernels/moe_dequant.cuh.
 #include "kernels/moe_gemm.cuh"
 
@@ -52,7 +59,7 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
   }
 }
 
-template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK>
+template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK, bool kStageB>
 __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs args) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
@@ -64,23 +71,29 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
 
   __shared__ uint16_t e4m3_lut[256];
   __shared__ float partial[kWarps][NT][32][4];
+  __shared__ const __nv_bfloat16* s_row_src[kStageB ? NT * 8 : 1];
+  extern __shared__ __align__(16) __nv_bfloat16 s_act[];  // kStageB: [stage_rows][stage_stride]
   // Prologue that needs nothing from the previous kernel: with PDL it runs while that kernel drains.
   if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
   pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage)
   pdl_launch_dependents();
-  if constexpr (F == MoeWeightFormat::kNvFp4) __syncthreads();
   const int expert = args.tiles.tile_expert[tile];
-  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
+  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles (uniform over the block)
 
-  // The token rows this lane feeds into the B operand: token g of each n8 tile.
+  // The activation row behind padded position pos of this tile (nullptr for padding).
   const int bm = args.tiles.block_m;
-  const __nv_bfloat16* b_rows[NT];
-#pragma unroll
-  for (int tt = 0; tt < NT; ++tt) {
-    const int pos = tile * bm + tt * 8 + g;
+  auto act_row = [&](int pos) -> const __nv_bfloat16* {
     const int pair = args.tiles.padded_pair_ids[pos];
     const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
-    b_rows[tt] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+    return pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+  };
+  // Global-memory B path: the token rows this lane feeds into the B operand (token g of each n8 tile).
+  const __nv_bfloat16* b_rows[kStageB ? 1 : NT];
+  if constexpr (!kStageB) {
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) b_rows[tt] = act_row(tile * bm + tt * 8 + g);
+  } else {
+    if (threadIdx.x < args.stage_rows) s_row_src[threadIdx.x] = act_row(tile * bm + threadIdx.x);
   }
 
   const ExpertMatrixPtrs ptrs = args.experts[expert];
@@ -88,6 +101,49 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
 
   // This warp's contiguous chunk range.
   const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
+
+  // 16-byte weight loads in flight per lane before the first use. With B read from global memory
+  // in the k-loop, 8 for NT <= 2 was measured slower than 4 at every batch size (docs/PERF.md,
+  // 2026-12-02). With B staged, one token tile takes 8: a Qwen3-30B-A3B GEMM1 warp's whole K
+  // range (8 chunks) is then one memory round trip instead of two.
+  constexpr int kPrefetch = (kStageB && NT == 1) ? 8 : 4;
+  uint4 wv[kPrefetch];
+  uint2 sv[kPrefetch];
+  auto load_batch = [&](int c0) {
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      if (c0 + p < c_end) {
+        wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
+        if constexpr (F == MoeWeightFormat::kNvFp4)
+          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
+      }
+    }
+  };
+  // The first weights go out before the activations are staged, so the two latencies overlap.
+  load_batch(c_begin);
+
+  if constexpr (kStageB) {
+    // Stage the tile's live activation rows, K padded with zeros to the weights' padded columns,
+    // so the k-loop reads its B fragments from shared memory (one round trip for the whole tile
+    // instead of one L1/L2 round trip per k-step, which ncu showed on the critical path).
+    // stage_stride = padded K + 8 elements: the 8 rows of a B fragment load land 4 banks apart.
+    __syncthreads();  // s_row_src (and the e4m3 table)
+    const int pieces = d.chunks * (KC / 8);  // 16-byte pieces per padded row
+    for (int r = warp; r < args.stage_rows; r += kWarps) {
+      const __nv_bfloat16* src = s_row_src[r];
+      const uint32_t dst = smem_u32(s_act + static_cast<int64_t>(r) * args.stage_stride);
+      for (int p = lane; p < pieces; p += 32) {
+        const int k = p * 8;
+        const int bytes = src == nullptr ? 0 : max(0, min(16, 2 * (d.k - k)));
+        cp_async16(dst + p * 16, bytes > 0 ? static_cast<const void*>(src + k) : static_cast<const void*>(args.act_in), bytes);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  } else if constexpr (F == MoeWeightFormat::kNvFp4) {
+    __syncthreads();  // the e4m3 table
+  }
 
   float acc[NT][4];
   float grp[NT][4];  // int formats: the current scale group's unscaled sums
@@ -111,21 +167,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
     }
   };
 
-  // 16-byte weight loads in flight per lane before the first use. 8 for NT <= 2 was measured
-  // slower than 4 at every batch size (docs/PERF.md, 2026-12-02), so 4 it is.
-  constexpr int kPrefetch = 4;
   int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
-    uint4 wv[kPrefetch];
-    uint2 sv[kPrefetch];
-#pragma unroll
-    for (int p = 0; p < kPrefetch; ++p) {
-      if (c0 + p < c_end) {
-        wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
-        if constexpr (F == MoeWeightFormat::kNvFp4)
-          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
-      }
-    }
+    if (c0 != c_begin) load_batch(c0);
 #pragma unroll
     for (int p = 0; p < kPrefetch; ++p) {
       const int c = c0 + p;
@@ -148,8 +192,17 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
         }
 #pragma unroll
         for (int tt = 0; tt < NT; ++tt) {
-          uint32_t b0, b1;
-          load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
+          uint32_t b0 = 0, b1 = 0;
+          if constexpr (kStageB) {
+            const int r = tt * 8 + g;
+            if (r < args.stage_rows) {
+              const uint32_t* q = reinterpret_cast<const uint32_t*>(s_act + r * args.stage_stride + k0 + 2 * t);
+              b0 = q[0];
+              b1 = q[4];
+            }
+          } else {
+            load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
+          }
           if constexpr (kIsIntF) mma_bf16(grp[tt], a, b0, b1);
           else mma_bf16(acc[tt], a, b0, b1);
         }
@@ -209,14 +262,34 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
   }
 }
 
+// Largest activation stage in shared memory: three blocks still fit an SM (228 KB), enough to keep
+// the weight loads of 12 warps in flight; a 235B-class GEMM1 (K = 4096, 8 rows) just fits. Larger
+// stages (token tiles of 32-64 at K = 2048) read B from global memory instead.
+constexpr int kMaxStageBytes = 72 * 1024;
+
 template <MoeWeightFormat F, Epilogue EPI>
-void launch_for_format(const GemmKernelArgs& args, bool odd_k, cudaStream_t stream) {
+void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
   const int nt = args.tiles.block_m / 8;
+  const int max_rows = args.tiles.max_tile_rows > 0 ? std::min(args.tiles.max_tile_rows, args.tiles.block_m)
+                                                     : args.tiles.block_m;
+  const int64_t stride = static_cast<int64_t>(args.dims.chunks) * kChunkK<F> + 8;
+  const int64_t stage_bytes = max_rows * stride * 2;
+  const bool aligned = args.in_stride % 8 == 0 && reinterpret_cast<uintptr_t>(args.act_in) % 16 == 0;
+  const bool stage = aligned && stage_bytes <= kMaxStageBytes;
+  args.stage_rows = stage ? max_rows : 0;
+  args.stage_stride = stage ? static_cast<int>(stride) : 0;
+  auto go = [&](auto kernel, size_t smem) {
+    // Static plus dynamic shared memory above 48 KB needs the opt-in; set it for every staged
+    // launch (the static arrays grow with the token tile).
+    if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    launch_pdl(kernel, grid, dim3(kThreads), smem, stream, args);
+  };
 #define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
   if (nt == NT_) {                                                                              \
-    if (odd_k) launch_pdl(moe_gemm_kernel<F, NT_, EPI, true>, grid, dim3(kThreads), 0, stream, args);   \
-    else launch_pdl(moe_gemm_kernel<F, NT_, EPI, false>, grid, dim3(kThreads), 0, stream, args);        \
+    if (stage) go(moe_gemm_kernel<F, NT_, EPI, false, true>, static_cast<size_t>(stage_bytes)); \
+    else if (odd_k) go(moe_gemm_kernel<F, NT_, EPI, true, false>, 0);                          \
+    else go(moe_gemm_kernel<F, NT_, EPI, false, false>, 0);                                    \
     return;                                                                                     \
   }
   // Token tiles per block: 8 tokens for decode, up to 64 to reuse each dequantized fragment.

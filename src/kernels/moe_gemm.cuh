@@ -52,6 +52,10 @@ struct MoeTiles {
   int block_m = 8;      // tokens per tile: 8, 16, 32 or 64 (decode); 64 or 128 (moe_gemm_prefill.cuh)
   int grid_tiles = 0;   // tiles the grid covers (an upper bound on the live tile count)
   int top_k = 1;
+  // Rows of a tile that can ever be live: min(block_m, capacity), since a token meets an expert at
+  // most once. 0 means block_m. The decode GEMM stages only these rows of activations in shared
+  // memory (capacity 1 decode: 1 row, not 8).
+  int max_tile_rows = 0;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

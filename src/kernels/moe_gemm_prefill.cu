@@ -97,28 +97,6 @@ struct StageLayout {
   static_assert(kWeights % 128 == 0 && kScales % 128 == 0, "16-byte alignment of the stage parts");
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; bytes past src_bytes (0..16) are written as zeros and not
-// read. .cg: stage in L2 only; the data is consumed from shared memory.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Four 8x8 bf16 matrices: the B fragments (b0, b1) of two n8 token tiles for one k-step.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
 template <MoeWeightFormat F, int BN, Epilogue EPI, bool kAlignedB>
 __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const GemmKernelArgs args) {
   using L = StageLayout<F, BN>;

@@ -58,6 +58,7 @@
 // shuffle-based top-2 for n_groups dividing 32 is the next step if DeepSeek decode needs it.
 #include "kernels/moe_route.cuh"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -575,19 +576,29 @@ __device__ __forceinline__ void router_dot8(const __nv_bfloat16* __restrict__ x,
 #pragma unroll
   for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
   if constexpr (kVec) {
-#pragma unroll 4
-    for (int h = lane * 8; h < hidden; h += 256) {
-      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wrow + h));
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    // All of a lane's router-row loads for 8 steps (H = 2048) go out before the first use, so
+    // the row costs one memory round trip, not two (the #pragma unroll 4 loop it replaces).
+    constexpr int kSteps = 8;
+    for (int h0 = lane * 8; h0 < hidden; h0 += 256 * kSteps) {
+      uint4 wv[kSteps];
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
-        if (j < nt) {
-          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + j) * x_stride + h));
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      for (int s = 0; s < kSteps; ++s)
+        if (h0 + s * 256 < hidden) wv[s] = __ldg(reinterpret_cast<const uint4*>(wrow + h0 + s * 256));
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
-            acc[j] += a.x * b.x + a.y * b.y;
+      for (int s = 0; s < kSteps; ++s) {
+        const int h = h0 + s * 256;
+        if (h >= hidden) break;
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[s]);
+#pragma unroll
+        for (int j = 0; j < kRouterTokens; ++j) {
+          if (j < nt) {
+            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + j) * x_stride + h));
+            const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+              acc[j] += a.x * b.x + a.y * b.y;
+            }
           }
         }
       }
@@ -634,19 +645,23 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
 
 constexpr int kSmallWarps = 16;
 constexpr int kSmallThreads = kSmallWarps * 32;
+constexpr int kSmallClusterBlocks = 8;  // the portable cluster size
 static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
 static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token: top-k in a single round");
 
-// Phase 1, every block: warp w computes the logits of expert blockIdx.x*16 + w for all T tokens
-// (router_dot8, so the same bits as moe_router_logits_kernel) and stores them to `logits`.
-// Then the block counts itself done on `counter`; the last block to finish (threadfence, then an
-// atomic: the classic "last block" pattern, so no grid barrier and no cooperative launch) does
-// phase 2, the top-k of every token (one warp per token, one round for T <= 16), and phase 3,
-// the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a stable rank by
-// counting equal ids at lower p), and finally re-arms the counter for the next replay.
+// One thread-block cluster of 8 blocks.
+// Phase 1, every block: warp w of block r computes the logits of experts e = r*16 + w (+ 128 ...)
+// for all T tokens (router_dot8, so the same bits as moe_router_logits_kernel), stores them to
+// `logits` (an output) and into block 0's shared memory through the cluster's distributed shared
+// memory. A cluster barrier (release/acquire) then hands block 0 every logit; the others exit.
+// Block 0 does phase 2, the top-k of every token (one warp per token, one round for T <= 16), and
+// phase 3, the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a stable rank by
+// counting equal ids at lower p).
 // Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it launch
-// and dependency latency (docs/PERF.md); here the router weight (E*H*2 bytes, 512 KiB for
-// Qwen3-30B-A3B) is read once by many warps and the serial tail runs on one SM from L2.
+// and dependency latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for
+// Qwen3-30B-A3B) needs many SMs to stream, the tail needs them to meet: a "last block" counter
+// costs a threadfence, a global atomic and an L2 re-read of the logits on the critical path,
+// while the cluster barrier and DSMEM stores stay inside one GPC.
 template <int VPT, bool kVec>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
@@ -654,8 +669,7 @@ __global__ void __launch_bounds__(kSmallThreads)
                            const float* __restrict__ correction_bias,            // [E] or nullptr
                            const int32_t* __restrict__ num_tokens, int capacity, RouteParams params, int block_m,
                            int max_tiles,
-                           float* __restrict__ logits,        // [capacity, E] scratch
-                           unsigned int* __restrict__ counter,  // [1], 0 between launches
+                           float* __restrict__ logits,        // [capacity, E]
                            int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights,  // [capacity, k]
                            int32_t* __restrict__ expert_offsets,                              // [E+1]
                            int32_t* __restrict__ sorted_pair_ids,                             // [capacity*k]
@@ -663,14 +677,18 @@ __global__ void __launch_bounds__(kSmallThreads)
                            int32_t* __restrict__ padded_pair_ids,                             // [max_padded]
                            int32_t* __restrict__ tile_expert,                                 // [max_tiles]
                            int32_t* __restrict__ num_tiles) {                                 // [1]
-  __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]
+  __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]: filled in block 0
   __shared__ float s_choice[kSmallWarps][VPT * 32];                 // group-limited scratch
   __shared__ unsigned char s_group_kept[kSmallWarps][VPT * 32];
   __shared__ int s_ids[kRouteSmallMaxPairs];                        // [T*k]
   __shared__ int s_count[kRouteSmallMaxExperts];
   __shared__ int s_offsets[kRouteSmallMaxExperts + 1];
   __shared__ int s_padded_offsets[kRouteSmallMaxExperts + 1];
-  __shared__ bool s_last;
+
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  float* leader_logits = cluster.map_shared_rank(&s_logits[0][0], 0);
 
   pdl_wait();  // x comes from the previous kernel
   pdl_launch_dependents();
@@ -678,29 +696,23 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int E = params.num_experts, k = params.top_k;
   const int T = live_tokens(num_tokens, capacity);  // [TAG_MOE_GRAPH_CAPACITY]
 
-  const int e = blockIdx.x * kSmallWarps + warp;
-  if (e < E) {
+  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kSmallClusterBlocks * kSmallWarps) {
     for (int t0 = 0; t0 < T; t0 += kRouterTokens) {
       const int nt = min(kRouterTokens, T - t0);
       float acc[kRouterTokens];
       router_dot8<kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
 #pragma unroll
       for (int j = 0; j < kRouterTokens; ++j)
-        if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * E + e] = acc[j];
+        if (lane == 0 && j < nt) {
+          logits[static_cast<int64_t>(t0 + j) * E + e] = acc[j];
+          leader_logits[(t0 + j) * (VPT * 32) + e] = acc[j];
+        }
     }
   }
-  // Release this block's logits, then count it done.
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!s_last) return;  // uniform over the block
-  __threadfence();      // acquire: every other block's logits are visible past here
+  cluster.sync();  // arrive.release / wait.acquire: block 0 sees every block's DSMEM stores
+  if (rank != 0) return;  // uniform over the block; nobody reads the other blocks' shared memory
 
-  // Phase 2: top-k. The logits are read from L2 (__ldcg: this SM's L1 never saw the other blocks'
-  // stores) into shared memory, then one warp per token.
-  for (int i = tid; i < T * E; i += kSmallThreads) s_logits[i / E][i % E] = __ldcg(logits + i);
-  __syncthreads();
+  // Phase 2: top-k, one warp per token.
   if (warp < T) {
     int my_id;
     float my_weight;
@@ -722,15 +734,14 @@ __global__ void __launch_bounds__(kSmallThreads)
                                     padded_offsets, tile_expert, num_tiles);
   for (int p = tid; p < n; p += kSmallThreads) {
     const int id = s_ids[p];
-    int rank = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
-    for (int q = 0; q < p; ++q) rank += s_ids[q] == id;
-    sorted_pair_ids[s_offsets[id] + rank] = p;
-    padded_pair_ids[s_padded_offsets[id] + rank] = p;
+    int rank_in_expert = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
+    for (int q = 0; q < p; ++q) rank_in_expert += s_ids[q] == id;
+    sorted_pair_ids[s_offsets[id] + rank_in_expert] = p;
+    padded_pair_ids[s_padded_offsets[id] + rank_in_expert] = p;
   }
   if (tid < E) {  // the tail of this expert's last tile
     for (int r = s_padded_offsets[tid] + s_count[tid]; r < s_padded_offsets[tid + 1]; ++r) padded_pair_ids[r] = -1;
   }
-  if (tid == 0) *counter = 0u;  // re-armed; the kernel boundary publishes it to the next launch
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -825,8 +836,8 @@ bool moe_route_small_supported(int capacity, const RouteParams& p) {
 
 void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight, int hidden,
                             const float* correction_bias, const int32_t* num_tokens, int capacity,
-                            const RouteParams& params, int block_m, float* logits, uint32_t* counter,
-                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                            const RouteParams& params, int block_m, float* logits, int32_t* topk_ids,
+                            float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
                             int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
                             int32_t* num_tiles, cudaStream_t stream) {
   const int E = params.num_experts;
@@ -841,7 +852,7 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
                               params.topk_groups <= params.n_groups &&
                               params.top_k <= params.topk_groups * (E / params.n_groups),
                           "bad group-limited routing parameters");
-  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr && logits != nullptr && counter != nullptr && topk_ids != nullptr &&
+  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr && logits != nullptr && topk_ids != nullptr &&
                             topk_weights != nullptr && expert_offsets != nullptr && sorted_pair_ids != nullptr &&
                             padded_offsets != nullptr && padded_pair_ids != nullptr && tile_expert != nullptr &&
                             num_tiles != nullptr,
@@ -849,12 +860,13 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   const int max_tiles = static_cast<int>(moe_align_max_tiles(capacity, params.top_k, E, block_m));
   const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
-  const dim3 grid((E + kSmallWarps - 1) / kSmallWarps);
+  const dim3 grid(kSmallClusterBlocks);
 #define MOEBIUS_ROUTE_SMALL(VPT_)                                                                                  \
-  launch_pdl(vec ? moe_route_small_kernel<VPT_, true> : moe_route_small_kernel<VPT_, false>, grid,                 \
-             dim3(kSmallThreads), 0, stream, x, x_stride, router_weight, hidden, correction_bias, num_tokens,       \
-             capacity, params, block_m, max_tiles, logits, counter, topk_ids, topk_weights, expert_offsets,         \
-             sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles)
+  launch_pdl_cluster(vec ? moe_route_small_kernel<VPT_, true> : moe_route_small_kernel<VPT_, false>, grid,         \
+                     dim3(kSmallThreads), 0, kSmallClusterBlocks, stream, x, x_stride, router_weight, hidden,       \
+                     correction_bias, num_tokens, capacity, params, block_m, max_tiles, logits, topk_ids,           \
+                     topk_weights, expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert,   \
+                     num_tiles)
   if (E <= 32) MOEBIUS_ROUTE_SMALL(1);
   else if (E <= 64) MOEBIUS_ROUTE_SMALL(2);
   else if (E <= 128) MOEBIUS_ROUTE_SMALL(4);

@@ -116,9 +116,8 @@ void launch_moe_identity_tiles(const int32_t* num_tokens, int capacity, int bloc
 // decode. The outputs are exactly those of launch_moe_router_logits, launch_moe_route_topk and
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
 // Limits, checked by moe_route_small_supported: capacity <= 16, E <= 256, capacity * k <= 256.
-//   logits   [capacity, E] fp32 scratch (also left holding the logits).
-//   counter  [1] uint32, device: must be 0 before the first launch; the kernel leaves it 0. One
-//            counter per concurrently running launch (a layer's workspace owns one).
+//   logits   [capacity, E] fp32, written (the logits the routing used).
+// It launches one thread-block cluster of 8 blocks (sm_90).
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
 inline constexpr int kRouteSmallMaxExperts = 256;
@@ -126,8 +125,8 @@ inline constexpr int kRouteSmallMaxPairs = 256;
 bool moe_route_small_supported(int capacity, const RouteParams& params);
 void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight, int hidden,
                             const float* correction_bias, const int32_t* num_tokens, int capacity,
-                            const RouteParams& params, int block_m, float* logits, uint32_t* counter,
-                            int32_t* topk_ids, float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                            const RouteParams& params, int block_m, float* logits, int32_t* topk_ids,
+                            float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
                             int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
                             int32_t* num_tiles, cudaStream_t stream);
 

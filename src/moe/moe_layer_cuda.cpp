@@ -210,11 +210,9 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   MOEBIUS_ALLOC(padded_pair_ids_, int32_t, max_padded_);
   MOEBIUS_ALLOC(tile_expert_, int32_t, max_tiles_);
   MOEBIUS_ALLOC(num_tiles_, int32_t, 1);
-  MOEBIUS_ALLOC(route_counter_, uint32_t, 1);
   MOEBIUS_ALLOC(h_, __nv_bfloat16, static_cast<size_t>(max_padded_) * h_stride_);
   MOEBIUS_ALLOC(y_, float, static_cast<size_t>(cap) * k * H);
 #undef MOEBIUS_ALLOC
-  CUDA_CHECK(cudaMemset(route_counter_, 0, sizeof(uint32_t)));  // the fused routing's resting state
   // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
   CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
   fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
@@ -411,6 +409,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.block_m = block_m_;
   tiles.grid_tiles = static_cast<int>(grid_tiles_);
   tiles.top_k = k;
+  tiles.max_tile_rows = std::min(block_m_, cap);
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
   const bool prefill = path_ == MoeGemmPath::kPrefill;
@@ -421,7 +420,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
     case MoeStage::kRouteFused:
       MOEBIUS_ASSERT(fused_routing_);
       kernels::launch_moe_route_small(x, H, router_weight_, H, correction_bias_, num_tokens, cap, route_, block_m_,
-                                      logits_, route_counter_, topk_ids_, topk_weights_, expert_offsets_,
+                                      logits_, topk_ids_, topk_weights_, expert_offsets_,
                                       sorted_pair_ids_, padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_,
                                       stream);
       return;

@@ -169,7 +169,6 @@ class MoeLayerCuda {
   int32_t* padded_pair_ids_ = nullptr;  // [max_padded]
   int32_t* tile_expert_ = nullptr;      // [max_tiles]
   int32_t* num_tiles_ = nullptr;        // [1]
-  uint32_t* route_counter_ = nullptr;   // [1] fused routing's last-block counter, 0 at rest
   __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
   float* y_ = nullptr;                  // [cap * k, H]
 };

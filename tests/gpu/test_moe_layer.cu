@@ -210,7 +210,11 @@ INSTANTIATE_TEST_SUITE_P(
         // K=176 in 256), g=16 (a group every k-step).
         LayerCase{"int4_H200_I80_g48", WeightFormat::kInt4, 48, {200, 80, 8, 2}, {1, 5, 300}},
         LayerCase{"int2_H176_I48_g32", WeightFormat::kInt2, 32, {176, 48, 8, 2}, {1, 5, 300}},
-        LayerCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 16, 4}, {7, 500}}),
+        LayerCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 16, 4}, {7, 500}},
+        // K = 2048 with 64-token tiles: the decode GEMM1's activation stage would exceed its
+        // shared-memory cap, so it reads B from global memory (every smaller case stages it).
+        LayerCase{"nvfp4_H2048_unstaged", WeightFormat::kNvFp4, 16, {2048, 64, 16, 2}, {1, 600}},
+        LayerCase{"int4_H2048_unstaged", WeightFormat::kInt4, 128, {2048, 64, 16, 2}, {600}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Skewed routing through forward_routed, on both GEMM paths: every token to expert 3 (plus its
