@@ -169,17 +169,23 @@ void no_overflow(bool overflow) {
 }
 
 Value repeat(const Value& seq, int64_t n, Budget& budget) {
+  const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().items.size();
+  if (n <= 0 || unit == 0) return seq.is_string() ? Value::string("") : Value::list({}, seq.as_list().tuple);
+  // Refuse before allocating: 'x' * 10**18 must not loop or allocate.
+  const uint64_t total = static_cast<uint64_t>(n) > Budget::kMaxString ? UINT64_MAX : static_cast<uint64_t>(n) * unit;
   if (seq.is_string()) {
+    budget.charge(total > Budget::kMaxString ? Budget::kMaxString + 1 : static_cast<size_t>(total));
     std::string out;
-    for (int64_t i = 0; i < n; ++i) append_text(out, seq.as_string(), budget);
+    out.reserve(static_cast<size_t>(total));
+    for (int64_t i = 0; i < n; ++i) out += seq.as_string();
     return Value::string(std::move(out));
   }
+  budget.charge_list(total > Budget::kMaxListItems ? Budget::kMaxListItems + 1 : static_cast<size_t>(total),
+                     static_cast<size_t>(total));
   const auto& l = seq.as_list();
   std::vector<Value> items;
-  for (int64_t i = 0; i < n && !l.items.empty(); ++i) {
-    budget.charge((items.size() + l.items.size()) * sizeof(Value));
-    items.insert(items.end(), l.items.begin(), l.items.end());
-  }
+  items.reserve(static_cast<size_t>(total));
+  for (int64_t i = 0; i < n; ++i) items.insert(items.end(), l.items.begin(), l.items.end());
   return Value::list(std::move(items), l.tuple);
 }
 
@@ -205,7 +211,8 @@ Value Context::eval_binary(const Expr& e, const Value& a, const Value& b) {
       return Value::string(std::move(s));
     }
     if (a.is_list() && b.is_list() && a.as_list().tuple == b.as_list().tuple) {
-      budget_.charge((a.as_list().items.size() + b.as_list().items.size()) * sizeof(Value));
+      const size_t n = a.as_list().items.size() + b.as_list().items.size();
+      budget_.charge_list(n, n);
       std::vector<Value> items = a.as_list().items;
       items.insert(items.end(), b.as_list().items.begin(), b.as_list().items.end());
       return Value::list(std::move(items), a.as_list().tuple);

@@ -470,6 +470,8 @@ Value f_unique(Context&, const Value& v, const CallArgs& a) {
   std::vector<Value> out, seen;
   for (Value& item : iterate(v)) {
     Value k = sort_key(p.has(1) && !p.get(1).is_none() ? attribute_path(item, p.get(1)) : item, cs);
+    if (k.is_dict() || (k.is_list() && !k.as_list().tuple) || k.type() == Type::Namespace)
+      fail(std::string("unhashable type: '") + k.type_name() + "'");
     if (std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return equal(s, k); })) continue;
     seen.push_back(std::move(k));
     out.push_back(std::move(item));
@@ -485,6 +487,7 @@ Value f_wordcount(Context& ctx, const Value& v, const CallArgs& a) {
 // map(attribute='x', default=...) or map('filter', args...).
 Value f_map(Context& ctx, const Value& v, const CallArgs& a) {
   std::vector<Value> out;
+  if (!v.truthy()) return Value::list({});  // jinja2 checks its arguments only for a non-empty input
   const Value* attribute = nullptr;
   const Value* fallback = nullptr;
   for (const auto& [k, x] : a.keyword) {
@@ -508,6 +511,7 @@ Value f_map(Context& ctx, const Value& v, const CallArgs& a) {
 
 // select/reject/selectattr/rejectattr: `by_attr` takes the attribute first, then the test.
 Value select_impl(Context& ctx, const Value& v, const CallArgs& a, bool by_attr, bool keep) {
+  if (!v.truthy()) return Value::list({});  // as map: a falsy input is never looked at
   size_t i = 0;
   const Value* attribute = nullptr;
   if (by_attr) {
@@ -649,6 +653,11 @@ Value apply_filter(Context& ctx, const std::string& name, const Value& subject, 
 bool apply_test(Context& ctx, const std::string& name, const Value& subject, const CallArgs& args) {
   auto it = tests().find(name);
   if (it == tests().end()) fail("no test named '" + name + "'");
+  static const std::string_view kWithArgument[] = {"sameas", "eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<",
+                                                   "le", "<=", "gt", "greaterthan", ">", "ge", ">=", "in", "divisibleby"};
+  if ((!args.positional.empty() || !args.keyword.empty()) &&
+      std::find(std::begin(kWithArgument), std::end(kWithArgument), name) == std::end(kWithArgument))
+    fail("test_" + name + "() takes 1 positional argument but " + std::to_string(1 + args.positional.size() + args.keyword.size()) + " were given");
   return it->second(ctx, subject, args);
 }
 

@@ -343,6 +343,11 @@ class Lexer {
       }
       if (is_float) e = f;
     }
+    // A decimal integer never starts with 0 unless it is all zeros ("08" is 0 then 8, as jinja2).
+    if (!is_float && s[p] == '0') {
+      e = p + 1;
+      while (e < s.size() && (s[e] == '0' || (s[e] == '_' && e + 1 < s.size() && s[e + 1] == '0'))) ++e;
+    }
     const std::string t = clean(s.substr(p, e - p));
     if (is_float) {
       push(Tok::Float, p, std::string(s.substr(p, e - p)));

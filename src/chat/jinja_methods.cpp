@@ -494,7 +494,7 @@ Value slice(const Value& obj, const Value* start, const Value* stop, const Value
     for (int64_t k = 0; k < count; ++k) append_text(out, cps[static_cast<size_t>(from + k * st)], budget);
     return Value::string(std::move(out));
   }
-  budget.charge(static_cast<size_t>(count) * sizeof(Value));
+  budget.charge_list(static_cast<size_t>(count), static_cast<size_t>(count));
   std::vector<Value> items;
   items.reserve(static_cast<size_t>(count));
   for (int64_t k = 0; k < count; ++k) items.push_back(obj.as_list().items[static_cast<size_t>(from + k * st)]);
@@ -644,6 +644,7 @@ Dict dict_from(const CallArgs& a, const char* name) {
   Dict d;
   if (!a.positional.empty()) {
     const Value& src = a.positional[0];
+    if (src.is_undefined()) src.fail_undefined();  // dict() asks it for .keys
     if (src.is_dict()) {
       for (const auto& [k, v] : src.as_dict().entries()) d.set(k, v);
     } else {

@@ -25,6 +25,12 @@ void Budget::charge(size_t size) {
   if (work_ > kMaxWork) fail("the template copies more than 1 GiB of text; refusing to go on");
 }
 
+void Budget::charge_list(size_t items, size_t copied) {
+  if (items > kMaxListItems) fail("a list grew past 1,048,576 items; refusing to go on");
+  work_ += copied * sizeof(Value);
+  if (work_ > kMaxWork) fail("the template copies more than 1 GiB of data; refusing to go on");
+}
+
 void Budget::iteration() {
   if (++iterations_ > kMaxIterations) fail("more than 1,000,000 loop iterations and macro calls; refusing to go on");
 }

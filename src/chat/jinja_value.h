@@ -40,10 +40,13 @@ class Budget {
   static constexpr size_t kMaxString = size_t{16} << 20;  // 16 MiB, the output included
   static constexpr size_t kMaxWork = size_t{1} << 30;     // 1 GiB copied in total
   static constexpr int64_t kMaxIterations = 1'000'000;    // loop iterations and macro calls
+  static constexpr size_t kMaxListItems = size_t{1} << 20;  // a list the template builds
   // Throws when a string of `size` bytes is too long.
   void check(size_t size);
   // check(), and counts `size` bytes copied against kMaxWork.
   void charge(size_t size);
+  // For a list of `items` values the template builds from `copied` copied ones.
+  void charge_list(size_t items, size_t copied);
   void iteration();
 
  private:
