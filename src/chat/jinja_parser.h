@@ -16,8 +16,9 @@ namespace moebius::chat::jinja {
 inline constexpr int kMaxNesting = 128;
 inline constexpr int kMaxHeight = 256;
 
-// Throws Failure (with line and column) for a syntax error, an unknown tag, filter or test, or a
-// construct outside the subset (call blocks, extends/include/import, *args).
+// Throws Failure (with line and column) for a syntax error, an unknown tag, or a construct outside
+// the subset (call blocks, extends/include/import, *args). Unknown filters and tests fail when
+// evaluated, as jinja2 does for those guarded by `is filter` / `is test`.
 Template parse(std::string_view source);
 
 }  // namespace moebius::chat::jinja
