@@ -441,10 +441,27 @@ Value get_item(const Value& obj, const Value& key) {
       if (i >= 0 && i < n) return obj.as_list().items[static_cast<size_t>(i)];
       return Value::undefined(std::string(obj.type_name()) + " object has no element " + std::to_string(key.as_int()));
     }
-    const auto cps = code_points(obj.as_string());
-    const auto n = static_cast<int64_t>(cps.size());
-    if (i < 0) i += n;
-    if (i >= 0 && i < n) return Value::string(std::string(cps[static_cast<size_t>(i)]));
+    // Walk from the nearer end without materializing the code points: s[0] and s[-1] stay O(1)
+    // on a long message.
+    const std::string& s = obj.as_string();
+    auto is_lead = [&](size_t b) { return (static_cast<unsigned char>(s[b]) & 0xC0) != 0x80; };
+    if (i >= 0) {
+      for (size_t b = 0; b < s.size(); ++b) {
+        if (!is_lead(b)) continue;
+        if (i-- == 0) {
+          size_t e = b + 1;
+          while (e < s.size() && !is_lead(e)) ++e;
+          return Value::string(s.substr(b, e - b));
+        }
+      }
+    } else {
+      size_t e = s.size();
+      for (size_t b = s.size(); b-- > 0;) {
+        if (!is_lead(b)) continue;
+        if (++i == 0) return Value::string(s.substr(b, e - b));
+        e = b;
+      }
+    }
     return Value::undefined("str object has no element " + std::to_string(key.as_int()));
   }
   if (key.is_string()) {
@@ -512,8 +529,12 @@ std::vector<Value> iterate(const Value& v) {
       return keys;
     }
     case Type::String: {
+      // One Value per character: cap it like a list the template builds.
+      const auto cps = code_points(v.as_string());
+      if (cps.size() > Budget::kMaxListItems) fail("iterating a string of more than 1,048,576 characters");
       std::vector<Value> chars;
-      for (std::string_view cp : code_points(v.as_string())) chars.push_back(Value::string(std::string(cp)));
+      chars.reserve(cps.size());
+      for (std::string_view cp : cps) chars.push_back(Value::string(std::string(cp)));
       return chars;
     }
     default: fail(std::string("'") + v.type_name() + "' object is not iterable");
