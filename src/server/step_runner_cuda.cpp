@@ -60,8 +60,8 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   co.experts_format = experts;
   // A full-length context for every running sequence would not fit a real model's pool: default
   // to 8192 tokens a sequence unless --max-context says otherwise.
-  co.max_context = o.max_context > 0 ? std::min(o.max_context, config.max_position_embeddings)
-                                     : std::min(config.max_position_embeddings, 8192);
+  const int64_t ctx = config.max_position_embeddings;
+  co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx) : std::min<int64_t>(ctx, 8192));
   co.max_seqs = o.max_seqs;
   co.max_tokens = o.max_step_tokens;
   co.max_logit_rows = o.max_seqs;
