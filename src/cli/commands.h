@@ -14,5 +14,7 @@ void register_bench_generate(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 // `moebius eval logprobs`: the teacher-forced logprob oracle (eval.cpp).
 void register_eval(CLI::App& app);
+// `moebius serve`: the OpenAI-compatible server (serve.cpp).
+void register_serve(CLI::App& app);
 
 }  // namespace moebius::cli
