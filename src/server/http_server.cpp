@@ -175,6 +175,25 @@ bool HttpServer::read_more(int fd, std::string& buffer, int timeout_s, bool idle
   }
 }
 
+namespace {
+
+// After an error answered before the body was read: stop sending, then read and discard what the
+// client still sends (for at most a few seconds). Closing at once would reset the connection
+// under a client that is still uploading, and it would never see the response (a 413 above all).
+void lingering_close(int fd) {
+  ::shutdown(fd, SHUT_WR);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  char tmp[65536];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, tmp, sizeof(tmp), 0);
+    if (n <= 0 && !(n < 0 && errno == EINTR)) return;
+  }
+}
+
+}  // namespace
+
 void HttpServer::connection(int fd) {
   const HttpLimits& limits = options_.limits;
   std::string buffer;
@@ -197,6 +216,7 @@ void HttpServer::connection(int fd) {
     if (auto e = request_body_length(req, limits, &length)) {
       // The body is not read, so the connection cannot be reused.
       HttpResponse(fd, false).send(e->status, "application/json", options_.error_body(e->status, e->message));
+      lingering_close(fd);
       return;
     }
     if (const std::string* expect = req.header("expect"); expect != nullptr && *expect == "100-continue" &&
