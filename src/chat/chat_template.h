@@ -19,8 +19,8 @@ struct RenderOptions {
   // Passed to the template as `enable_thinking` when set; undefined in the template otherwise
   // (Qwen3's template treats undefined as true).
   std::optional<bool> enable_thinking;
-  // OpenAI-style tool definitions, passed as `tools` when non-null.
-  nlohmann::json tools = nullptr;
+  // OpenAI-style tool definitions, passed as `tools` (None when null, as transformers does).
+  nlohmann::ordered_json tools = nullptr;
 };
 
 class ChatTemplate {
@@ -35,8 +35,11 @@ class ChatTemplate {
 
   // messages: the OpenAI "messages" array (role, content, optional reasoning_content, tool_calls,
   // ...). Throws moebius::Error for a template error at render time (raise_exception, type errors,
-  // undefined attribute access on a non-undefined value) with the message the template gave.
-  std::string render(const nlohmann::json& messages, const RenderOptions& options = {}) const;
+  // attribute access on an undefined value, as jinja2's default Undefined) with the message the
+  // template gave. ordered_json because key order shows: `tool | tojson` prints a dict's keys in
+  // the request's order, as Python does; a plain nlohmann::json converts implicitly but arrives
+  // with its keys sorted.
+  std::string render(const nlohmann::ordered_json& messages, const RenderOptions& options = {}) const;
 
   ChatTemplate(ChatTemplate&&) noexcept;
   ChatTemplate& operator=(ChatTemplate&&) noexcept;
