@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "chat/chat_template.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -98,7 +99,28 @@ Status run(ServeOptions& o) {
   else if (gen.temperature) ao.sampling.temperature = *gen.temperature;
   if (gen.top_k) ao.sampling.top_k = *gen.top_k;
   if (gen.top_p) ao.sampling.top_p = *gen.top_p;
-  server::ChatRenderer chat;  // set once the chat template renderer is in (src/chat)
+  server::ChatRenderer chat;  // stays empty without a template: /v1/chat/completions answers 400
+  const std::string tok_config = (std::filesystem::path(o.tokenizer_dir) / "tokenizer_config.json").string();
+  if (std::filesystem::exists(tok_config, ec)) {
+    try {
+      auto tmpl = std::make_shared<chat::ChatTemplate>(chat::ChatTemplate::from_tokenizer_config(tok_config));
+      chat = [tmpl](const nlohmann::ordered_json& messages, std::optional<bool> thinking) -> Result<std::string> {
+        try {
+          chat::RenderOptions ro;
+          ro.enable_thinking = thinking;
+          return tmpl->render(messages, ro);
+        } catch (const Error& e) {
+          return e;
+        } catch (const std::exception& e) {  // the renderer's own bug; still the client's answer
+          return Error(e.what());
+        }
+      };
+    } catch (const Error& e) {
+      log_warn("no chat template, /v1/chat/completions is off: {}", e.what());
+    }
+  } else {
+    log_warn("'{}' does not exist: no chat template, /v1/chat/completions is off", tok_config);
+  }
   server::ApiServer api(&engine, &tok, chat, ao);
 
   server::HttpServerOptions ho;

@@ -33,7 +33,7 @@ namespace moebius::server {
 // Renders chat messages to prompt text (the model's chat template); an Error is the client's
 // fault (e.g. the template raised on its messages).
 using ChatRenderer =
-    std::function<Result<std::string>(const nlohmann::json& messages, std::optional<bool> enable_thinking)>;
+    std::function<Result<std::string>(const nlohmann::ordered_json& messages, std::optional<bool> enable_thinking)>;
 
 struct SamplingDefaults {  // generation_config.json's, applied where a request sets nothing
   float temperature = 1.0f;

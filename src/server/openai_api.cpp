@@ -10,7 +10,9 @@
 
 namespace moebius::server {
 
-using json = nlohmann::json;
+// Ordered throughout: requests keep their key order for the chat template (tojson), responses
+// list fields in the order OpenAI documents them.
+using json = nlohmann::ordered_json;
 
 namespace {
 

@@ -55,8 +55,9 @@ struct ApiLimits {
 struct GenerationRequest {
   Endpoint endpoint = Endpoint::kCompletion;
   std::string model;
-  // Chat: the messages array, each content normalized to a string (text parts joined).
-  nlohmann::json messages = nlohmann::json::array();
+  // Chat: the messages array, each content normalized to a string (text parts joined). Ordered:
+  // a template's `tojson` prints keys in the request's order, as Python does.
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking (vLLM/SGLang)
   // Completions: the prompt as text, or as token ids when prompt_is_ids.
   std::string prompt;
