@@ -49,8 +49,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (endpoint == Endpoint::kChat) {
     check(r.messages.is_array() && !r.messages.empty());
     for (const auto& m : r.messages) {
-      check(m.is_object() && m["role"].is_string());
-      check(m["content"].is_string() || (m["content"].is_null() && m.contains("tool_calls")));
+      check(m.is_object() && m.contains("role") && m.at("role").is_string());
+      // A string, or absent/null only on a turn that calls tools.
+      const auto c = m.find("content");
+      check((c != m.end() && c->is_string()) || ((c == m.end() || c->is_null()) && m.contains("tool_calls")));
     }
   } else {
     check(r.prompt_is_ids ? !r.prompt_ids.empty() : !r.prompt.empty());

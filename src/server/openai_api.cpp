@@ -328,7 +328,7 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   json doc;
   try {
     doc = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     return invalid_request(fmt::format("The request body is not valid JSON: {}", e.what()), "", "invalid_json");
   }
   if (!doc.is_object()) return invalid_request("The request body must be a JSON object, got " + type_name(doc) + ".");
