@@ -7,7 +7,9 @@
 //   node tests/server/openai_client_test.mjs --bin build/ci/moebius --model tests/data/tiny-qwen3-moe \
 //        --tokenizer tests/data/tiny-serve --node-modules build/test-data/node_modules [--only NAME]
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 
@@ -227,6 +229,21 @@ test('API key', async () => {
   } finally {
     await stopServer(s);
   }
+});
+
+test('bench serve reports every request', async ({ url }) => {
+  const out = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-bench-')), 'bench.json');
+  const r = spawnSync(args.bin, ['bench', 'serve', '--url', url, '--model', MODEL, '--dataset', 'random', '--input-len', '16',
+                                 '--output-len', '8', '--num-prompts', '12', '--request-rate', '200', '--max-concurrency', '4',
+                                 '--vocab-size', '512', '--output-file', out], { encoding: 'utf8', timeout: 60000 });
+  assert.equal(r.status, 0, r.stderr);
+  assert.match(r.stdout, /Serving Benchmark Result/);
+  const j = JSON.parse(fs.readFileSync(out, 'utf8'));
+  assert.equal(j.completed, 12);
+  assert.equal(j.total_input_tokens, 12 * 16);
+  assert.equal(j.total_output_tokens, 12 * 8);
+  assert.ok(j.peak_concurrency <= 4);
+  assert.ok(j.mean_ttft_ms > 0 && j.p99_ttft_ms >= j.median_ttft_ms);
 });
 
 // 200 concurrent streams against 16 running slots, a queue of 150 and a KV pool of 32 blocks
