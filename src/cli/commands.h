@@ -11,8 +11,12 @@ void register_bench_moe(CLI::App& bench);
 void register_bench_attention(CLI::App& bench);
 // `moebius bench generate`: the whole CUDA model, prefill and decode tok/s (bench_generate.cpp).
 void register_bench_generate(CLI::App& bench);
+// `moebius bench serve`: load-test an OpenAI-compatible server (bench_serve.cpp).
+void register_bench_serve(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 // `moebius eval logprobs`: the teacher-forced logprob oracle (eval.cpp).
 void register_eval(CLI::App& app);
+// `moebius serve`: the OpenAI-compatible server (serve.cpp).
+void register_serve(CLI::App& app);
 
 }  // namespace moebius::cli

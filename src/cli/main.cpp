@@ -16,8 +16,10 @@ int main(int argc, char** argv) {
   moebius::cli::register_bench_moe(*bench);
   moebius::cli::register_bench_attention(*bench);
   moebius::cli::register_bench_generate(*bench);
+  moebius::cli::register_bench_serve(*bench);
   moebius::cli::register_generate(app);
   moebius::cli::register_eval(app);
+  moebius::cli::register_serve(app);
 
   try {
     app.parse(argc, argv);

@@ -216,7 +216,7 @@ Result<std::vector<float>> run_eval_logprobs(const EvalLogprobsOptions& o, std::
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, load_qwen3_moe_config(o.model_dir));
   MOEBIUS_TRY(validate_eval_ids(ids, config.vocab_size, config.max_position_embeddings, o.ids_field));
-  const int64_t N = static_cast<int64_t>(ids.size());
+  [[maybe_unused]] const int64_t N = static_cast<int64_t>(ids.size());
 
 #ifdef MOEBIUS_HAS_CUDA
   if (o.backend == "cuda") {

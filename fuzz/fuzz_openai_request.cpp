@@ -1,0 +1,68 @@
+// libFuzzer target: server::parse_request, the OpenAI request parser every HTTP body reaches.
+// The first byte picks the endpoint (chat or completions); the rest is the body. Beyond "no
+// crash, no sanitizer report": an error has a 4xx status and serializes to JSON in OpenAI's
+// shape; an accepted request satisfies the invariants the engine relies on, and its strings
+// round-trip through the response builders.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "server/openai_api.h"
+
+using namespace moebius::server;
+
+namespace {
+
+void check(bool ok) {
+  if (!ok) std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const Endpoint endpoint = (data[0] & 1) ? Endpoint::kChat : Endpoint::kCompletion;
+  const std::string_view body(reinterpret_cast<const char*>(data + 1), size - 1);
+  ApiLimits limits;
+  limits.model_names = {"tiny", "m"};
+  limits.max_body_bytes = 1 << 16;
+  GenerationRequest r;
+  if (auto e = parse_request(endpoint, body, limits, &r)) {
+    check(e->status == 400 || e->status == 404 || e->status == 413);
+    const nlohmann::json j = nlohmann::json::parse(e->to_json());
+    check(j["error"]["message"].is_string() && !j["error"]["message"].get<std::string>().empty());
+    return 0;
+  }
+  check(r.model == "tiny" || r.model == "m");
+  check(!r.max_tokens || *r.max_tokens >= 1);
+  check(static_cast<int>(r.stop.size()) <= limits.max_stop);
+  for (const std::string& s : r.stop) check(!s.empty() && s.size() <= limits.max_stop_bytes);
+  check(r.top_logprobs >= -1 && r.top_logprobs <= limits.max_top_logprobs);
+  check(!r.temperature || (*r.temperature >= 0.0f && *r.temperature <= 2.0f));
+  check(!r.top_p || (*r.top_p > 0.0f && *r.top_p <= 1.0f));
+  check(!r.min_p || (*r.min_p >= 0.0f && *r.min_p < 1.0f));
+  check(!r.top_k || *r.top_k >= 0);
+  check(!r.include_usage || r.stream);
+  if (endpoint == Endpoint::kChat) {
+    check(r.messages.is_array() && !r.messages.empty());
+    for (const auto& m : r.messages) {
+      check(m.is_object() && m.contains("role") && m.at("role").is_string());
+      // A string, or absent/null only on a turn that calls tools.
+      const auto c = m.find("content");
+      check((c != m.end() && c->is_string()) || ((c == m.end() || c->is_null()) && m.contains("tool_calls")));
+    }
+  } else {
+    check(r.prompt_is_ids ? !r.prompt_ids.empty() : !r.prompt.empty());
+  }
+  // Request text echoed into responses (stop strings as text, the model name) stays valid JSON.
+  ChoiceDelta d;
+  for (const std::string& s : r.stop) d.text += s;
+  d.finish_reason = "stop";
+  const ResponseMeta meta{"id", r.model, 0};
+  check(nlohmann::json::parse(completion_response(meta, d, Usage{1, 2}))["choices"][0]["text"] == d.text);
+  check(nlohmann::json::parse(chat_chunk(meta, d, true, true).substr(6)).is_object());
+  return 0;
+}

@@ -1,0 +1,183 @@
+// `moebius serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--backend cpu|cuda]`
+//
+// Loads the model into a StepRunner, starts the engine thread (server/engine.h) and serves the
+// OpenAI API (server/api_server.h) until SIGINT or SIGTERM. The tokenizer (tokenizer.json) and
+// chat template (tokenizer_config.json) come from --tokenizer DIR, by default the model's.
+// Once listening it prints "moebius serve: listening on http://HOST:PORT" to stderr (with
+// --port 0 the port is the one the system chose; the server tests read it from there).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "chat/chat_template.h"
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "model/generation_config.h"
+#include "server/api_server.h"
+#include "server/http_server.h"
+#include "server/step_runner.h"
+
+namespace moebius::cli {
+namespace {
+
+struct ServeOptions {
+  server::RunnerOptions runner;
+  std::string tokenizer_dir;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  std::string served_model_name;
+  int max_queue = 256;
+  size_t max_body_bytes = 4u << 20;
+  int max_connections = 1024;
+};
+
+// tokenizer_config.json's eos_token ("<|im_end|>" or {"content": ...}) as an id, when there is one.
+std::optional<int32_t> tokenizer_eos(const std::string& dir, const tokenizer::BpeTokenizer& tok) {
+  std::ifstream f(std::filesystem::path(dir) / "tokenizer_config.json");
+  if (!f) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  if (!j.is_object() || !j.contains("eos_token")) return std::nullopt;
+  const nlohmann::json& e = j["eos_token"];
+  std::string text;
+  if (e.is_string()) text = e.get<std::string>();
+  else if (e.is_object() && e.contains("content") && e["content"].is_string()) text = e["content"].get<std::string>();
+  if (text.empty()) return std::nullopt;
+  if (auto id = tok.token_to_id(text)) return static_cast<int32_t>(*id);
+  return std::nullopt;
+}
+
+Status run(ServeOptions& o) {
+  if (o.tokenizer_dir.empty()) o.tokenizer_dir = o.runner.model_dir;
+  if (o.port < 0 || o.port > 65535) return Error::format("must be in [0, 65535], got {}", o.port).in_field("--port");
+  if (o.max_queue < 1) return Error::format("must be >= 1, got {}", o.max_queue).in_field("--max-queue");
+  const std::string tok_path = (std::filesystem::path(o.tokenizer_dir) / "tokenizer.json").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(tok_path, ec))
+    return Error::format("'{}' does not exist; serving needs a tokenizer", tok_path).in_field("--tokenizer");
+  MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer tok, tokenizer::BpeTokenizer::load(tok_path));
+  MOEBIUS_ASSIGN_OR_RETURN(model::GenerationConfig gen, model::load_generation_config(o.runner.model_dir));
+
+  // SIGINT/SIGTERM are taken by one thread with sigwait(); blocked before any thread starts so
+  // none of the others is interrupted by them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  log_info("loading {} ({} backend)", o.runner.model_dir, o.runner.backend);
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
+  log_info("{}", runner->describe());
+
+  server::EngineOptions eo;
+  eo.max_queue = o.max_queue;
+  eo.eos_ids = gen.eos_token_ids;
+  if (auto id = tokenizer_eos(o.tokenizer_dir, tok))
+    if (std::find(eo.eos_ids.begin(), eo.eos_ids.end(), *id) == eo.eos_ids.end()) eo.eos_ids.push_back(*id);
+  server::Engine engine(std::move(runner), &tok, eo);
+
+  server::ApiServerOptions ao;
+  ao.served_model_name = o.served_model_name.empty()
+                             ? std::filesystem::path(o.runner.model_dir).lexically_normal().filename().string()
+                             : o.served_model_name;
+  if (ao.served_model_name.empty()) ao.served_model_name = o.runner.model_dir;
+  ao.model_aliases = {o.runner.model_dir};
+  ao.api_key = o.api_key;
+  ao.max_body_bytes = o.max_body_bytes;
+  if (gen.do_sample.has_value() && !*gen.do_sample) ao.sampling.temperature = 0.0f;
+  else if (gen.temperature) ao.sampling.temperature = *gen.temperature;
+  if (gen.top_k) ao.sampling.top_k = *gen.top_k;
+  if (gen.top_p) ao.sampling.top_p = *gen.top_p;
+  server::ChatRenderer chat;  // stays empty without a template: /v1/chat/completions answers 400
+  const std::string tok_config = (std::filesystem::path(o.tokenizer_dir) / "tokenizer_config.json").string();
+  if (std::filesystem::exists(tok_config, ec)) {
+    try {
+      auto tmpl = std::make_shared<chat::ChatTemplate>(chat::ChatTemplate::from_tokenizer_config(tok_config));
+      chat = [tmpl](const nlohmann::ordered_json& messages, std::optional<bool> thinking) -> Result<std::string> {
+        try {
+          chat::RenderOptions ro;
+          ro.enable_thinking = thinking;
+          return tmpl->render(messages, ro);
+        } catch (const Error& e) {
+          return e;
+        } catch (const std::exception& e) {  // the renderer's own bug; still the client's answer
+          return Error(e.what());
+        }
+      };
+    } catch (const Error& e) {
+      log_warn("no chat template, /v1/chat/completions is off: {}", e.what());
+    }
+  } else {
+    log_warn("'{}' does not exist: no chat template, /v1/chat/completions is off", tok_config);
+  }
+  server::ApiServer api(&engine, &tok, chat, ao);
+
+  server::HttpServerOptions ho;
+  ho.host = o.host;
+  ho.port = o.port;
+  ho.limits.max_body_bytes = o.max_body_bytes;
+  ho.max_connections = o.max_connections;
+  ho.error_body = &server::ApiServer::error_body;
+  server::HttpServer http(ho, [&api](const server::HttpRequest& req, server::HttpResponse& res) { api.handle(req, res); });
+  MOEBIUS_TRY(http.listen());
+  std::fprintf(stderr, "moebius serve: listening on http://%s:%d (model '%s')\n", o.host.c_str(), http.port(),
+               ao.served_model_name.c_str());
+  std::fflush(stderr);
+
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    log_info("signal {}: shutting down", sig);
+    http.stop();
+  });
+  http.serve();  // returns after stop(), once connections drained (engine.stop() below fails the rest)
+  engine.stop();
+  waiter.join();
+  return Ok{};
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  CLI::App* cmd = app.add_subcommand("serve", "serve the OpenAI API (chat and completions) with continuous batching");
+  cmd->add_option("--model", o->runner.model_dir, "model directory (config.json, *.safetensors)")->required();
+  cmd->add_option("--tokenizer", o->tokenizer_dir, "directory of tokenizer.json and tokenizer_config.json (default: --model)");
+  cmd->add_option("--host", o->host, "address to bind (0.0.0.0 exposes the server)")->capture_default_str();
+  cmd->add_option("--port", o->port, "port; 0 picks a free one")->capture_default_str();
+  cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
+  cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
+  cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
+  cmd->add_option("--load-format", o->runner.load_format, "auto, or dummy (cuda: random weights)")->capture_default_str();
+  cmd->add_option("--max-context", o->runner.max_context,
+                  "tokens per sequence (default: the model's; cuda: at most 8192)");
+  cmd->add_option("--max-running", o->runner.max_seqs, "sequences per step")->capture_default_str();
+  cmd->add_option("--max-step-tokens", o->runner.max_step_tokens, "tokens per step (the prefill chunk)")
+      ->capture_default_str();
+  cmd->add_option("--kv-blocks", o->runner.num_blocks, "KV blocks in the pool (default: max-running full contexts)");
+  cmd->add_option("--block-size", o->runner.block_size, "tokens per KV block")->capture_default_str();
+  cmd->add_option("--max-queue", o->max_queue, "waiting requests before answering 429")->capture_default_str();
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 past it)")->capture_default_str();
+  cmd->add_option("--max-connections", o->max_connections, "open connections (503 past it)")->capture_default_str();
+  cmd->final_callback([o] {
+    Status s = run(*o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "moebius serve: error: %s\n", s.error().what().c_str());
+      throw CLI::RuntimeError(2);
+    }
+  });
+}
+
+}  // namespace moebius::cli

@@ -1,0 +1,229 @@
+#include "server/api_server.h"
+
+#include <chrono>
+#include <ctime>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "core/log.h"
+
+namespace moebius::server {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr auto kPollSlice = 20ms;  // how often a waiting handler checks its client's socket
+
+void send_error(HttpResponse& res, const ApiError& e) { res.send(e.status, "application/json", e.to_json()); }
+
+const std::vector<std::string> kSseHeaders = {"Cache-Control: no-cache", "X-Accel-Buffering: no"};
+
+}  // namespace
+
+ApiServer::ApiServer(Engine* engine, const tokenizer::BpeTokenizer* tokenizer, ChatRenderer chat,
+                     ApiServerOptions options)
+    : engine_(engine), tokenizer_(tokenizer), chat_(std::move(chat)), options_(std::move(options)) {
+  limits_.max_body_bytes = options_.max_body_bytes;
+  limits_.model_names = options_.model_aliases;
+  limits_.model_names.push_back(options_.served_model_name);
+  created_ = static_cast<int64_t>(std::time(nullptr));
+}
+
+std::string ApiServer::error_body(int status, const std::string& message) {
+  ApiError e;
+  e.status = status;
+  e.message = message;
+  if (status >= 500) e.type = "server_error";
+  return e.to_json();
+}
+
+void ApiServer::handle(const HttpRequest& req, HttpResponse& res) {
+  const std::string& p = req.path;
+  const bool v1 = p.rfind("/v1/", 0) == 0;
+  if (v1 && !options_.api_key.empty()) {
+    const std::string* auth = req.header("authorization");
+    if (auth == nullptr || *auth != "Bearer " + options_.api_key) return send_error(res, unauthorized());
+  }
+  const auto route = [&](const char* path, const char* method) {
+    if (p != path) return false;
+    if (req.method != method) {
+      send_error(res, method_not_allowed(req.method, p));
+      return false;
+    }
+    return true;
+  };
+  if (p == "/health") {
+    if (req.method != "GET") return send_error(res, method_not_allowed(req.method, p));
+    if (!engine_->alive()) return send_error(res, server_error("the engine has stopped", 503));
+    return res.send(200, "application/json", "{\"status\":\"ok\"}");
+  }
+  if (p == "/metrics") {
+    if (req.method != "GET") return send_error(res, method_not_allowed(req.method, p));
+    return res.send(200, "text/plain; version=0.0.4; charset=utf-8", engine_->metrics().render());
+  }
+  if (p == "/v1/models") {
+    if (route("/v1/models", "GET"))
+      res.send(200, "application/json", models_response({options_.served_model_name}, created_, engine_->max_context()));
+    return;
+  }
+  if (p == "/v1/chat/completions") {
+    if (route("/v1/chat/completions", "POST")) generate(Endpoint::kChat, req, res);
+    return;
+  }
+  if (p == "/v1/completions") {
+    if (route("/v1/completions", "POST")) generate(Endpoint::kCompletion, req, res);
+    return;
+  }
+  send_error(res, not_found(p));
+}
+
+std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vector<int32_t>* ids) const {
+  std::string text;
+  if (r.endpoint == Endpoint::kChat) {
+    if (!chat_) return invalid_request("This model has no chat template (tokenizer_config.json's chat_template); use "
+                                       "/v1/completions.");
+    Result<std::string> rendered = chat_(r.messages, r.enable_thinking);
+    if (!rendered.ok()) return invalid_request("The chat template failed on these messages: " +
+                                               rendered.error().what(), "messages");
+    text = std::move(rendered).value();
+  } else if (r.prompt_is_ids) {
+    for (int32_t id : r.prompt_ids)
+      if (id >= engine_->vocab_size())
+        return invalid_request(fmt::format("token id {} is outside the vocabulary [0, {})", id, engine_->vocab_size()),
+                               "prompt");
+    *ids = r.prompt_ids;
+    return std::nullopt;
+  } else {
+    text = r.prompt;
+  }
+  for (tokenizer::TokenId id : tokenizer_->encode(text)) ids->push_back(static_cast<int32_t>(id));
+  if (ids->empty()) return invalid_request("The prompt encodes to no tokens.", "prompt");
+  return std::nullopt;
+}
+
+EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<int32_t> ids) const {
+  EngineRequest e;
+  const int64_t prompt = static_cast<int64_t>(ids.size());
+  e.prompt = std::move(ids);
+  e.max_tokens = r.max_tokens ? *r.max_tokens : engine_->max_context() - prompt;
+  e.sampling.temperature = r.temperature.value_or(options_.sampling.temperature);
+  e.sampling.top_k = r.top_k.value_or(options_.sampling.top_k);
+  e.sampling.top_p = r.top_p.value_or(options_.sampling.top_p);
+  e.sampling.min_p = r.min_p.value_or(0.0f);
+  if (r.seed) {
+    e.sampling.seed = *r.seed;
+  } else {
+    static thread_local std::mt19937_64 rng{std::random_device{}()};
+    e.sampling.seed = rng();
+  }
+  e.stop = r.stop;
+  e.top_logprobs = r.top_logprobs;
+  e.ignore_eos = r.ignore_eos;
+  return e;
+}
+
+std::string ApiServer::token_text(int32_t id) const {
+  return std::string(tokenizer_->token_bytes(static_cast<tokenizer::TokenId>(id)));
+}
+
+std::vector<TokenLogprob> ApiServer::logprobs_text(const std::vector<GeneratedToken>& tokens) const {
+  std::vector<TokenLogprob> out;
+  for (const GeneratedToken& t : tokens) {
+    TokenLogprob lp{token_text(t.id), t.logprob, {}};
+    for (const auto& [id, p] : t.top) lp.top.emplace_back(token_text(id), p);
+    out.push_back(std::move(lp));
+  }
+  return out;
+}
+
+ResponseMeta ApiServer::meta(Endpoint endpoint) {
+  const uint64_t n = next_id_++;
+  return ResponseMeta{fmt::format("{}-{:x}{:08x}", endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl", created_, n),
+                      options_.served_model_name, static_cast<int64_t>(std::time(nullptr))};
+}
+
+void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpResponse& res) {
+  GenerationRequest req;
+  if (auto e = parse_request(endpoint, http.body, limits_, &req)) return send_error(res, *e);
+  std::vector<int32_t> ids;
+  if (auto e = tokenize(req, &ids)) return send_error(res, *e);
+  const int64_t prompt = static_cast<int64_t>(ids.size()), context = engine_->max_context();
+  if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
+    return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
+  Submitted sub = engine_->submit(engine_request(req, std::move(ids)));
+  if (sub.queue_full) return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
+  if (!sub.stream) {
+    if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
+    return send_error(res, invalid_request(sub.error));
+  }
+  if (req.stream) stream(endpoint, req, prompt, sub.stream, res);
+  else whole(endpoint, req, prompt, sub.stream, res);
+}
+
+void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, int64_t, const std::shared_ptr<RequestStream>& s,
+                      HttpResponse& res) {
+  RequestUpdate u;
+  while (!u.finished) {
+    s->take(&u, kPollSlice);
+    if (!u.finished && res.client_gone()) {
+      s->cancel();
+      return;  // nobody to answer; the HTTP layer closes the connection
+    }
+  }
+  if (!u.error.empty()) return send_error(res, server_error(u.error));
+  ChoiceDelta c;
+  c.text = std::move(u.text);
+  c.want_logprobs = req.top_logprobs >= 0;
+  c.logprobs = logprobs_text(u.tokens);
+  c.finish_reason = u.finish_reason;
+  const Usage usage{u.prompt_tokens, u.completion_tokens};
+  const ResponseMeta m = meta(endpoint);
+  res.send(200, "application/json",
+           endpoint == Endpoint::kChat ? chat_response(m, c, usage) : completion_response(m, c, usage));
+}
+
+void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+                       const std::shared_ptr<RequestStream>& s, HttpResponse& res) {
+  const ResponseMeta m = meta(endpoint);
+  const bool usage = req.include_usage;
+  const auto chunk = [&](const ChoiceDelta& d, bool first) {
+    return endpoint == Endpoint::kChat ? chat_chunk(m, d, first, usage) : completion_chunk(m, d, usage);
+  };
+  bool ok = res.begin_stream(200, "text/event-stream", kSseHeaders);
+  // Chat streams open with the assistant role, as OpenAI's do.
+  if (ok && endpoint == Endpoint::kChat) ok = res.write(chunk(ChoiceDelta{}, true));
+  RequestUpdate u;
+  int64_t completion_tokens = 0;
+  while (ok) {
+    RequestUpdate part;
+    if (!s->take(&part, kPollSlice)) {
+      if (res.client_gone()) break;
+      continue;
+    }
+    completion_tokens = part.completion_tokens;
+    if (!part.error.empty()) {
+      ok = res.write(error_chunk(server_error(part.error)));
+      break;
+    }
+    ChoiceDelta d;
+    d.text = std::move(part.text);
+    d.want_logprobs = req.top_logprobs >= 0;
+    d.logprobs = logprobs_text(part.tokens);
+    if (part.finished) d.finish_reason = part.finish_reason;
+    // A piece that is all held back (stop-string prefix, half a character) sends nothing yet.
+    if (!d.text.empty() || !d.logprobs.empty() || part.finished) ok = res.write(chunk(d, false));
+    if (part.finished) {
+      if (ok && usage) ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion_tokens}));
+      u.finished = true;
+      break;
+    }
+  }
+  if (!u.finished) {
+    s->cancel();  // client gone (or the write failed): free the KV now
+    if (!ok || res.client_gone()) return;
+  }
+  if (ok) ok = res.write(kSseDone);
+  if (ok) res.end_stream();
+}
+
+}  // namespace moebius::server

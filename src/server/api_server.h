@@ -1,0 +1,83 @@
+// The OpenAI-compatible routes over the engine: what each HTTP request becomes.
+//
+//   POST /v1/chat/completions   messages -> chat template -> tokens -> engine (SSE or whole)
+//   POST /v1/completions        prompt text or ids -> engine (SSE or whole)
+//   GET  /v1/models             the served model
+//   GET  /health                200 while the engine runs
+//   GET  /metrics               Prometheus text (engine gauges, counters, TTFT/ITL histograms)
+// With an API key, /v1/* needs "Authorization: Bearer KEY" (401 otherwise); /health and /metrics
+// stay open for probes and scrapers, as in vLLM.
+//
+// A handler thread waits on its request's RequestStream in short slices and checks the socket in
+// between: when the client is gone the request is cancelled, and the engine frees its KV at its
+// next iteration.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/sampler.h"
+#include "server/engine.h"
+#include "server/http_server.h"
+#include "server/openai_api.h"
+#include "tokenizer/bpe_tokenizer.h"
+
+namespace moebius::server {
+
+// Renders chat messages to prompt text (the model's chat template); an Error is the client's
+// fault (e.g. the template raised on its messages).
+using ChatRenderer =
+    std::function<Result<std::string>(const nlohmann::ordered_json& messages, std::optional<bool> enable_thinking)>;
+
+struct SamplingDefaults {  // generation_config.json's, applied where a request sets nothing
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+};
+
+struct ApiServerOptions {
+  std::string served_model_name;  // listed by /v1/models
+  std::vector<std::string> model_aliases;  // also accepted as "model" (e.g. the --model path)
+  std::string api_key;            // empty: no authentication
+  size_t max_body_bytes = 4u << 20;
+  SamplingDefaults sampling;
+};
+
+class ApiServer {
+ public:
+  // `engine` and `tokenizer` must outlive the server; `chat` may be empty (no chat template:
+  // /v1/chat/completions answers 400).
+  ApiServer(Engine* engine, const tokenizer::BpeTokenizer* tokenizer, ChatRenderer chat, ApiServerOptions options);
+
+  void handle(const HttpRequest& request, HttpResponse& response);
+  // The body of an error the HTTP layer answers by itself, in OpenAI's shape.
+  static std::string error_body(int status, const std::string& message);
+
+ private:
+  void generate(Endpoint endpoint, const HttpRequest& request, HttpResponse& response);
+  void stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+              const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
+  void whole(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+             const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
+  std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids) const;
+  EngineRequest engine_request(const GenerationRequest& req, std::vector<int32_t> ids) const;
+  std::vector<TokenLogprob> logprobs_text(const std::vector<GeneratedToken>& tokens) const;
+  std::string token_text(int32_t id) const;
+  ResponseMeta meta(Endpoint endpoint);
+
+  Engine* engine_;
+  const tokenizer::BpeTokenizer* tokenizer_;
+  ChatRenderer chat_;
+  ApiServerOptions options_;
+  ApiLimits limits_;
+  int64_t created_ = 0;
+  std::atomic<uint64_t> next_id_{0};
+};
+
+}  // namespace moebius::server

@@ -1,0 +1,410 @@
+#include "server/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "core/log.h"
+#include "tokenizer/streaming_decoder.h"
+
+namespace moebius::server {
+
+using Clock = std::chrono::steady_clock;
+
+struct RequestStream::Wake {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool cancel_seen = false;  // a cancel() since the engine last looked
+};
+
+struct Engine::Seq {
+  int64_t id = 0;
+  std::shared_ptr<RequestStream> stream;
+  EngineRequest req;
+  std::vector<int32_t> tokens;  // prompt, then the generated ids
+  int64_t prompt_len = 0;
+  int64_t computed = 0;         // tokens[0, computed) are in the KV cache
+  std::vector<int32_t> blocks;  // the block table
+  std::optional<model::Sampler> sampler;
+  std::optional<tokenizer::StreamingDecoder> decoder;
+  StopMatcher stop;
+  int64_t generated = 0;
+  Clock::time_point arrival, last_token;
+  bool admitted_once = false;
+
+  int64_t pending() const { return static_cast<int64_t>(tokens.size()) - computed; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// RequestStream
+// ---------------------------------------------------------------------------------------------
+
+bool RequestStream::take(RequestUpdate* out, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto ready = [&] {
+    return !pending_.text.empty() || !pending_.tokens.empty() || (pending_.finished && !delivered_end_);
+  };
+  if (!ready()) cv_.wait_for(lock, timeout, ready);
+  if (!ready()) return false;
+  out->text += pending_.text;
+  for (GeneratedToken& t : pending_.tokens) out->tokens.push_back(std::move(t));
+  pending_.text.clear();
+  pending_.tokens.clear();
+  if (pending_.finished) {
+    delivered_end_ = true;
+    out->finished = true;
+    out->finish_reason = pending_.finish_reason;
+    out->error = pending_.error;
+    out->prompt_tokens = pending_.prompt_tokens;
+    out->completion_tokens = pending_.completion_tokens;
+  }
+  return true;
+}
+
+void RequestStream::cancel() {
+  if (cancelled_.exchange(true)) return;
+  std::lock_guard<std::mutex> lock(wake_->mu);
+  wake_->cancel_seen = true;
+  wake_->cv.notify_one();
+}
+
+void RequestStream::publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
+                            const std::string& error, int64_t prompt_tokens, int64_t completion_tokens) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.text += text;
+    if (token != nullptr) pending_.tokens.push_back(std::move(*token));
+    pending_.prompt_tokens = prompt_tokens;
+    pending_.completion_tokens = completion_tokens;
+    if (finished) {
+      pending_.finished = true;
+      pending_.finish_reason = reason;
+      pending_.error = error;
+    }
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine
+// ---------------------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<StepRunner> runner, const tokenizer::BpeTokenizer* tokenizer, EngineOptions options)
+    : runner_(std::move(runner)),
+      tokenizer_(tokenizer),
+      options_(std::move(options)),
+      wake_(std::make_shared<RequestStream::Wake>()) {
+  const RunnerLimits& l = runner_->limits();
+  blocks_ = std::make_unique<model::BlockAllocator>(l.num_blocks);
+  max_context_ = std::min<int64_t>(l.max_context, int64_t{l.num_blocks} * l.block_size);
+  metrics_.kv_blocks_total = l.num_blocks;
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { stop(); }
+
+int Engine::vocab_size() const { return runner_->config().vocab_size; }
+
+void Engine::stop() {
+  {
+    std::lock_guard<std::mutex> lock(wake_->mu);
+    stopping_ = true;
+  }
+  wake_->cv.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+Submitted Engine::submit(EngineRequest r) {
+  Submitted out;
+  if (r.prompt.empty()) {
+    out.error = "the prompt is empty";
+    return out;
+  }
+  if (r.max_tokens < 1 || static_cast<int64_t>(r.prompt.size()) + r.max_tokens > max_context_) {
+    out.error = "the prompt plus max_tokens exceeds the context";
+    return out;
+  }
+  for (int32_t id : r.prompt)
+    if (id < 0 || id >= vocab_size()) {
+      out.error = fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size());
+      return out;
+    }
+  auto sampler = model::Sampler::create(r.sampling);
+  if (!sampler.ok()) {
+    out.error = sampler.error().what();
+    return out;
+  }
+  auto seq = std::make_unique<Seq>();
+  seq->sampler.emplace(std::move(sampler).value());
+  seq->decoder.emplace(*tokenizer_, tokenizer::DecodeOptions{.skip_special_tokens = true});
+  seq->stop = StopMatcher(r.stop);
+  seq->tokens = r.prompt;
+  seq->prompt_len = static_cast<int64_t>(r.prompt.size());
+  seq->req = std::move(r);
+  seq->arrival = Clock::now();
+  seq->stream.reset(new RequestStream(wake_));
+  out.stream = seq->stream;
+  {
+    std::lock_guard<std::mutex> lock(wake_->mu);
+    if (stopping_ || failed_.load()) {
+      out.stream.reset();
+      out.error = "the engine is not running";
+      return out;
+    }
+    if (queued_.load() >= options_.max_queue) {
+      out.stream.reset();
+      out.queue_full = true;
+      ++metrics_.requests_rejected_total;
+      return out;
+    }
+    seq->id = next_id_++;
+    ++queued_;
+    metrics_.queue_depth = queued_.load();
+    incoming_.push_back(std::move(seq));
+  }
+  wake_->cv.notify_one();
+  return out;
+}
+
+// Moves submitted requests into `waiting_`. With `block`, sleeps until there is something to do.
+// Returns false when the engine is stopping.
+bool Engine::take_incoming(bool block) {
+  std::unique_lock<std::mutex> lock(wake_->mu);
+  if (block) wake_->cv.wait(lock, [&] { return stopping_ || !incoming_.empty() || wake_->cancel_seen; });
+  wake_->cancel_seen = false;
+  while (!incoming_.empty()) {
+    waiting_.push_back(std::move(incoming_.front()));
+    incoming_.pop_front();
+  }
+  return !stopping_;
+}
+
+void Engine::release_kv(Seq& seq) {
+  if (!seq.blocks.empty()) blocks_->release(seq.blocks);
+  runner_->release(seq.id);
+  seq.computed = 0;
+}
+
+void Engine::update_gauges() {
+  metrics_.running = static_cast<int64_t>(running_.size());
+  metrics_.queue_depth = queued_.load();
+  metrics_.kv_blocks_used = blocks_->num_blocks() - blocks_->num_free();
+}
+
+void Engine::drop_cancelled() {
+  for (size_t i = 0; i < running_.size();) {
+    if (running_[i]->stream->cancelled()) {
+      release_kv(*running_[i]);
+      ++metrics_.requests_cancelled_total;
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  for (size_t i = 0; i < waiting_.size();) {
+    if (waiting_[i]->stream->cancelled()) {
+      release_kv(*waiting_[i]);  // holds nothing unless preempted mid-way; cheap either way
+      ++metrics_.requests_cancelled_total;
+      --queued_;
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  update_gauges();
+}
+
+void Engine::preempt(size_t i) {
+  std::unique_ptr<Seq> seq = std::move(running_[i]);
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+  release_kv(*seq);  // [TAG_SERVE_RECOMPUTE] computed = 0: everything is recomputed on readmission
+  ++metrics_.preemptions_total;
+  ++queued_;
+  waiting_.push_front(std::move(seq));
+}
+
+void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
+  const RunnerLimits& l = runner_->limits();
+  int64_t budget = l.max_step_tokens;
+  // Running sequences, oldest first; a block shortage preempts the newest.
+  for (size_t i = 0; i < running_.size() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs;) {
+    Seq& s = *running_[i];
+    const int64_t n = std::min(s.pending(), budget);
+    bool fits = true;
+    while (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+      const size_t victim = running_.size() - 1;
+      const bool self = victim == i;
+      preempt(victim);
+      if (self) {
+        fits = false;
+        break;
+      }
+    }
+    if (!fits) break;  // i was the newest: nothing after it
+    batch.push_back(&s);
+    chunk.push_back(static_cast<int>(n));
+    budget -= n;
+    ++i;
+  }
+  // Admission, in arrival order (preempted sequences went back to the front), while the chunk's
+  // blocks can be had without preempting anyone.
+  while (!waiting_.empty() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
+         static_cast<int>(running_.size()) < l.max_seqs) {
+    Seq& s = *waiting_.front();
+    const int64_t n = std::min(s.pending(), budget);
+    if (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) break;
+    if (!s.admitted_once) {
+      s.admitted_once = true;
+      metrics_.prompt_tokens_total += s.prompt_len;
+    }
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    --queued_;
+    batch.push_back(&s);
+    chunk.push_back(static_cast<int>(n));
+    budget -= n;
+  }
+}
+
+void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk) {
+  std::vector<RunnerSeq> seqs(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Seq& s = *batch[i];
+    RunnerSeq& r = seqs[i];
+    r.id = s.id;
+    r.tokens = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.computed), static_cast<size_t>(chunk[i]));
+    r.start = s.computed;
+    r.block_table = s.blocks;
+    r.want_logits = s.computed + chunk[i] == static_cast<int64_t>(s.tokens.size());
+  }
+  Status st = runner_->step(seqs, logits_);
+  ++metrics_.steps_total;
+  if (!st.ok()) {
+    log_error("engine step failed: {}", st.error().what());
+    for (Seq* s : batch) finish(*s, "", "the model step failed: " + st.error().what());
+    return;
+  }
+  const size_t V = static_cast<size_t>(vocab_size());
+  size_t row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Seq& s = *batch[i];
+    s.computed += chunk[i];
+    if (seqs[i].want_logits) on_token(s, logits_.data() + (row++) * V);
+  }
+}
+
+namespace {
+
+// log-softmax of the chosen id and the k most likely ids, from the raw logits.
+GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) {
+  float mx = -INFINITY;
+  for (size_t i = 0; i < V; ++i) mx = std::max(mx, logits[i]);
+  double sum = 0.0;
+  for (size_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  GeneratedToken t;
+  t.id = id;
+  t.logprob = static_cast<float>(logits[id] - lse);
+  if (k > 0) {
+    std::vector<int32_t> idx(V);
+    for (size_t i = 0; i < V; ++i) idx[i] = static_cast<int32_t>(i);
+    const size_t kk = std::min<size_t>(static_cast<size_t>(k), V);
+    std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(kk), idx.end(),
+                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    for (size_t i = 0; i < kk; ++i) t.top.emplace_back(idx[i], static_cast<float>(logits[idx[i]] - lse));
+  }
+  return t;
+}
+
+}  // namespace
+
+void Engine::emit(Seq& s, const std::string& text, GeneratedToken* token) {
+  s.stream->publish(text, token, false, "", "", s.prompt_len, s.generated);
+}
+
+void Engine::on_token(Seq& s, const float* logits) {
+  const size_t V = static_cast<size_t>(vocab_size());
+  auto sampled = s.sampler->sample(std::span<const float>(logits, V));
+  if (!sampled.ok()) {
+    finish(s, "", "sampling failed: " + sampled.error().what());
+    return;
+  }
+  const int32_t id = *sampled;
+  const auto now = Clock::now();
+  const double since = std::chrono::duration<double>(now - (s.generated == 0 ? s.arrival : s.last_token)).count();
+  (s.generated == 0 ? metrics_.ttft : metrics_.itl).observe(since);
+  s.last_token = now;
+  const std::vector<int32_t>& eos = options_.eos_ids;
+  if (!s.req.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) {
+    finish(s, "stop", "");
+    return;
+  }
+  s.tokens.push_back(id);
+  ++s.generated;
+  ++metrics_.generation_tokens_total;
+  std::optional<GeneratedToken> lp;
+  if (s.req.top_logprobs >= 0) lp = token_logprobs(logits, V, id, s.req.top_logprobs);
+  StopMatcher::Out out = s.stop.feed(s.decoder->feed(static_cast<tokenizer::TokenId>(id)));
+  emit(s, out.text, lp ? &*lp : nullptr);
+  if (out.stopped) finish(s, "stop", "");
+  else if (s.generated >= s.req.max_tokens || static_cast<int64_t>(s.tokens.size()) >= max_context_)
+    finish(s, "length", "");
+}
+
+// Ends `s`: flushes held-back text (unless an error ended it), frees its KV, tells the client.
+// The sequence is removed from running_ by the caller's sweep (finished sequences have no stream
+// left to serve: `stream` is reset).
+void Engine::finish(Seq& s, const std::string& reason, const std::string& error) {
+  std::string tail;
+  std::string why = reason;
+  if (error.empty() && !s.stop.stopped()) {
+    StopMatcher::Out out = s.stop.feed(s.decoder->flush());
+    tail = out.text;
+    if (out.stopped) why = "stop";
+    else tail += s.stop.flush();
+  }
+  if (error.empty()) ++metrics_.requests_finished_total;
+  else ++metrics_.requests_failed_total;
+  metrics_.e2e.observe(std::chrono::duration<double>(Clock::now() - s.arrival).count());
+  s.stream->publish(tail, nullptr, true, why, error, s.prompt_len, s.generated);
+  release_kv(s);
+  s.stream.reset();
+}
+
+void Engine::loop() {
+  bool ok = true;
+  while (ok) {
+    const bool idle = running_.empty() && waiting_.empty();
+    ok = take_incoming(idle);
+    if (!ok) break;
+    drop_cancelled();
+    std::vector<Seq*> batch;
+    std::vector<int> chunk;
+    schedule(batch, chunk);
+    if (!batch.empty()) run_step(batch, chunk);
+    std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->stream == nullptr; });
+    update_gauges();
+    // Tokens per second over a sliding 5 s window.
+    const auto now = Clock::now();
+    rate_window_.emplace_back(now, metrics_.generation_tokens_total.load());
+    while (rate_window_.size() > 1 && now - rate_window_.front().first > std::chrono::seconds(5))
+      rate_window_.pop_front();
+    const double span = std::chrono::duration<double>(now - rate_window_.front().first).count();
+    metrics_.generation_tokens_per_second =
+        span > 0 ? static_cast<double>(rate_window_.back().second - rate_window_.front().second) / span : 0.0;
+  }
+  // Shutting down: whatever is left ends with an error, so no client waits forever.
+  std::lock_guard<std::mutex> lock(wake_->mu);
+  for (auto& s : incoming_) waiting_.push_back(std::move(s));
+  incoming_.clear();
+  for (auto& s : running_)
+    if (s->stream) finish(*s, "", "the server is shutting down");
+  for (auto& s : waiting_)
+    if (s->stream) finish(*s, "", "the server is shutting down");
+  running_.clear();
+  waiting_.clear();
+  queued_ = 0;
+  update_gauges();
+}
+
+}  // namespace moebius::server

@@ -1,0 +1,165 @@
+// The serving engine: continuous batching over a StepRunner, on one thread that owns the model.
+//
+// Every iteration of the engine thread is one forward step. Requests join and leave at any step:
+//   1. new requests move from the submit queue to `waiting`; cancelled ones (client gone) are
+//      dropped wherever they are and their KV blocks are freed before anything else runs;
+//   2. the step is filled under a token budget (max_step_tokens) and a sequence cap (max_seqs):
+//      running sequences first, oldest first (a decode is one token, a prefill a chunk of its
+//      prompt), then waiting ones are admitted in arrival order while their next chunk's KV blocks
+//      can be allocated (admission control). Prefill chunks and decodes share a step;
+//   3. when a running sequence needs a block and the pool is empty, the newest running sequence
+//      is preempted: its blocks go back to the pool and it returns to the head of the queue with
+//      its tokens so far, to be recomputed as a prefill when it is admitted again (nothing of its
+//      output is lost or repeated: the text already sent stays sent) [TAG_SERVE_RECOMPUTE];
+//   4. sequences whose step reached their last token sample one token with their own sampler
+//      (seeded per request), then detokenize it, match stop strings (held back while partial),
+//      and stop at eos, a stop string, max_tokens or the context limit.
+// HTTP threads talk to the engine only through submit() and the RequestStream it returns, both
+// thread-safe. The queue is bounded: submit() refuses when max_queue requests already wait (429).
+//
+// Every request's prompt plus max_tokens must fit max_context(), which is at most the KV pool:
+// the oldest running sequence can then always grow, by preempting newer ones, and finish.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "model/block_allocator.h"
+#include "model/sampler.h"
+#include "server/metrics.h"
+#include "server/step_runner.h"
+#include "server/stop_strings.h"
+#include "tokenizer/bpe_tokenizer.h"
+
+namespace moebius::server {
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;  // non-empty, ids in [0, vocab)
+  int64_t max_tokens = 16;      // >= 1; prompt + max_tokens <= Engine::max_context()
+  model::SamplerParams sampling;
+  std::vector<std::string> stop;
+  int top_logprobs = -1;  // -1: none; k >= 0: the chosen token's logprob and the k best
+  bool ignore_eos = false;
+};
+
+struct GeneratedToken {
+  int32_t id = 0;
+  float logprob = 0.0f;                       // of the model's distribution (before sampling filters)
+  std::vector<std::pair<int32_t, float>> top;  // the top_logprobs most likely ids
+};
+
+// Output produced since the last take(), merged.
+struct RequestUpdate {
+  std::string text;
+  std::vector<GeneratedToken> tokens;  // only with top_logprobs >= 0
+  bool finished = false;
+  std::string finish_reason;  // "stop" or "length" (when finished without error)
+  std::string error;          // non-empty: the engine failed the request
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+};
+
+class RequestStream {
+ public:
+  // Appends what the engine produced since the last call to *out; when nothing is there, waits up
+  // to `timeout` for it. Returns true when something arrived or the request has finished.
+  bool take(RequestUpdate* out, std::chrono::milliseconds timeout);
+  // The client is gone: the engine drops the request and frees its KV at its next iteration.
+  void cancel();
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  friend class Engine;
+  struct Wake;
+  RequestStream(std::shared_ptr<Wake> wake) : wake_(std::move(wake)) {}
+  void publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
+               const std::string& error, int64_t prompt_tokens, int64_t completion_tokens);
+
+  std::shared_ptr<Wake> wake_;  // the engine's condition, to wake it on cancel()
+  std::mutex mu_;
+  std::condition_variable cv_;
+  RequestUpdate pending_;
+  bool delivered_end_ = false;
+  std::atomic<bool> cancelled_{false};
+};
+
+struct EngineOptions {
+  int max_queue = 256;             // waiting requests before submit() refuses
+  std::vector<int32_t> eos_ids;    // generation stops at these (unless ignore_eos)
+};
+
+struct Submitted {
+  std::shared_ptr<RequestStream> stream;  // null when refused
+  bool queue_full = false;
+  std::string error;  // when refused for another reason (engine stopped, bad request)
+};
+
+class Engine {
+ public:
+  // `tokenizer` must outlive the engine. Starts the engine thread.
+  Engine(std::unique_ptr<StepRunner> runner, const tokenizer::BpeTokenizer* tokenizer, EngineOptions options);
+  ~Engine();  // stop()
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  Submitted submit(EngineRequest request);
+  // Ends the thread; requests still queued or running finish with an error.
+  void stop();
+  bool alive() const { return !failed_.load(); }
+
+  // Prompt plus completion tokens a request may use: the runner's context, capped by the KV pool.
+  int64_t max_context() const { return max_context_; }
+  int vocab_size() const;
+  const RunnerLimits& limits() const { return runner_->limits(); }
+  const StepRunner& runner() const { return *runner_; }
+  EngineMetrics& metrics() { return metrics_; }
+  const EngineMetrics& metrics() const { return metrics_; }
+
+ private:
+  struct Seq;
+  void loop();
+  bool take_incoming(bool block);
+  void drop_cancelled();
+  void schedule(std::vector<Seq*>& batch, std::vector<int>& chunk);
+  void preempt(size_t running_index);
+  void run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk);
+  void on_token(Seq& seq, const float* logits);
+  void finish(Seq& seq, const std::string& reason, const std::string& error);
+  void emit(Seq& seq, const std::string& text, GeneratedToken* token);
+  void release_kv(Seq& seq);
+  void update_gauges();
+
+  std::unique_ptr<StepRunner> runner_;
+  const tokenizer::BpeTokenizer* tokenizer_;
+  EngineOptions options_;
+  int64_t max_context_ = 0;
+  EngineMetrics metrics_;
+
+  // Shared with submit() and RequestStream::cancel().
+  std::shared_ptr<RequestStream::Wake> wake_;
+  std::deque<std::unique_ptr<Seq>> incoming_;  // guarded by wake_->mu
+  bool stopping_ = false;                      // guarded by wake_->mu
+  std::atomic<int64_t> queued_{0};             // incoming + waiting: the bound submit() checks
+  std::atomic<bool> failed_{false};
+  int64_t next_id_ = 0;                        // guarded by wake_->mu
+
+  // Engine thread only.
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;  // admission order: oldest first
+  std::unique_ptr<model::BlockAllocator> blocks_;
+  std::vector<float> logits_;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> rate_window_;
+
+  std::thread thread_;
+};
+
+}  // namespace moebius::server

@@ -1,0 +1,101 @@
+// A small HTTP/1.1 server over POSIX sockets: one thread per connection, keep-alive, whole and
+// chunked (SSE) responses, and a way for a handler to notice that its client went away
+// (client_gone()), which the API uses to cancel generation and free KV at once.
+//
+// Why not a library: Debian 12's cpp-httplib (libcpp-httplib-dev 0.11) is built as a shared
+// library linked to OpenSSL, brotli and zlib, and our binaries must run on the GPU machine with
+// nothing installed (README: static runtimes, header-only dependencies). Its 0.11 API also has
+// no way to see a disconnect while a handler waits for tokens. What we need of HTTP is small.
+//
+// One thread per connection suits this server: connections are few (clients of one model),
+// handlers mostly wait on the engine, and a blocking handler per stream keeps the SSE code
+// straight-line. max_connections bounds the threads; past it a connection gets a 503.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+#include "server/http_message.h"
+
+namespace moebius::server {
+
+// One response on a connection: send() once, or begin_stream(), write()..., end_stream().
+class HttpResponse {
+ public:
+  HttpResponse(int fd, bool keep_alive) : fd_(fd), keep_alive_(keep_alive) {}
+
+  void send(int status, std::string_view content_type, std::string_view body,
+            const std::vector<std::string>& extra_headers = {});
+  // Starts a chunked response. Returns false when the client is gone.
+  bool begin_stream(int status, std::string_view content_type, const std::vector<std::string>& extra_headers = {});
+  bool write(std::string_view data);  // one chunk; false when the client is gone
+  void end_stream();
+  // True when the peer closed or reset the connection (checked without blocking).
+  bool client_gone() const;
+
+  bool started() const { return started_; }
+  bool failed() const { return failed_; }
+  bool keep_alive() const { return keep_alive_ && !failed_; }
+  int status() const { return status_; }
+
+ private:
+  bool write_all(std::string_view data);
+  int fd_;
+  bool keep_alive_;
+  bool started_ = false;
+  bool streaming_ = false;
+  bool failed_ = false;
+  int status_ = 0;
+};
+
+using HttpHandler = std::function<void(const HttpRequest&, HttpResponse&)>;
+
+struct HttpServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: any free port (port() tells which)
+  HttpLimits limits;
+  int max_connections = 1024;
+  int idle_timeout_s = 60;  // keep-alive connections idle this long are closed
+  int io_timeout_s = 60;    // reading one request, or one write to a stalled client
+  // The body of an error the server answers by itself (bad head, body too large, ...).
+  std::function<std::string(int status, const std::string& message)> error_body;
+};
+
+class HttpServer {
+ public:
+  HttpServer(HttpServerOptions options, HttpHandler handler);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds and listens. Errors name --host/--port.
+  Status listen();
+  int port() const { return port_; }
+  // Accepts connections until stop(); then waits for open connections to finish.
+  void serve();
+  // Safe from any thread (not from a signal handler: set a flag and call it from a thread).
+  void stop();
+  int open_connections() const { return active_.load(); }
+
+ private:
+  void connection(int fd);
+  bool read_more(int fd, std::string& buffer, int timeout_s, bool idle);
+
+  HttpServerOptions options_;
+  HttpHandler handler_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> active_{0};
+  std::mutex mu_;
+  std::condition_variable drained_;
+};
+
+}  // namespace moebius::server

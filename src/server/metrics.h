@@ -1,0 +1,51 @@
+// The numbers /metrics exports in Prometheus' text format (version 0.0.4). The engine thread
+// writes them, HTTP threads read them: counters and gauges are atomics, histograms take a mutex
+// (observed once per token at most, so it is never contended for long).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace moebius::server {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> upper_bounds);  // ascending; +Inf is implicit
+  void observe(double x);
+  // "name_bucket{le=...} n" lines, name_sum and name_count, after HELP and TYPE.
+  std::string render(const std::string& name, const std::string& help) const;
+  uint64_t count() const;
+
+ private:
+  std::vector<double> bounds_;
+  mutable std::mutex mu_;
+  std::vector<uint64_t> counts_;  // [bounds + 1], not cumulative
+  double sum_ = 0.0;
+  uint64_t count_ = 0;
+};
+
+struct EngineMetrics {
+  std::atomic<int64_t> queue_depth{0};        // waiting (never run, or preempted)
+  std::atomic<int64_t> running{0};            // holding KV, stepped every iteration
+  std::atomic<int64_t> kv_blocks_used{0};
+  std::atomic<int64_t> kv_blocks_total{0};
+  std::atomic<int64_t> prompt_tokens_total{0};
+  std::atomic<int64_t> generation_tokens_total{0};
+  std::atomic<int64_t> requests_finished_total{0};  // stop or length
+  std::atomic<int64_t> requests_cancelled_total{0};
+  std::atomic<int64_t> requests_failed_total{0};
+  std::atomic<int64_t> requests_rejected_total{0};  // queue full
+  std::atomic<int64_t> preemptions_total{0};
+  std::atomic<int64_t> steps_total{0};
+  std::atomic<double> generation_tokens_per_second{0.0};  // over the last few seconds
+  Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60}};
+  Histogram itl{{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5}};
+  Histogram e2e{{0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300}};
+
+  std::string render() const;  // every metric, prefixed moebius_
+};
+
+}  // namespace moebius::server

@@ -1,0 +1,503 @@
+#include "server/openai_api.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "tokenizer/unicode.h"
+
+namespace moebius::server {
+
+// Ordered throughout: requests keep their key order for the chat template (tojson), responses
+// list fields in the order OpenAI documents them.
+using json = nlohmann::ordered_json;
+
+namespace {
+
+// Our own text is valid UTF-8, but a token's bytes may end mid-character: replace rather than
+// throw (nlohmann's default) so a logprob entry never breaks a response.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+json null_if_empty(const std::string& s) { return s.empty() ? json(nullptr) : json(s); }
+
+// Nesting depth of arrays and objects, outside strings. nlohmann parses iteratively, but deep
+// documents still cost recursion when destroyed and dumped; a request never needs more than a few
+// levels.
+int json_depth(std::string_view s) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : s) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
+    else if (c == ']' || c == '}') --depth;
+  }
+  return deepest;
+}
+
+std::string type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    case json::value_t::binary: return "binary";
+    case json::value_t::discarded: return "discarded";
+    default: return "a number";
+  }
+}
+
+ApiError wrong_type(const std::string& field, const char* expected, const json& got) {
+  return invalid_request(fmt::format("'{}' must be {}, got {}", field, expected, type_name(got)), field);
+}
+
+// The field when present and not null.
+const json* field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<ApiError> read_bool(const json& obj, const char* key, std::optional<bool>* out) {
+  const json* v = field(obj, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_boolean()) return wrong_type(key, "a boolean", *v);
+  *out = v->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_number(const json& obj, const char* key, double lo, double hi, bool lo_open,
+                                    std::optional<float>* out) {
+  const json* v = field(obj, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number()) return wrong_type(key, "a number", *v);
+  const double x = v->get<double>();
+  if (!std::isfinite(x) || x < lo || x > hi || (lo_open && x == lo))
+    return invalid_request(fmt::format("'{}' must be in {}{}, {}], got {}", key, lo_open ? "(" : "[", lo, hi, x), key);
+  *out = static_cast<float>(x);
+  return std::nullopt;
+}
+
+// An integer; also an integral float (5.0), which Python clients send and OpenAI accepts.
+std::optional<ApiError> read_int(const json& obj, const char* key, int64_t lo, int64_t hi,
+                                 std::optional<int64_t>* out) {
+  const json* v = field(obj, key);
+  if (v == nullptr) return std::nullopt;
+  int64_t x = 0;
+  if (v->is_number_unsigned()) {
+    const uint64_t u = v->get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return invalid_request(fmt::format("'{}' must be at most {}, got {}", key, hi, u), key);
+    x = static_cast<int64_t>(u);
+  } else if (v->is_number_integer()) {
+    x = v->get<int64_t>();
+  } else if (v->is_number_float()) {
+    const double d = v->get<double>();
+    if (!std::isfinite(d) || d != std::floor(d) || std::fabs(d) > 9.0e15) return wrong_type(key, "an integer", *v);
+    x = static_cast<int64_t>(d);
+  } else {
+    return wrong_type(key, "an integer", *v);
+  }
+  if (x < lo || x > hi) return invalid_request(fmt::format("'{}' must be in [{}, {}], got {}", key, lo, hi, x), key);
+  *out = x;
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_stop(const json& obj, const ApiLimits& limits, std::vector<std::string>* out) {
+  const json* v = field(obj, "stop");
+  if (v == nullptr) return std::nullopt;
+  std::vector<const json*> items;
+  if (v->is_string()) {
+    items.push_back(v);
+  } else if (v->is_array()) {
+    for (const json& s : *v) items.push_back(&s);
+  } else {
+    return wrong_type("stop", "a string or an array of strings", *v);
+  }
+  if (static_cast<int>(items.size()) > limits.max_stop)
+    return invalid_request(fmt::format("'stop' has {} strings; at most {}", items.size(), limits.max_stop), "stop");
+  for (const json* s : items) {
+    if (!s->is_string()) return wrong_type("stop", "a string or an array of strings", *s);
+    const std::string& str = s->get_ref<const std::string&>();
+    if (str.empty()) continue;  // matches nothing: OpenAI ignores it as well
+    if (str.size() > limits.max_stop_bytes)
+      return invalid_request(
+          fmt::format("a stop string has {} bytes; at most {}", str.size(), limits.max_stop_bytes), "stop");
+    out->push_back(str);
+  }
+  return std::nullopt;
+}
+
+// Content: a string, null, or an array of parts of which only {"type": "text"} is supported.
+std::optional<ApiError> normalize_content(json& message, size_t index) {
+  const std::string param = fmt::format("messages[{}].content", index);
+  auto it = message.find("content");
+  if (it == message.end() || it->is_null()) {
+    // An assistant turn that only calls tools has no content; others get "" so templates that
+    // concatenate it work.
+    if (!message.contains("tool_calls")) message["content"] = "";
+    return std::nullopt;
+  }
+  if (it->is_string()) return std::nullopt;
+  if (!it->is_array()) return wrong_type(param, "a string or an array of content parts", *it);
+  std::string text;
+  for (const json& part : *it) {
+    if (!part.is_object()) return wrong_type(param, "an array of content parts", part);
+    const json* type = field(part, "type");
+    if (type == nullptr || !type->is_string())
+      return invalid_request(fmt::format("{}: every part needs a string 'type'", param), param);
+    if (type->get_ref<const std::string&>() != "text")
+      return invalid_request(fmt::format("{}: content part type '{}' is not supported; only 'text'", param,
+                                         type->get_ref<const std::string&>()),
+                             param);
+    const json* t = field(part, "text");
+    if (t == nullptr || !t->is_string()) return invalid_request(fmt::format("{}: a text part needs 'text'", param), param);
+    text += t->get_ref<const std::string&>();
+  }
+  *it = text;
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_messages(const json& body, GenerationRequest* out) {
+  const json* v = field(body, "messages");
+  if (v == nullptr) return invalid_request("'messages' is required", "messages");
+  if (!v->is_array()) return wrong_type("messages", "an array", *v);
+  if (v->empty()) return invalid_request("'messages' must not be empty", "messages");
+  json messages = *v;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    json& m = messages[i];
+    const std::string param = fmt::format("messages[{}]", i);
+    if (!m.is_object()) return wrong_type(param, "an object", m);
+    const json* role = field(m, "role");
+    if (role == nullptr) return invalid_request(fmt::format("'{}.role' is required", param), param + ".role");
+    if (!role->is_string()) return wrong_type(param + ".role", "a string", *role);
+    const std::string& r = role->get_ref<const std::string&>();
+    if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool")
+      return invalid_request(
+          fmt::format("'{}.role' is '{}'; expected system, developer, user, assistant or tool", param, r),
+          param + ".role");
+    if (auto e = normalize_content(m, i)) return e;
+  }
+  out->messages = std::move(messages);
+  if (const json* kw = field(body, "chat_template_kwargs")) {
+    if (!kw->is_object()) return wrong_type("chat_template_kwargs", "an object", *kw);
+    std::optional<bool> thinking;
+    if (auto e = read_bool(*kw, "enable_thinking", &thinking)) {
+      e->param = "chat_template_kwargs.enable_thinking";
+      return e;
+    }
+    out->enable_thinking = thinking;
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_token_ids(const json& arr, std::vector<int32_t>* out) {
+  for (const json& t : arr) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      return invalid_request("'prompt' token ids must be non-negative integers", "prompt");
+    out->push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
+// A string, a token id array, or a one-element array of either (n prompts are not supported).
+std::optional<ApiError> read_prompt(const json& body, GenerationRequest* out) {
+  const json* v = field(body, "prompt");
+  if (v == nullptr) return invalid_request("'prompt' is required", "prompt");
+  const json* p = v;
+  if (v->is_array() && v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) p = &(*v)[0];
+  if (p->is_string()) {
+    out->prompt = p->get<std::string>();
+    if (out->prompt.empty()) return invalid_request("'prompt' must not be empty", "prompt");
+    return std::nullopt;
+  }
+  if (p->is_array()) {
+    if (p->empty()) return invalid_request("'prompt' must not be empty", "prompt");
+    if ((*p)[0].is_string() || (*p)[0].is_array())
+      return invalid_request("only one prompt per request is supported", "prompt");
+    out->prompt_is_ids = true;
+    return read_token_ids(*p, &out->prompt_ids);
+  }
+  return wrong_type("prompt", "a string or an array of token ids", *v);
+}
+
+std::optional<ApiError> read_logprobs(const json& body, const ApiLimits& limits, GenerationRequest* out) {
+  if (out->endpoint == Endpoint::kChat) {
+    std::optional<bool> logprobs;
+    if (auto e = read_bool(body, "logprobs", &logprobs)) return e;
+    std::optional<int64_t> top;
+    if (auto e = read_int(body, "top_logprobs", 0, limits.max_top_logprobs, &top)) return e;
+    if (top && !logprobs.value_or(false))
+      return invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+    if (logprobs.value_or(false)) out->top_logprobs = static_cast<int>(top.value_or(0));
+    return std::nullopt;
+  }
+  // Legacy completions: "logprobs" is the number of alternatives, at most 5.
+  std::optional<int64_t> k;
+  if (auto e = read_int(body, "logprobs", 0, 5, &k)) return e;
+  if (k) out->top_logprobs = static_cast<int>(*k);
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_sampling(const json& body, GenerationRequest* out) {
+  if (auto e = read_number(body, "temperature", 0.0, 2.0, false, &out->temperature)) return e;
+  if (auto e = read_number(body, "top_p", 0.0, 1.0, true, &out->top_p)) return e;
+  if (auto e = read_number(body, "min_p", 0.0, 1.0, false, &out->min_p)) return e;
+  if (out->min_p && *out->min_p >= 1.0f) return invalid_request("'min_p' must be in [0, 1)", "min_p");
+  std::optional<int64_t> top_k;
+  if (auto e = read_int(body, "top_k", -1, std::numeric_limits<int32_t>::max(), &top_k)) return e;
+  if (top_k) out->top_k = static_cast<int>(std::max<int64_t>(*top_k, 0));
+  std::optional<int64_t> seed;
+  if (auto e = read_int(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &seed))
+    return e;
+  if (seed) out->seed = static_cast<uint64_t>(*seed);
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string ApiError::to_json() const {
+  json e = {{"message", message}, {"type", type}, {"param", null_if_empty(param)}, {"code", null_if_empty(code)}};
+  return dump(json{{"error", std::move(e)}});
+}
+
+ApiError invalid_request(std::string message, std::string param, std::string code) {
+  return ApiError{400, std::move(message), "invalid_request_error", std::move(param), std::move(code)};
+}
+
+ApiError unauthorized() {
+  return ApiError{401, "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.",
+                  "invalid_request_error", "", "invalid_api_key"};
+}
+
+ApiError model_not_found(const std::string& model) {
+  return ApiError{404, fmt::format("The model '{}' does not exist.", model), "invalid_request_error", "model",
+                  "model_not_found"};
+}
+
+ApiError body_too_large(size_t bytes, size_t limit) {
+  return ApiError{413, fmt::format("The request body has {} bytes; the limit is {}.", bytes, limit),
+                  "invalid_request_error", "", "request_too_large"};
+}
+
+ApiError queue_full(size_t depth) {
+  return ApiError{429, fmt::format("The server is busy: {} requests are already waiting. Retry later.", depth),
+                  "rate_limit_error", "", "queue_full"};
+}
+
+ApiError not_found(const std::string& path) {
+  return ApiError{404, fmt::format("No route for '{}'.", path), "invalid_request_error", "", "not_found"};
+}
+
+ApiError method_not_allowed(const std::string& method, const std::string& path) {
+  return ApiError{405, fmt::format("Method {} is not allowed on '{}'.", method, path), "invalid_request_error", "",
+                  "method_not_allowed"};
+}
+
+ApiError server_error(std::string message, int status) {
+  return ApiError{status, std::move(message), "server_error", "", ""};
+}
+
+ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context) {
+  if (max_tokens <= 0)
+    return invalid_request(fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} "
+                                       "tokens, which leaves no room for a completion.",
+                                       context, prompt_tokens),
+                           "messages", "context_length_exceeded");
+  return invalid_request(fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
+                                     "tokens ({} in the prompt, {} in the completion). Please reduce the length of "
+                                     "the prompt or of max_tokens.",
+                                     context, prompt_tokens + max_tokens, prompt_tokens, max_tokens),
+                         "max_tokens", "context_length_exceeded");
+}
+
+std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
+                                      GenerationRequest* out) {
+  if (body.size() > limits.max_body_bytes) return body_too_large(body.size(), limits.max_body_bytes);
+  if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
+  if (json_depth(body) > limits.max_json_depth)
+    return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
+  json doc;
+  try {
+    doc = json::parse(body);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
+    return invalid_request(fmt::format("The request body is not valid JSON: {}", e.what()), "", "invalid_json");
+  }
+  if (!doc.is_object()) return invalid_request("The request body must be a JSON object, got " + type_name(doc) + ".");
+
+  GenerationRequest r;
+  r.endpoint = endpoint;
+  const json* model = field(doc, "model");
+  if (model == nullptr) return invalid_request("'model' is required", "model");
+  if (!model->is_string()) return wrong_type("model", "a string", *model);
+  r.model = model->get<std::string>();
+  if (std::find(limits.model_names.begin(), limits.model_names.end(), r.model) == limits.model_names.end())
+    return model_not_found(r.model);
+
+  if (endpoint == Endpoint::kChat) {
+    if (auto e = read_messages(doc, &r)) return e;
+  } else {
+    if (auto e = read_prompt(doc, &r)) return e;
+  }
+  // max_completion_tokens is the chat API's newer name; either may be given.
+  std::optional<int64_t> max_tokens, max_completion_tokens;
+  if (auto e = read_int(doc, "max_tokens", 1, std::numeric_limits<int32_t>::max(), &max_tokens)) return e;
+  if (auto e = read_int(doc, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max(), &max_completion_tokens))
+    return e;
+  r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
+  if (auto e = read_stop(doc, limits, &r.stop)) return e;
+  std::optional<int64_t> n;
+  if (auto e = read_int(doc, "n", 1, std::numeric_limits<int32_t>::max(), &n)) return e;
+  if (n && *n != 1) return invalid_request("only n = 1 is supported", "n");
+  if (auto e = read_sampling(doc, &r)) return e;
+  if (auto e = read_logprobs(doc, limits, &r)) return e;
+  std::optional<bool> stream, ignore_eos;
+  if (auto e = read_bool(doc, "stream", &stream)) return e;
+  if (auto e = read_bool(doc, "ignore_eos", &ignore_eos)) return e;
+  r.stream = stream.value_or(false);
+  r.ignore_eos = ignore_eos.value_or(false);
+  if (const json* so = field(doc, "stream_options")) {
+    if (!so->is_object()) return wrong_type("stream_options", "an object", *so);
+    if (!r.stream) return invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+    std::optional<bool> usage;
+    if (auto e = read_bool(*so, "include_usage", &usage)) {
+      e->param = "stream_options.include_usage";
+      return e;
+    }
+    r.include_usage = usage.value_or(false);
+  }
+  *out = std::move(r);
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+json usage_json(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+}
+
+json token_bytes(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+// Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
+json chat_logprobs(const ChoiceDelta& c) {
+  if (!c.want_logprobs) return nullptr;
+  json content = json::array();
+  for (const TokenLogprob& t : c.logprobs) {
+    json top = json::array();
+    for (const auto& [tok, lp] : t.top) top.push_back({{"token", tok}, {"logprob", lp}, {"bytes", token_bytes(tok)}});
+    content.push_back(
+        {{"token", t.token}, {"logprob", t.logprob}, {"bytes", token_bytes(t.token)}, {"top_logprobs", std::move(top)}});
+  }
+  return {{"content", std::move(content)}};
+}
+
+// Legacy completions: parallel arrays; top_logprobs maps token -> logprob per position.
+json completion_logprobs(const ChoiceDelta& c, size_t text_offset) {
+  if (!c.want_logprobs) return nullptr;
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  size_t off = text_offset;
+  for (const TokenLogprob& t : c.logprobs) {
+    tokens.push_back(t.token);
+    lps.push_back(t.logprob);
+    json top = json::object();
+    for (const auto& [tok, lp] : t.top) top[tok] = lp;
+    tops.push_back(std::move(top));
+    offsets.push_back(off);
+    off += t.token.size();
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(lps)},
+          {"top_logprobs", std::move(tops)},
+          {"text_offset", std::move(offsets)}};
+}
+
+json finish(const ChoiceDelta& c) { return c.finish_reason ? json(*c.finish_reason) : json(nullptr); }
+
+std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
+
+}  // namespace
+
+std::string chat_response(const ResponseMeta& m, const ChoiceDelta& c, const Usage& usage) {
+  json message = {{"role", "assistant"}, {"content", c.text}};
+  json choice = {{"index", 0}, {"message", std::move(message)}, {"logprobs", chat_logprobs(c)}, {"finish_reason", finish(c)}};
+  return dump({{"id", m.id},
+               {"object", "chat.completion"},
+               {"created", m.created},
+               {"model", m.model},
+               {"choices", json::array({std::move(choice)})},
+               {"usage", usage_json(usage)}});
+}
+
+std::string completion_response(const ResponseMeta& m, const ChoiceDelta& c, const Usage& usage) {
+  json choice = {{"index", 0}, {"text", c.text}, {"logprobs", completion_logprobs(c, 0)}, {"finish_reason", finish(c)}};
+  return dump({{"id", m.id},
+               {"object", "text_completion"},
+               {"created", m.created},
+               {"model", m.model},
+               {"choices", json::array({std::move(choice)})},
+               {"usage", usage_json(usage)}});
+}
+
+std::string chat_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool first, bool include_usage) {
+  json delta = json::object();
+  if (first) delta["role"] = "assistant";
+  if (first || !d.text.empty()) delta["content"] = d.text;
+  json choice = {{"index", 0}, {"delta", std::move(delta)}, {"logprobs", chat_logprobs(d)}, {"finish_reason", finish(d)}};
+  json j = {{"id", m.id},
+            {"object", "chat.completion.chunk"},
+            {"created", m.created},
+            {"model", m.model},
+            {"choices", json::array({std::move(choice)})}};
+  if (include_usage) j["usage"] = nullptr;
+  return sse(j);
+}
+
+std::string completion_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool include_usage) {
+  json choice = {{"index", 0}, {"text", d.text}, {"logprobs", completion_logprobs(d, 0)}, {"finish_reason", finish(d)}};
+  json j = {{"id", m.id},
+            {"object", "text_completion"},
+            {"created", m.created},
+            {"model", m.model},
+            {"choices", json::array({std::move(choice)})}};
+  if (include_usage) j["usage"] = nullptr;
+  return sse(j);
+}
+
+std::string usage_chunk(const ResponseMeta& m, Endpoint endpoint, const Usage& usage) {
+  return sse({{"id", m.id},
+              {"object", endpoint == Endpoint::kChat ? "chat.completion.chunk" : "text_completion"},
+              {"created", m.created},
+              {"model", m.model},
+              {"choices", json::array()},
+              {"usage", usage_json(usage)}});
+}
+
+std::string error_chunk(const ApiError& error) { return "data: " + error.to_json() + "\n\n"; }
+
+std::string models_response(const std::vector<std::string>& names, int64_t created, int64_t max_model_len) {
+  json data = json::array();
+  for (const std::string& n : names)
+    data.push_back(
+        {{"id", n}, {"object", "model"}, {"created", created}, {"owned_by", "moebius"}, {"max_model_len", max_model_len}});
+  return dump({{"object", "list"}, {"data", std::move(data)}});
+}
+
+}  // namespace moebius::server

@@ -1,0 +1,131 @@
+// The OpenAI HTTP API's JSON: requests of /v1/chat/completions and /v1/completions parsed and
+// validated into a plain struct, errors in OpenAI's shape, and the response bodies (whole and SSE
+// chunks). No model, tokenizer or socket here, so every error case is unit-tested and the parser
+// is fuzzed (fuzz/fuzz_openai_request.cpp) on its own.
+//
+// Errors are {"error": {"message", "type", "param", "code"}} with the HTTP status OpenAI uses:
+// 400 invalid_request_error (malformed JSON, wrong types, out-of-range values, invalid UTF-8,
+// a prompt plus max_tokens past the context), 401 (missing or wrong API key), 404 (unknown model
+// or route), 413 (body too large), 429 (queue full), 503 (engine down).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace moebius::server {
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // "" -> null
+  std::string code;   // "" -> null
+
+  std::string to_json() const;
+};
+
+ApiError invalid_request(std::string message, std::string param = "", std::string code = "");
+ApiError unauthorized();  // 401 invalid_api_key
+ApiError model_not_found(const std::string& model);
+ApiError body_too_large(size_t bytes, size_t limit);
+ApiError queue_full(size_t depth);
+ApiError not_found(const std::string& path);
+ApiError method_not_allowed(const std::string& method, const std::string& path);
+ApiError server_error(std::string message, int status = 500);
+// 400 context_length_exceeded, worded like vLLM's (clients match on it).
+ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context);
+
+enum class Endpoint { kChat, kCompletion };
+
+struct ApiLimits {
+  size_t max_body_bytes = 4u << 20;
+  std::vector<std::string> model_names;  // accepted values of "model"
+  int max_stop = 16;                     // stop strings per request
+  size_t max_stop_bytes = 256;           // per stop string: it bounds the streaming holdback
+  int max_top_logprobs = 20;             // chat's top_logprobs (completions: logprobs <= 5)
+  int max_json_depth = 64;               // nesting of arrays/objects in the body
+};
+
+struct GenerationRequest {
+  Endpoint endpoint = Endpoint::kCompletion;
+  std::string model;
+  // Chat: the messages array, each content normalized to a string (text parts joined). Ordered:
+  // a template's `tojson` prints keys in the request's order, as Python does.
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking (vLLM/SGLang)
+  // Completions: the prompt as text, or as token ids when prompt_is_ids.
+  std::string prompt;
+  std::vector<int32_t> prompt_ids;
+  bool prompt_is_ids = false;
+  std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens; unset: up to the context
+  std::vector<std::string> stop;
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<int> top_k;  // -1 (vLLM's "off") becomes 0
+  std::optional<float> min_p;
+  std::optional<uint64_t> seed;
+  // -1: no logprobs; k >= 0: the chosen token's logprob plus the k most likely alternatives.
+  int top_logprobs = -1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  bool ignore_eos = false;     // vLLM extension: generate max_tokens even past eos (benchmarks)
+};
+
+// Parses and validates a request body. On success fills *out and returns nullopt.
+std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
+                                      GenerationRequest* out);
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+};
+
+// One sampled token's logprob and its top alternatives (already decoded to text).
+struct TokenLogprob {
+  std::string token;  // the token's bytes, possibly part of a UTF-8 character
+  float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;
+};
+
+// What one response (or one SSE chunk) carries.
+struct ChoiceDelta {
+  std::string text;
+  std::vector<TokenLogprob> logprobs;
+  bool want_logprobs = false;        // emit "logprobs" (else null)
+  std::optional<std::string> finish_reason;  // "stop", "length"
+};
+
+struct ResponseMeta {
+  std::string id;  // "chatcmpl-..." / "cmpl-..."
+  std::string model;
+  int64_t created = 0;  // unix seconds
+};
+
+// Whole (non-streaming) response bodies.
+std::string chat_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage);
+std::string completion_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage);
+
+// One SSE event ("data: {...}\n\n"). Chat: `first` adds the assistant role to the delta.
+// include_usage: every chunk carries "usage": null, as OpenAI sends it.
+std::string chat_chunk(const ResponseMeta& meta, const ChoiceDelta& delta, bool first, bool include_usage);
+std::string completion_chunk(const ResponseMeta& meta, const ChoiceDelta& delta, bool include_usage);
+// The final usage chunk (empty choices) of a stream with include_usage.
+std::string usage_chunk(const ResponseMeta& meta, Endpoint endpoint, const Usage& usage);
+// An error inside a started stream, then [DONE] is still sent by the caller.
+std::string error_chunk(const ApiError& error);
+inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
+
+// /v1/models.
+std::string models_response(const std::vector<std::string>& names, int64_t created, int64_t max_model_len);
+
+}  // namespace moebius::server

@@ -1,0 +1,75 @@
+// The engine's view of a model: one forward step over a batch of sequences, whatever the backend.
+// The scheduler (engine.h) owns the sequences and the KV block accounting (a BlockAllocator over
+// num_blocks() blocks of block_size() tokens); a runner only computes.
+//
+//   cpu:  Qwen3MoeCpu, one KvCache per sequence (the CPU model runs one sequence per forward), so
+//         a step runs its sequences one after another. The block tables are only accounting here;
+//         release() frees the sequence's cache memory at once.
+//   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block
+//         tables are the scheduler's ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the
+//         runner's CUDA graphs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "model/qwen3_moe_config.h"
+
+namespace moebius::server {
+
+struct RunnerSeq {
+  int64_t id = 0;                        // stable for the sequence's life (a preempted one keeps it)
+  std::span<const int32_t> tokens;       // new tokens, at least one
+  int64_t start = 0;                     // tokens of this sequence already in the cache
+  std::span<const int32_t> block_table;  // covers start + tokens.size()
+  bool want_logits = false;              // the last new token's logits are wanted
+};
+
+struct RunnerLimits {
+  int block_size = 16;
+  int32_t num_blocks = 0;    // KV blocks in the pool
+  int max_context = 0;       // tokens per sequence
+  int max_step_tokens = 0;   // tokens per step (the prefill chunk)
+  int max_seqs = 0;          // sequences per step
+};
+
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  virtual const model::Qwen3MoeConfig& config() const = 0;
+  virtual const RunnerLimits& limits() const = 0;
+  virtual std::string describe() const = 0;  // a line for the startup log
+  // Runs one step. `logits` receives [R, V] fp32 for the R sequences with want_logits, in order.
+  // Errors leave every sequence's cache as it was before the step's tokens.
+  virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
+  // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it.
+  virtual void release(int64_t id) = 0;
+};
+
+struct RunnerOptions {
+  std::string model_dir;
+  std::string backend = "cpu";  // cpu or cuda
+  std::string experts;          // "" keeps the checkpoint's format; bf16, nvfp4, int4, int2
+  std::string load_format = "auto";  // cuda: "dummy" random weights (benchmarks)
+  int max_context = 0;          // 0: max_position_embeddings
+  int max_seqs = 64;
+  int max_step_tokens = 512;
+  int block_size = 16;
+  int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
+  std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
+};
+
+// Loads the model for `options.backend`. Errors name the offending flag.
+Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& options);
+
+// Backends (step_runner_cpu.cpp, step_runner_cuda.cpp).
+Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& options);
+#ifdef MOEBIUS_HAS_CUDA
+Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& options);
+#endif
+
+}  // namespace moebius::server

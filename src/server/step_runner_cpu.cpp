@@ -1,0 +1,99 @@
+// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence.
+#include <algorithm>
+#include <optional>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "model/generate.h"
+#include "model/qwen3_moe_cpu.h"
+#include "server/step_runner.h"
+
+namespace moebius::server {
+namespace {
+
+class CpuRunner final : public StepRunner {
+ public:
+  CpuRunner(model::Qwen3MoeCpu model, RunnerLimits limits) : model_(std::move(model)), limits_(limits) {}
+
+  const model::Qwen3MoeConfig& config() const override { return model_.config(); }
+  const RunnerLimits& limits() const override { return limits_; }
+  std::string describe() const override {
+    return fmt::format("cpu backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens",
+                       config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks,
+                       limits_.block_size);
+  }
+
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    logits.clear();
+    for (const RunnerSeq& s : seqs) {
+      auto it = caches_.find(s.id);
+      if (it == caches_.end())
+        it = caches_.emplace(s.id, model_.make_cache(limits_.max_context, limits_.block_size)).first;
+      model::KvCache& cache = it->second;
+      // A recomputed (preempted) sequence starts over from 0; anything else must continue where
+      // its cache ends. [TAG_SERVE_RECOMPUTE]
+      if (s.start == 0) cache.clear();
+      MOEBIUS_ASSERT(cache.position() == s.start, "sequence {} at {} steps from {}", s.id, cache.position(), s.start);
+      const int T = static_cast<int>(s.tokens.size());
+      scratch_.resize(static_cast<size_t>(T) * V);
+      MOEBIUS_TRY(model_.forward(s.tokens.data(), T, cache, scratch_.data()));
+      if (s.want_logits)
+        logits.insert(logits.end(), scratch_.end() - static_cast<std::ptrdiff_t>(V), scratch_.end());
+    }
+    return Ok{};
+  }
+
+  void release(int64_t id) override { caches_.erase(id); }
+
+ private:
+  model::Qwen3MoeCpu model_;
+  RunnerLimits limits_;
+  std::unordered_map<int64_t, model::KvCache> caches_;
+  std::vector<float> scratch_;  // [T, V] of the sequence being run
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
+  model::Qwen3MoeLoadOptions load;
+  load.experts_format = experts;
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.model_dir, load));
+  RunnerLimits l;
+  const int ctx = m.config().max_position_embeddings;
+  l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
+  l.block_size = o.block_size;
+  l.max_seqs = o.max_seqs;
+  l.max_step_tokens = o.max_step_tokens;
+  const int32_t per_seq = (l.max_context + l.block_size - 1) / l.block_size;
+  l.num_blocks = o.num_blocks > 0 ? o.num_blocks : per_seq * l.max_seqs;
+  return std::unique_ptr<StepRunner>(new CpuRunner(std::move(m), l));
+}
+
+Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
+  if (o.model_dir.empty()) return Error("is required").in_field("--model");
+  if (o.max_seqs < 1) return Error::format("must be >= 1, got {}", o.max_seqs).in_field("--max-running");
+  if (o.max_step_tokens < o.max_seqs)
+    return Error::format("must be >= --max-running ({}), got {}", o.max_seqs, o.max_step_tokens)
+        .in_field("--max-step-tokens");
+  if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
+  if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
+  if (o.load_format != "auto" && o.load_format != "dummy")
+    return Error::format("unknown load format '{}'; expected auto or dummy", o.load_format).in_field("--load-format");
+  if (o.backend == "cpu") {
+    if (o.load_format == "dummy") return Error("dummy weights need --backend cuda").in_field("--load-format");
+    return load_cpu_runner(o);
+  }
+  if (o.backend == "cuda") {
+#ifdef MOEBIUS_HAS_CUDA
+    return load_cuda_runner(o);
+#else
+    return Error("this build of moebius has no CUDA support").in_field("--backend");
+#endif
+  }
+  return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
+}
+
+}  // namespace moebius::server

@@ -1,0 +1,91 @@
+// The CUDA backend of StepRunner: Qwen3MoeCuda over one paged KV cache whose blocks the engine's
+// BlockAllocator hands out ([TAG_KV_CACHE_LAYOUT]). The runner keeps nothing per sequence: the
+// block table is the sequence's whole cache state, so release() has nothing to do.
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "model/generate.h"
+#include "model/qwen3_moe_cuda.h"
+#include "server/step_runner.h"
+
+namespace moebius::server {
+namespace {
+
+class CudaRunner final : public StepRunner {
+ public:
+  CudaRunner(std::unique_ptr<model::Qwen3MoeCuda> model, RunnerLimits limits)
+      : model_(std::move(model)), limits_(limits) {}
+
+  const model::Qwen3MoeConfig& config() const override { return model_->config(); }
+  const RunnerLimits& limits() const override { return limits_; }
+  std::string describe() const override {
+    return fmt::format("cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens\n{}",
+                       config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks,
+                       limits_.block_size, model::format_memory_plan(model_->memory_plan()));
+  }
+
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    steps_.clear();
+    for (const RunnerSeq& s : seqs) steps_.push_back(model::SequenceStep{s.tokens, s.start, s.block_table});
+    MOEBIUS_ASSIGN_OR_RETURN(model::StepBatch batch, model_->make_batch(steps_));
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    all_.resize(seqs.size() * V);  // one logit row per sequence: its last new token
+    MOEBIUS_TRY(model_->forward(batch, all_.data()));
+    logits.clear();
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (seqs[i].want_logits)
+        logits.insert(logits.end(), all_.begin() + static_cast<std::ptrdiff_t>(i * V),
+                      all_.begin() + static_cast<std::ptrdiff_t>((i + 1) * V));
+    return Ok{};
+  }
+
+  void release(int64_t) override {}
+
+ private:
+  std::unique_ptr<model::Qwen3MoeCuda> model_;
+  RunnerLimits limits_;
+  std::vector<model::SequenceStep> steps_;
+  std::vector<float> all_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::load_qwen3_moe_config(o.model_dir));
+  model::Qwen3MoeCudaOptions co;
+  co.experts_format = experts;
+  // A full-length context for every running sequence would not fit a real model's pool: default
+  // to 8192 tokens a sequence unless --max-context says otherwise.
+  const int64_t ctx = config.max_position_embeddings;
+  co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx) : std::min<int64_t>(ctx, 8192));
+  co.max_seqs = o.max_seqs;
+  co.max_tokens = o.max_step_tokens;
+  co.max_logit_rows = o.max_seqs;
+  co.block_size = o.block_size;
+  co.num_blocks = o.num_blocks;
+  co.graph_batches = o.graph_batches;
+  if (co.graph_batches.empty())
+    for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
+  std::unique_ptr<model::Qwen3MoeCuda> m;
+  if (o.load_format == "dummy") {
+    MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
+    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::create_dummy(config, kf, co));
+  } else {
+    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::load(o.model_dir, co));
+  }
+  RunnerLimits l;
+  l.block_size = m->block_size();
+  l.num_blocks = m->num_blocks();
+  l.max_context = m->max_context();
+  l.max_step_tokens = m->max_tokens();
+  l.max_seqs = m->max_seqs();
+  return std::unique_ptr<StepRunner>(new CudaRunner(std::move(m), l));
+}
+
+}  // namespace moebius::server
+
+#endif  // MOEBIUS_HAS_CUDA

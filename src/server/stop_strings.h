@@ -1,0 +1,39 @@
+// Stop strings over streamed text. Generated text arrives in pieces (one token's worth at a time)
+// and a stop string may be split across tokens ("<|" + "end|>"), so the matcher holds back the
+// tail that could still become a stop string and releases it only once it cannot. What it
+// returns never contains a stop string or anything after one, as OpenAI's "stop" specifies.
+//
+// Held-back text is always a prefix of some stop string, so it starts on a UTF-8 character
+// boundary when the input is valid UTF-8: the emitted text stays valid UTF-8.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moebius::server {
+
+class StopMatcher {
+ public:
+  StopMatcher() = default;
+  explicit StopMatcher(std::vector<std::string> stops);  // empty strings are ignored
+
+  struct Out {
+    std::string text;      // safe to emit now
+    bool stopped = false;  // a stop string completed; `text` ends right before it
+  };
+  // Adds the next piece of text. After a stop, further calls return nothing.
+  Out feed(std::string_view text);
+  // The end of generation without a stop: everything still held back.
+  std::string flush();
+
+  size_t held_bytes() const { return pending_.size(); }
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+}  // namespace moebius::server

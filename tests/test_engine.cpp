@@ -1,0 +1,228 @@
+// The continuous-batching engine (server/engine.h) on the CPU runner with the tiny Qwen3-MoE
+// fixture: every request's tokens equal the one-sequence generate loop's, whatever else runs in
+// the same steps (chunked prefill mixed with decode, preemption with recompute), cancel frees
+// KV, the queue bound holds, stop strings cut the text.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "model/generate.h"
+#include "server/engine.h"
+#include "test_util.h"
+#include "tiny_fixture.h"
+
+namespace moebius::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+const tokenizer::BpeTokenizer& tiny_tokenizer() {
+  static tokenizer::BpeTokenizer* tok = [] {
+    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
+    EXPECT_TRUE(t.ok()) << t.error().what();
+    return new tokenizer::BpeTokenizer(std::move(t).value());
+  }();
+  return *tok;
+}
+
+// The one-sequence reference: model::generate, greedy, no eos.
+std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_tokens) {
+  static model::Qwen3MoeCpu* m = [] {
+    auto r = model::Qwen3MoeCpu::load(testing::tiny_fixture_dir());
+    EXPECT_TRUE(r.ok()) << r.error().what();
+    return new model::Qwen3MoeCpu(std::move(r).value());
+  }();
+  auto sampler = model::Sampler::create(model::SamplerParams{.temperature = 0.0f});
+  auto stats = model::generate(*m, prompt, max_tokens, *sampler, {}, nullptr);
+  EXPECT_TRUE(stats.ok()) << stats.error().what();
+  return stats->generated;
+}
+
+std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
+                                    int max_queue = 256) {
+  RunnerOptions o;
+  o.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = max_seqs;
+  o.max_step_tokens = max_step_tokens;
+  o.num_blocks = num_blocks;
+  o.block_size = block_size;
+  auto runner = load_runner(o);
+  EXPECT_TRUE(runner.ok()) << runner.error().what();
+  return std::make_unique<Engine>(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{max_queue, {}});
+}
+
+EngineRequest greedy(const std::vector<int32_t>& prompt, int max_tokens) {
+  EngineRequest r;
+  r.prompt = prompt;
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0.0f;
+  r.top_logprobs = 0;  // so the update carries the ids
+  return r;
+}
+
+RequestUpdate drain(RequestStream& s) {
+  RequestUpdate u;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!u.finished && std::chrono::steady_clock::now() < deadline) s.take(&u, 100ms);
+  EXPECT_TRUE(u.finished);
+  return u;
+}
+
+std::vector<int32_t> ids_of(const RequestUpdate& u) {
+  std::vector<int32_t> ids;
+  for (const GeneratedToken& t : u.tokens) ids.push_back(t.id);
+  return ids;
+}
+
+std::vector<int32_t> prompt_for(int i) {
+  std::vector<int32_t> p;
+  for (int k = 0; k < 3 + (i * 7) % 17; ++k) p.push_back((i * 31 + k * 13) % 500 + 5);
+  return p;
+}
+
+void wait_for_idle(Engine& e) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while ((e.metrics().running.load() > 0 || e.metrics().kv_blocks_used.load() > 0) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+}
+
+TEST(Engine, OneRequestMatchesGenerate) {
+  auto engine = make_engine(4, 64);
+  const auto prompt = prompt_for(3);
+  Submitted s = engine->submit(greedy(prompt, 12));
+  ASSERT_TRUE(s.stream);
+  RequestUpdate u = drain(*s.stream);
+  EXPECT_EQ(u.error, "");
+  EXPECT_EQ(u.finish_reason, "length");
+  EXPECT_EQ(ids_of(u), reference_ids(prompt, 12));
+  EXPECT_EQ(u.prompt_tokens, static_cast<int64_t>(prompt.size()));
+  EXPECT_EQ(u.completion_tokens, 12);
+  for (const GeneratedToken& t : u.tokens) EXPECT_LE(t.logprob, 0.0f);
+}
+
+// Chunked prefill (8-token budget) mixed with decodes, 3 sequences a step, 10 requests at once.
+TEST(Engine, ConcurrentRequestsMatchSolo) {
+  auto engine = make_engine(3, 8);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 10; ++i) {
+    Submitted s = engine->submit(greedy(prompt_for(i), 4 + i));
+    ASSERT_TRUE(s.stream);
+    streams.push_back(s.stream);
+  }
+  for (int i = 0; i < 10; ++i) {
+    RequestUpdate u = drain(*streams[static_cast<size_t>(i)]);
+    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), 4 + i)) << "request " << i;
+  }
+  wait_for_idle(*engine);
+  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+}
+
+// A pool of 12 blocks of 4 tokens (48 tokens) for 6 requests of up to 40 tokens each: running
+// sequences must be preempted and recomputed, and still give the solo tokens.
+TEST(Engine, PreemptionRecomputesExactly) {
+  auto engine = make_engine(6, 64, 12, 4);
+  EXPECT_EQ(engine->max_context(), 48);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 6; ++i) streams.push_back(engine->submit(greedy(prompt_for(i), 20)).stream);
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(streams[static_cast<size_t>(i)]);
+    RequestUpdate u = drain(*streams[static_cast<size_t>(i)]);
+    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), 20)) << "request " << i;
+  }
+  EXPECT_GT(engine->metrics().preemptions_total.load(), 0);
+  wait_for_idle(*engine);
+  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+}
+
+TEST(Engine, CancelFreesKv) {
+  auto engine = make_engine(2, 64);
+  Submitted s = engine->submit(greedy(prompt_for(1), 200));
+  ASSERT_TRUE(s.stream);
+  RequestUpdate u;
+  while (u.tokens.empty()) s.stream->take(&u, 100ms);
+  EXPECT_GT(engine->metrics().kv_blocks_used.load(), 0);
+  s.stream->cancel();
+  wait_for_idle(*engine);
+  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+  EXPECT_EQ(engine->metrics().running.load(), 0);
+  EXPECT_EQ(engine->metrics().requests_cancelled_total.load(), 1);
+  // The engine keeps serving.
+  RequestUpdate v = drain(*engine->submit(greedy(prompt_for(2), 3)).stream);
+  EXPECT_EQ(ids_of(v), reference_ids(prompt_for(2), 3));
+}
+
+TEST(Engine, BoundedQueue) {
+  auto engine = make_engine(1, 64, 0, 16, 2);
+  std::vector<Submitted> subs;
+  for (int i = 0; i < 5; ++i) subs.push_back(engine->submit(greedy(prompt_for(i), 30)));
+  // One may run; at most two wait; the rest are refused.
+  int refused = 0;
+  for (const Submitted& s : subs) refused += s.queue_full ? 1 : 0;
+  EXPECT_GE(refused, 2);
+  EXPECT_TRUE(subs.back().queue_full);
+  EXPECT_GE(engine->metrics().requests_rejected_total.load(), 2);
+  for (Submitted& s : subs)
+    if (s.stream) {
+      EXPECT_EQ(drain(*s.stream).finish_reason, "length");
+    }
+}
+
+TEST(Engine, RefusesWhatCannotFit) {
+  auto engine = make_engine(2, 64);
+  EXPECT_FALSE(engine->submit(greedy({}, 3)).stream);
+  EXPECT_FALSE(engine->submit(greedy({1, 2}, 255)).stream);  // 257 > context 256
+  EXPECT_FALSE(engine->submit(greedy({600}, 3)).stream);     // outside the vocabulary
+  EngineRequest bad = greedy({1}, 2);
+  bad.sampling.top_p = 0.0f;
+  EXPECT_FALSE(engine->submit(bad).stream);
+}
+
+TEST(Engine, StopStringCutsText) {
+  auto engine = make_engine(2, 64);
+  const auto prompt = prompt_for(5);
+  EngineRequest r = greedy(prompt, 40);
+  r.top_logprobs = -1;
+  const std::string full = drain(*engine->submit(r).stream).text;
+  ASSERT_GE(full.size(), 6u) << "the fixture's greedy text is too short for this test";
+  // A stop string from the middle of the text: the output is what precedes its first occurrence.
+  const std::string stop = full.substr(full.size() / 2, 2);
+  r.stop = {stop};
+  RequestUpdate u = drain(*engine->submit(r).stream);
+  EXPECT_EQ(u.text, full.substr(0, full.find(stop)));
+  EXPECT_EQ(u.finish_reason, "stop");
+}
+
+TEST(Engine, SeededSamplingIsReproducible) {
+  auto engine = make_engine(4, 64);
+  EngineRequest r = greedy(prompt_for(4), 16);
+  r.sampling.temperature = 1.0f;
+  r.sampling.seed = 7;
+  auto a = engine->submit(r).stream, b = engine->submit(r).stream;
+  r.sampling.seed = 8;
+  auto c = engine->submit(r).stream;
+  const auto ia = ids_of(drain(*a)), ib = ids_of(drain(*b)), ic = ids_of(drain(*c));
+  EXPECT_EQ(ia, ib);
+  EXPECT_NE(ia, ic);
+}
+
+TEST(Engine, EosStops) {
+  // The first greedy token is made an eos id: the request stops at once with no completion.
+  const auto prompt = prompt_for(6);
+  const int32_t first = reference_ids(prompt, 1)[0];
+  RunnerOptions o;
+  o.model_dir = testing::tiny_fixture_dir();
+  auto runner = load_runner(o);
+  ASSERT_TRUE(runner.ok());
+  Engine engine(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{8, {first}});
+  RequestUpdate u = drain(*engine.submit(greedy(prompt, 5)).stream);
+  EXPECT_EQ(u.finish_reason, "stop");
+  EXPECT_EQ(u.completion_tokens, 0);
+  EngineRequest ig = greedy(prompt, 5);
+  ig.ignore_eos = true;
+  EXPECT_EQ(drain(*engine.submit(ig).stream).completion_tokens, 5);
+}
+
+}  // namespace
+}  // namespace moebius::server

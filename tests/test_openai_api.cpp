@@ -1,0 +1,313 @@
+// The OpenAI request parser and response builders (server/openai_api.h): every error case with
+// its HTTP status, type, param and code, and the shapes of the responses.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "server/openai_api.h"
+
+namespace moebius::server {
+namespace {
+
+using json = nlohmann::json;
+
+ApiLimits limits() {
+  ApiLimits l;
+  l.model_names = {"tiny"};
+  l.max_body_bytes = 4096;
+  return l;
+}
+
+std::optional<ApiError> parse(Endpoint e, const std::string& body, GenerationRequest* out = nullptr) {
+  GenerationRequest r;
+  return parse_request(e, body, limits(), out ? out : &r);
+}
+
+std::optional<ApiError> chat(const json& body) { return parse(Endpoint::kChat, body.dump()); }
+std::optional<ApiError> completion(const json& body) { return parse(Endpoint::kCompletion, body.dump()); }
+
+json chat_body() { return {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}}; }
+json completion_body() { return {{"model", "tiny"}, {"prompt", "once upon"}}; }
+
+// The error is a 400 naming `param`.
+void expect_400(const std::optional<ApiError>& e, const std::string& param, const std::string& code = "") {
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->status, 400) << e->message;
+  EXPECT_EQ(e->type, "invalid_request_error");
+  EXPECT_EQ(e->param, param) << e->message;
+  if (!code.empty()) {
+    EXPECT_EQ(e->code, code);
+  }
+  EXPECT_FALSE(e->message.empty());
+}
+
+TEST(OpenAiApi, ValidChatRequest) {
+  json b = chat_body();
+  b["max_tokens"] = 7;
+  b["stop"] = "\n";
+  b["temperature"] = 0.5;
+  b["top_p"] = 0.9;
+  b["top_k"] = 20;
+  b["min_p"] = 0.05;
+  b["seed"] = 42;
+  b["logprobs"] = true;
+  b["top_logprobs"] = 3;
+  b["stream"] = true;
+  b["stream_options"] = {{"include_usage", true}};
+  b["n"] = 1;
+  b["chat_template_kwargs"] = {{"enable_thinking", false}};
+  b["presence_penalty"] = 0;  // unknown and unsupported fields are ignored, as vLLM does
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.endpoint, Endpoint::kChat);
+  EXPECT_EQ(r.model, "tiny");
+  EXPECT_EQ(r.messages.size(), 1u);
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_EQ(r.stop, std::vector<std::string>{"\n"});
+  EXPECT_FLOAT_EQ(*r.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(*r.top_p, 0.9f);
+  EXPECT_EQ(*r.top_k, 20);
+  EXPECT_FLOAT_EQ(*r.min_p, 0.05f);
+  EXPECT_EQ(*r.seed, 42u);
+  EXPECT_EQ(r.top_logprobs, 3);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+  EXPECT_EQ(r.enable_thinking, false);
+}
+
+TEST(OpenAiApi, ValidCompletionRequestForms) {
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kCompletion, completion_body().dump(), &r).has_value());
+  EXPECT_EQ(r.prompt, "once upon");
+  EXPECT_FALSE(r.prompt_is_ids);
+  EXPECT_EQ(r.top_logprobs, -1);
+  EXPECT_FALSE(r.max_tokens.has_value());
+  json b = completion_body();
+  b["prompt"] = {1, 2, 3};
+  b["logprobs"] = 2;
+  b["stop"] = {"a", "b"};
+  b["max_completion_tokens"] = 4;
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_TRUE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(r.top_logprobs, 2);
+  EXPECT_EQ(r.stop.size(), 2u);
+  EXPECT_EQ(r.max_tokens, 4);
+  b["prompt"] = {"one prompt"};
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.prompt, "one prompt");
+  b["prompt"] = json::array({json::array({5, 6})});
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{5, 6}));
+  b["top_k"] = -1;  // vLLM's "off"
+  b["max_tokens"] = 3.0;  // integral floats are integers
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(*r.top_k, 0);
+}
+
+TEST(OpenAiApi, ContentPartsAreJoined) {
+  json b = chat_body();
+  b["messages"] = {{{"role", "system"}, {"content", nullptr}},
+                   {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}}};
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.messages[0]["content"], "");
+  EXPECT_EQ(r.messages[1]["content"], "ab");
+}
+
+TEST(OpenAiApi, MalformedJson) {
+  // 1e999: nlohmann reports the overflow as out_of_range, not parse_error (found by fuzzing).
+  for (const char* body : {"", "{", "{\"model\": }", "nul", "{\"a\":1}}", "[1,2", "{\"model\":\"tiny\",\"seed\":1e999}"}) {
+    auto e = parse(Endpoint::kChat, body);
+    expect_400(e, "", "invalid_json");
+  }
+}
+
+TEST(OpenAiApi, BodyNotAnObject) {
+  for (const char* body : {"[]", "1", "\"x\"", "null"}) expect_400(parse(Endpoint::kCompletion, body), "");
+}
+
+TEST(OpenAiApi, InvalidUtf8) {
+  const std::string body = "{\"model\":\"tiny\",\"prompt\":\"a\xff\xfe\"}";
+  expect_400(parse(Endpoint::kCompletion, body), "", "invalid_utf8");
+  expect_400(parse(Endpoint::kCompletion, "{\"model\":\"tiny\",\"prompt\":\"\xC3\"}"), "", "invalid_utf8");
+}
+
+TEST(OpenAiApi, OversizedBody) {
+  const std::string body = "{\"model\":\"tiny\",\"prompt\":\"" + std::string(5000, 'a') + "\"}";
+  auto e = parse(Endpoint::kCompletion, body);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->status, 413);
+}
+
+TEST(OpenAiApi, TooDeep) {
+  std::string body = "{\"model\":\"tiny\",\"prompt\":\"x\",\"junk\":" + std::string(100, '[') + std::string(100, ']') + "}";
+  expect_400(parse(Endpoint::kCompletion, body), "");
+}
+
+TEST(OpenAiApi, UnknownOrMissingModel) {
+  json b = completion_body();
+  b["model"] = "gpt-4";
+  auto e = completion(b);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->status, 404);
+  EXPECT_EQ(e->code, "model_not_found");
+  EXPECT_EQ(e->param, "model");
+  b.erase("model");
+  expect_400(completion(b), "model");
+  b["model"] = 3;
+  expect_400(completion(b), "model");
+}
+
+TEST(OpenAiApi, WrongTypes) {
+  const std::vector<std::pair<const char*, json>> cases = {
+      {"max_tokens", "10"},      {"max_tokens", true},   {"max_tokens", 1.5},  {"temperature", "hot"},
+      {"top_p", json::array()},  {"top_k", 2.5},         {"min_p", "x"},       {"seed", "7"},
+      {"stream", 1},             {"stop", 5},            {"stop", {1, 2}},     {"n", "1"},
+      {"stream_options", 1},     {"max_completion_tokens", "3"},
+  };
+  for (const auto& [key, value] : cases) {
+    json b = completion_body();
+    b[key] = value;
+    if (std::string(key) == "stream_options") b["stream"] = true;
+    expect_400(completion(b), key);
+  }
+  json b = chat_body();
+  b["logprobs"] = 3;  // chat: a boolean
+  expect_400(chat(b), "logprobs");
+  b = completion_body();
+  b["logprobs"] = true;  // completions: an integer
+  expect_400(completion(b), "logprobs");
+}
+
+TEST(OpenAiApi, OutOfRange) {
+  const std::vector<std::pair<const char*, json>> cases = {
+      {"max_tokens", 0},   {"max_tokens", -5}, {"temperature", -0.1}, {"temperature", 2.5}, {"top_p", 0},
+      {"top_p", 1.01},     {"top_k", -2},      {"min_p", 1.0},        {"min_p", -0.5},     {"n", 2},
+      {"logprobs", 6},
+  };
+  for (const auto& [key, value] : cases) {
+    json b = completion_body();
+    b[key] = value;
+    expect_400(completion(b), key);
+  }
+  json b = chat_body();
+  b["logprobs"] = true;
+  b["top_logprobs"] = 21;
+  expect_400(chat(b), "top_logprobs");
+  b["logprobs"] = false;
+  b["top_logprobs"] = 2;
+  expect_400(chat(b), "top_logprobs");
+}
+
+TEST(OpenAiApi, StopLimits) {
+  json b = completion_body();
+  b["stop"] = json::array();
+  for (int i = 0; i < 17; ++i) b["stop"].push_back("s" + std::to_string(i));
+  expect_400(completion(b), "stop");
+  b["stop"] = std::string(300, 'x');
+  expect_400(completion(b), "stop");
+}
+
+TEST(OpenAiApi, StreamOptionsNeedStream) {
+  json b = completion_body();
+  b["stream_options"] = {{"include_usage", true}};
+  expect_400(completion(b), "stream_options");
+  b["stream"] = true;
+  b["stream_options"] = {{"include_usage", "yes"}};
+  expect_400(completion(b), "stream_options.include_usage");
+}
+
+TEST(OpenAiApi, BadMessages) {
+  const std::vector<std::pair<json, std::string>> cases = {
+      {nullptr, "messages"},
+      {"hi", "messages"},
+      {json::array(), "messages"},
+      {{1}, "messages[0]"},
+      {{{{"content", "x"}}}, "messages[0].role"},
+      {{{{"role", 1}, {"content", "x"}}}, "messages[0].role"},
+      {{{{"role", "wizard"}, {"content", "x"}}}, "messages[0].role"},
+      {{{{"role", "user"}, {"content", 5}}}, "messages[0].content"},
+      {{{{"role", "user"}, {"content", {{{"type", "image_url"}}}}}}, "messages[0].content"},
+      {{{{"role", "user"}, {"content", {{{"type", "text"}}}}}}, "messages[0].content"},
+  };
+  for (const auto& [messages, param] : cases) {
+    json b = chat_body();
+    if (messages.is_null()) b.erase("messages");
+    else b["messages"] = messages;
+    expect_400(chat(b), param);
+  }
+  json b = chat_body();
+  b["chat_template_kwargs"] = {{"enable_thinking", "no"}};
+  expect_400(chat(b), "chat_template_kwargs.enable_thinking");
+}
+
+TEST(OpenAiApi, BadPrompts) {
+  const std::vector<json> cases = {nullptr, 5, "", json::array(), {"a", "b"}, {-1}, {1.5}, {{1}, {2}}, {{"a"}}};
+  for (const json& p : cases) {
+    json b = completion_body();
+    if (p.is_null()) b.erase("prompt");
+    else b["prompt"] = p;
+    expect_400(completion(b), "prompt");
+  }
+}
+
+TEST(OpenAiApi, ErrorShape) {
+  const json e = json::parse(invalid_request("bad", "max_tokens", "c").to_json());
+  ASSERT_TRUE(e.contains("error"));
+  EXPECT_EQ(e["error"]["message"], "bad");
+  EXPECT_EQ(e["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(e["error"]["param"], "max_tokens");
+  EXPECT_EQ(e["error"]["code"], "c");
+  const json n = json::parse(invalid_request("bad").to_json());
+  EXPECT_TRUE(n["error"]["param"].is_null());
+  EXPECT_TRUE(n["error"]["code"].is_null());
+  EXPECT_EQ(unauthorized().status, 401);
+  EXPECT_EQ(unauthorized().code, "invalid_api_key");
+  EXPECT_EQ(queue_full(3).status, 429);
+  const ApiError c = context_exceeded(200, 100, 256);
+  EXPECT_EQ(c.status, 400);
+  EXPECT_EQ(c.code, "context_length_exceeded");
+  EXPECT_NE(c.message.find("maximum context length is 256"), std::string::npos);
+}
+
+TEST(OpenAiApi, ResponseShapes) {
+  ResponseMeta m{"chatcmpl-1", "tiny", 1700000000};
+  ChoiceDelta c;
+  c.text = "hello";
+  c.finish_reason = "stop";
+  c.want_logprobs = true;
+  c.logprobs.push_back(TokenLogprob{"he", -0.5f, {{"he", -0.5f}, {"ha", -1.5f}}});
+  const json r = json::parse(chat_response(m, c, Usage{3, 2}));
+  EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "hello");
+  EXPECT_EQ(r["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["token"], "he");
+  EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(r["usage"]["total_tokens"], 5);
+  const json cr = json::parse(completion_response(m, c, Usage{3, 2}));
+  EXPECT_EQ(cr["object"], "text_completion");
+  EXPECT_EQ(cr["choices"][0]["text"], "hello");
+  EXPECT_EQ(cr["choices"][0]["logprobs"]["tokens"][0], "he");
+  EXPECT_FLOAT_EQ(cr["choices"][0]["logprobs"]["top_logprobs"][0]["ha"].get<float>(), -1.5f);
+
+  const std::string chunk = chat_chunk(m, ChoiceDelta{"x", {}, false, std::nullopt}, true, true);
+  ASSERT_EQ(chunk.rfind("data: ", 0), 0u);
+  ASSERT_EQ(chunk.substr(chunk.size() - 2), "\n\n");
+  const json cj = json::parse(chunk.substr(6));
+  EXPECT_EQ(cj["object"], "chat.completion.chunk");
+  EXPECT_EQ(cj["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(cj["choices"][0]["delta"]["content"], "x");
+  EXPECT_TRUE(cj["choices"][0]["finish_reason"].is_null());
+  EXPECT_TRUE(cj.contains("usage") && cj["usage"].is_null());
+  const json u = json::parse(usage_chunk(m, Endpoint::kChat, Usage{4, 6}).substr(6));
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["completion_tokens"], 6);
+  // A token's bytes may end mid-character: replaced, never thrown.
+  c.logprobs[0].token = "\xE4\xB8";
+  EXPECT_NO_THROW(json::parse(chat_response(m, c, Usage{})));
+}
+
+}  // namespace
+}  // namespace moebius::server
