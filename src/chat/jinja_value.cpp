@@ -287,12 +287,26 @@ std::string format_float(double d) {
   const int decpt = exp + 1;  // digits d1 d2 ... with the point after decpt of them
   const int n = static_cast<int>(digits.size());
   if (decpt > -4 && decpt <= 16) {  // Python's repr switches to exponents outside this range
-    if (decpt <= 0) out += "0." + std::string(static_cast<size_t>(-decpt), '0') + digits;
-    else if (decpt >= n) out += digits + std::string(static_cast<size_t>(decpt - n), '0') + ".0";
-    else out += digits.substr(0, static_cast<size_t>(decpt)) + "." + digits.substr(static_cast<size_t>(decpt));
+    // Appends rather than "literal" + std::string: gcc 12 at -O3 reports a false -Wrestrict there.
+    if (decpt <= 0) {
+      out += "0.";
+      out.append(static_cast<size_t>(-decpt), '0');
+      out += digits;
+    } else if (decpt >= n) {
+      out += digits;
+      out.append(static_cast<size_t>(decpt - n), '0');
+      out += ".0";
+    } else {
+      out.append(digits, 0, static_cast<size_t>(decpt));
+      out += '.';
+      out.append(digits, static_cast<size_t>(decpt));
+    }
   } else {
     out += digits.substr(0, 1);
-    if (n > 1) out += "." + digits.substr(1);
+    if (n > 1) {
+      out += '.';
+      out.append(digits, 1);
+    }
     char ebuf[16];
     std::snprintf(ebuf, sizeof ebuf, "e%c%02d", exp < 0 ? '-' : '+', exp < 0 ? -exp : exp);
     out += ebuf;

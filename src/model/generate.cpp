@@ -194,13 +194,14 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   // Everything a flag can get wrong is checked before the (slow) model load.
   if (o.backend != "cpu" && o.backend != "cuda")
     return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
-#ifndef MOEBIUS_HAS_CUDA
-  if (o.backend == "cuda") return Error("this build of moebius has no CUDA support").in_field("--backend");
-#endif
   if (o.load_format != "auto" && o.load_format != "dummy")
     return Error::format("unknown load format '{}'; expected auto or dummy", o.load_format).in_field("--load-format");
   if (o.load_format == "dummy" && o.backend != "cuda")
     return Error("dummy weights need --backend cuda").in_field("--load-format");
+  // After the flag values themselves, so a malformed flag is named the same way in every build.
+#ifndef MOEBIUS_HAS_CUDA
+  if (o.backend == "cuda") return Error("this build of moebius has no CUDA support").in_field("--backend");
+#endif
   if (o.model_dir.empty()) return Error("is required").in_field("--model");
   if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
   if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
