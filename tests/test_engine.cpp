@@ -142,6 +142,11 @@ TEST(Engine, CancelFreesKv) {
   ASSERT_TRUE(s.stream);
   RequestUpdate u;
   while (u.tokens.empty()) s.stream->take(&u, 100ms);
+  // The gauges are refreshed once per engine step, and the first token can arrive before the
+  // step that publishes this sequence's blocks (seen on a loaded CI machine): wait for it.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (engine->metrics().kv_blocks_used.load() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
   EXPECT_GT(engine->metrics().kv_blocks_used.load(), 0);
   s.stream->cancel();
   wait_for_idle(*engine);
