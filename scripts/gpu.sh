@@ -41,7 +41,7 @@ ldd "$BUILD/moebius" "$BUILD/tests/moebius_gpu_tests" 2>&1 | sort -u | tee "$OUT
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
 probes() {  # the dev/cuda hardware probes that answer open questions in docs/PERF.md
-  for p in probe_pdl_graph probe_decode_stream; do
+  for p in probe_pdl_graph probe_decode_stream probe_route_decode; do
     [ -x "$BUILD/dev_$p" ] && { echo "== $p"; "$BUILD/dev_$p" || return 1; }
   done
   return 0
@@ -62,13 +62,28 @@ bench_cuda() {
   done
 }
 step bench-moe-cuda bench_cuda
-# Hardware counters for the decode GEMMs (MOEBIUS_NCU=1): where the T=1 time goes. ncu works on
-# the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone.
+# Hardware counters for the decode kernels (MOEBIUS_NCU=1): where the T=1 time goes. ncu works on
+# the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone. The full
+# set includes the per-instruction warp-state samples; tools/ncu_hot_sass.py prints the hottest
+# SASS lines of each kernel from the source page.
+ncu_decode() {
+  local rep="$OUT/ncu_decode"
+  ncu --clock-control none --kernel-name regex:"moe_route_small|moe_gemm_kernel" --launch-skip 30 --launch-count 3 \
+    --set full -f -o "$rep" "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
+    --tokens 1 --iters 2 >/dev/null || return 1
+  ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+    --section Occupancy --section LaunchStats || return 1
+  ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.sass.csv" || return 1
+  python3 tools/ncu_hot_sass.py "$rep.sass.csv" 40
+  rm -f "$rep.ncu-rep" "$rep.sass.csv"
+  # The SASS of the T=1 GEMM1 (nvfp4, one token tile, staged activations) for reading the k-loop.
+  if command -v cuobjdump >/dev/null; then
+    cuobjdump -sass "$BUILD/moebius" | awk '/Function : .*moe_gemm_kernelILNS0_15MoeWeightFormatE1ELi1ELNS0_10moe_detail8EpilogueE0ELb0ELb1E/ {p = 1; print; next}
+      p && /Function :/ {exit} p {print}' > "$OUT/sass-gemm1-nvfp4.log"
+  fi
+}
 if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-  step ncu-decode ncu --clock-control none --kernel-name regex:moe_ --launch-skip 40 --launch-count 6 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
-    --tokens 1 --iters 2
+  step ncu-decode ncu_decode
 fi
 
 # Per-kernel device time of whole-model decode steps (MOEBIUS_NCU_MODEL=1): which kernels the
@@ -143,6 +158,7 @@ cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/bench-attention.log"
 cat "$OUT/probes.log"
+[ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"
 cat "$OUT/generate-tiny-cuda.log"
 cat "$OUT/eval-logprobs-tiny-cuda.log"
 cat "$OUT/bench-generate.log"
