@@ -68,6 +68,12 @@
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
 
+// Phase timestamps of the fused small-batch routing, for dev/cuda/probe_route_decode.cu, which
+// compiles this file with its own definition; nothing otherwise.
+#ifndef MOEBIUS_ROUTE_PHASE_STAMP
+#define MOEBIUS_ROUTE_PHASE_STAMP(i) ((void)0)
+#endif
+
 namespace moebius::kernels {
 namespace {
 
@@ -136,16 +142,17 @@ __device__ __forceinline__ void take_entry(uint32_t& eligible, int entry, int la
 // fp32 exp as the oracle's glibc expf gives it (see the header comment): fp64 exp, rounded once.
 __device__ __forceinline__ float exp_f32(float x) { return __double2float_rn(exp(static_cast<double>(x))); }
 
-// The top-k of one token, computed by one warp: lane j < k ends with winner j's id and weight.
+// The scores of one token, computed by one warp: key[i] (what the top-k ranks) and weight[i]
+// (what a chosen expert contributes before renormalisation and scaling) of entry i*32 + lane;
+// returns the eligibility mask (bit i: entry i*32 + lane exists and may be chosen).
 //   row     [E] the token's logits (global or shared memory)
 //   choice  [VPT*32] fp32 and kept [VPT*32] bytes: this warp's shared-memory scratch, used by
 //           group-limited routing only.
 template <int VPT, typename InT>
-__device__ __forceinline__ void route_one_token(const InT* __restrict__ row, const float* __restrict__ correction_bias,
-                                                const RouteParams& params, float* choice, unsigned char* kept, int lane,
-                                                int& my_id, float& my_weight) {
+__device__ __forceinline__ uint32_t token_scores(const InT* __restrict__ row, const float* __restrict__ correction_bias,
+                                                 const RouteParams& params, float* choice, unsigned char* kept,
+                                                 int lane, float (&key)[VPT], float (&weight)[VPT]) {
   const int E = params.num_experts;
-  const int k = params.top_k;
 
   float x[VPT];
   uint32_t valid = 0;  // bit i: entry i*32 + lane < E
@@ -159,8 +166,6 @@ __device__ __forceinline__ void route_one_token(const InT* __restrict__ row, con
     }
   }
 
-  float key[VPT];     // what the top-k ranks
-  float weight[VPT];  // what a chosen expert contributes (before renormalisation and scaling)
   uint32_t eligible = valid;
 
   if (params.scoring == RouteScoring::kSoftmax) {
@@ -252,6 +257,28 @@ __device__ __forceinline__ void route_one_token(const InT* __restrict__ row, con
     }
   }
 
+  return eligible;
+}
+
+// The final weight of a chosen expert from its raw weight and the fp64 sum of the k raw weights
+// in slot order (the oracle's renormalisation: w / (sum + 1e-20)), then the sigmoid scaling.
+__device__ __forceinline__ float finish_weight(float raw, double slot_sum, const RouteParams& params) {
+  float w = raw;
+  if (params.renormalize) w = __double2float_rn(__ddiv_rn(static_cast<double>(raw), __dadd_rn(slot_sum, 1e-20)));
+  if (params.scoring == RouteScoring::kSigmoid) w = __fmul_rn(w, params.routed_scaling_factor);
+  return w;
+}
+
+// The top-k of one token, computed by one warp: lane j < k ends with winner j's id and weight.
+// Arguments as token_scores.
+template <int VPT, typename InT>
+__device__ __forceinline__ void route_one_token(const InT* __restrict__ row, const float* __restrict__ correction_bias,
+                                                const RouteParams& params, float* choice, unsigned char* kept, int lane,
+                                                int& my_id, float& my_weight) {
+  const int k = params.top_k;
+  float key[VPT], weight[VPT];
+  uint32_t eligible = token_scores<VPT>(row, correction_bias, params, choice, kept, lane, key, weight);
+
   // k rounds of argmax; winner r is kept by lane r.
   my_id = 0;
   my_weight = 0.0f;
@@ -265,15 +292,10 @@ __device__ __forceinline__ void route_one_token(const InT* __restrict__ row, con
       my_weight = w;
     }
   }
-
-  if (params.renormalize) {
-    // The oracle sums the k weights in fp64 in slot order and divides by (sum + 1e-20).
-    double s = 0.0;
+  double s = 0.0;
+  if (params.renormalize)
     for (int j = 0; j < k; ++j) s = __dadd_rn(s, static_cast<double>(__shfl_sync(kFullMask, my_weight, j)));
-    my_weight = __double2float_rn(__ddiv_rn(static_cast<double>(my_weight), __dadd_rn(s, 1e-20)));
-  }
-  if (params.scoring == RouteScoring::kSigmoid) my_weight = __fmul_rn(my_weight, params.routed_scaling_factor);
-
+  my_weight = finish_weight(my_weight, s, params);
 }
 
 template <int VPT, typename InT>
@@ -562,57 +584,70 @@ __global__ void __launch_bounds__(kScatterThreads)
 constexpr int kRouterTokens = 8;
 constexpr int kRouterWarps = 8;
 
-// Lane partial sums acc[j] = sum over this lane's h of W[e][h] * x[t0 + j][h], j < nt <= 8. Each
-// lane takes 8 consecutive h per step (one 16-byte load of the expert row, reused for the 8
-// tokens), so a 2048-wide row is 8 steps; unrolled by 4 so the loads of several steps are in
-// flight together (the GEMV is one latency round trip at decode sizes, not 8). Every kernel that
-// computes router logits goes through this function and router_reduce, so the fused small-batch
-// routing and the separate router kernel produce bit-identical logits and therefore routing.
+// Before pdl_wait: pull this warp's router row (hidden bf16, weights that no kernel writes) into
+// L2, one 128-byte line per lane and step, so the loads after the wait hit L2 instead of HBM.
+__device__ __forceinline__ void prefetch_router_row(const __nv_bfloat16* wrow, int hidden, int lane) {
+  const char* p = reinterpret_cast<const char*>(wrow);
+  const int bytes = hidden * static_cast<int>(sizeof(__nv_bfloat16));
+  for (int off = lane * 128; off < bytes; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
+// Lane partial sums acc[j] = sum over this lane's h of W[e][h] * x[t0 + j][h], j < nt <= TOK, then
+// a butterfly reduction so every lane holds the full dot product. Each lane takes 8 consecutive h
+// per step (one 16-byte load of the expert row, reused for the TOK tokens), so a 2048-wide row is
+// 8 steps whose weight loads all go out before the first use. Token slots j >= nt read token
+// t0 + nt - 1 instead of branching: with a branch around each token's activation load the loads
+// of one step were issued one after another (T = 8 took 16 us, 3x T = 1; docs/PERF.md). The
+// arithmetic of token j does not depend on TOK or nt, so every kernel that computes router logits
+// through this function (the fused small-batch routing and the separate router kernel) produces
+// bit-identical logits and therefore routing.
 // kVec needs H and the x stride to be multiples of 8 and 16-byte aligned rows.
-template <bool kVec>
-__device__ __forceinline__ void router_dot8(const __nv_bfloat16* __restrict__ x, int x_stride,
-                                            const __nv_bfloat16* __restrict__ wrow, int hidden, int t0, int nt,
-                                            int lane, float (&acc)[kRouterTokens]) {
+template <int TOK, bool kVec>
+__device__ __forceinline__ void router_dot(const __nv_bfloat16* __restrict__ x, int x_stride,
+                                           const __nv_bfloat16* __restrict__ wrow, int hidden, int t0, int nt,
+                                           int lane, float (&acc)[TOK]) {
+  const __nv_bfloat16* xrow[TOK];
 #pragma unroll
-  for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
+  for (int j = 0; j < TOK; ++j) {
+    acc[j] = 0.0f;
+    xrow[j] = x + static_cast<int64_t>(t0 + min(j, nt - 1)) * x_stride;
+  }
   if constexpr (kVec) {
-    // All of a lane's router-row loads for 8 steps (H = 2048) go out before the first use, so
-    // the row costs one memory round trip, not two (the #pragma unroll 4 loop it replaces).
     constexpr int kSteps = 8;
-    for (int h0 = lane * 8; h0 < hidden; h0 += 256 * kSteps) {
-      uint4 wv[kSteps];
+    auto step = [&](uint4 wv, int h) {
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      uint4 xv[TOK];
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        if (h0 + s * 256 < hidden) wv[s] = __ldg(reinterpret_cast<const uint4*>(wrow + h0 + s * 256));
+      for (int j = 0; j < TOK; ++j) xv[j] = __ldg(reinterpret_cast<const uint4*>(xrow[j] + h));
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        const int h = h0 + s * 256;
-        if (h >= hidden) break;
-        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[s]);
+      for (int j = 0; j < TOK; ++j) {
+        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv[j]);
 #pragma unroll
-        for (int j = 0; j < kRouterTokens; ++j) {
-          if (j < nt) {
-            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + j) * x_stride + h));
-            const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
-              acc[j] += a.x * b.x + a.y * b.y;
-            }
-          }
+        for (int q = 0; q < 4; ++q) {
+          const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+          acc[j] += a.x * b.x + a.y * b.y;
         }
       }
+    };
+    int h0 = lane * 8;
+    // Whole rounds of 8 steps, branch-free so all loads of a round can be in flight together.
+    for (; h0 + 256 * (kSteps - 1) < hidden; h0 += 256 * kSteps) {
+      uint4 wv[kSteps];
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) wv[st] = __ldg(reinterpret_cast<const uint4*>(wrow + h0 + st * 256));
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) step(wv[st], h0 + st * 256);
     }
+    for (; h0 < hidden; h0 += 256) step(__ldg(reinterpret_cast<const uint4*>(wrow + h0)), h0);
   } else {
     for (int h = lane; h < hidden; h += 32) {
       const float wv = __bfloat162float(wrow[h]);
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j)
-        if (j < nt) acc[j] += wv * __bfloat162float(x[static_cast<int64_t>(t0 + j) * x_stride + h]);
+      for (int j = 0; j < TOK; ++j) acc[j] += wv * __bfloat162float(xrow[j][h]);
     }
   }
 #pragma unroll
-  for (int j = 0; j < kRouterTokens; ++j)
+  for (int j = 0; j < TOK; ++j)
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(kFullMask, acc[j], off);
 }
@@ -624,16 +659,17 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
                              const __nv_bfloat16* __restrict__ wr,                  // [E, H]
                              const int32_t* __restrict__ num_tokens, int capacity, int hidden, int num_experts,
                              float* __restrict__ logits) {                          // [capacity, E]
-  pdl_wait();  // x comes from the previous kernel
-  pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * kRouterWarps + warp;
+  if (e < num_experts) prefetch_router_row(wr + static_cast<int64_t>(e) * hidden, hidden, lane);
+  pdl_wait();  // x comes from the previous kernel
+  pdl_launch_dependents();
   const int t0 = blockIdx.y * kRouterTokens;
   const int T = live_tokens(num_tokens, capacity);
   if (t0 >= T || e >= num_experts) return;  // [TAG_MOE_GRAPH_CAPACITY]
   const int nt = min(kRouterTokens, T - t0);
   float acc[kRouterTokens];
-  router_dot8<kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+  router_dot<kRouterTokens, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
 #pragma unroll
   for (int j = 0; j < kRouterTokens; ++j)
     if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = acc[j];
@@ -647,22 +683,26 @@ constexpr int kSmallWarps = 16;
 constexpr int kSmallThreads = kSmallWarps * 32;
 constexpr int kSmallClusterBlocks = 8;  // the portable cluster size
 static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
-static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token: top-k in a single round");
+static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the scores");
 
 // One thread-block cluster of 8 blocks.
 // Phase 1, every block: warp w of block r computes the logits of experts e = r*16 + w (+ 128 ...)
-// for all T tokens (router_dot8, so the same bits as moe_router_logits_kernel), stores them to
+// for all T tokens (router_dot, so the same bits as moe_router_logits_kernel), stores them to
 // `logits` (an output) and into block 0's shared memory through the cluster's distributed shared
-// memory. A cluster barrier (release/acquire) then hands block 0 every logit; the others exit.
-// Block 0 does phase 2, the top-k of every token (one warp per token, one round for T <= 16), and
-// phase 3, the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a stable rank by
-// counting equal ids at lower p).
-// Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it launch
-// and dependency latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for
-// Qwen3-30B-A3B) needs many SMs to stream, the tail needs them to meet: a "last block" counter
-// costs a threadfence, a global atomic and an L2 re-read of the logits on the critical path,
-// while the cluster barrier and DSMEM stores stay inside one GPC.
-template <int VPT, bool kVec>
+// memory. The router rows are prefetched into L2 before pdl_wait (they are weights). A cluster
+// barrier (release/acquire) then hands block 0 every logit; the others exit.
+// Block 0 does phase 2, the top-k of every token: warp t scores token t (softmax or biased
+// sigmoid, group limits; the code of moe_route_topk_kernel), then every thread ranks one
+// (token, expert) entry by counting the entries that beat it (higher key, then lower index: the
+// order of the warp argmax rounds, so the same winners in the same slots) and the winners write
+// their slot. Phase 3 is the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a
+// stable rank by counting equal ids at lower p).
+// Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it
+// dependent latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for Qwen3-30B-A3B)
+// needs many SMs to stream, the tail needs them to meet. The k serial argmax rounds of one warp
+// (5 dependent shuffles each) and the fp64 renormalisation were ~3 us of the tail at T = 1
+// (dev/cuda/probe_route_decode.cu); the block-wide rank takes one pass over E shared-memory keys.
+template <int VPT, int TOK, bool kVec>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
                            const __nv_bfloat16* __restrict__ wr, int hidden,     // [E, H]
@@ -678,8 +718,14 @@ __global__ void __launch_bounds__(kSmallThreads)
                            int32_t* __restrict__ tile_expert,                                 // [max_tiles]
                            int32_t* __restrict__ num_tiles) {                                 // [1]
   __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]: filled in block 0
-  __shared__ float s_choice[kSmallWarps][VPT * 32];                 // group-limited scratch
-  __shared__ unsigned char s_group_kept[kSmallWarps][VPT * 32];
+  __shared__ float s_choice[kRouteSmallMaxTokens][VPT * 32];        // group-limited scratch
+  __shared__ unsigned char s_group_kept[kRouteSmallMaxTokens][VPT * 32];
+  // Phase 2: each entry's rank key (NaN: not eligible, never beats anything) and raw weight; the
+  // winners by slot.
+  __shared__ float s_key[kRouteSmallMaxTokens][VPT * 32];
+  __shared__ float s_weight[kRouteSmallMaxTokens][VPT * 32];
+  __shared__ int s_win_id[kRouteSmallMaxTokens][kRouteMaxTopK];
+  __shared__ float s_win_w[kRouteSmallMaxTokens][kRouteMaxTopK];
   __shared__ int s_ids[kRouteSmallMaxPairs];                        // [T*k]
   __shared__ int s_count[kRouteSmallMaxExperts];
   __shared__ int s_offsets[kRouteSmallMaxExperts + 1];
@@ -690,39 +736,78 @@ __global__ void __launch_bounds__(kSmallThreads)
   const unsigned rank = cluster.block_rank();
   float* leader_logits = cluster.map_shared_rank(&s_logits[0][0], 0);
 
-  pdl_wait();  // x comes from the previous kernel
-  pdl_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = params.num_experts, k = params.top_k;
+  constexpr int kExpertStride = kSmallClusterBlocks * kSmallWarps;
+  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kExpertStride)
+    prefetch_router_row(wr + static_cast<int64_t>(e) * hidden, hidden, lane);
+  MOEBIUS_ROUTE_PHASE_STAMP(0);
+  pdl_wait();  // x comes from the previous kernel
+  pdl_launch_dependents();
+  MOEBIUS_ROUTE_PHASE_STAMP(1);
   const int T = live_tokens(num_tokens, capacity);  // [TAG_MOE_GRAPH_CAPACITY]
 
-  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kSmallClusterBlocks * kSmallWarps) {
-    for (int t0 = 0; t0 < T; t0 += kRouterTokens) {
-      const int nt = min(kRouterTokens, T - t0);
-      float acc[kRouterTokens];
-      router_dot8<kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kExpertStride) {
+    for (int t0 = 0; t0 < T; t0 += TOK) {
+      const int nt = min(TOK, T - t0);
+      float acc[TOK];
+      router_dot<TOK, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j)
-        if (lane == 0 && j < nt) {
-          logits[static_cast<int64_t>(t0 + j) * E + e] = acc[j];
-          leader_logits[(t0 + j) * (VPT * 32) + e] = acc[j];
-        }
+      for (int j = 0; j < TOK; ++j)
+        if (lane == 0 && j < nt) leader_logits[(t0 + j) * (VPT * 32) + e] = acc[j];
     }
   }
-  cluster.sync();  // arrive.release / wait.acquire: block 0 sees every block's DSMEM stores
+  MOEBIUS_ROUTE_PHASE_STAMP(2);
+  // arrive.release / wait.acquire: block 0 sees every block's DSMEM stores. Only shared-memory
+  // stores precede it (block 0 writes the global logits below), so the release does not wait
+  // for global stores to drain.
+  cluster.sync();
+  MOEBIUS_ROUTE_PHASE_STAMP(3);
   if (rank != 0) return;  // uniform over the block; nobody reads the other blocks' shared memory
+  for (int i = tid; i < T * E; i += kSmallThreads) logits[i] = s_logits[i / E][i % E];
 
-  // Phase 2: top-k, one warp per token.
+  // Phase 2a: warp t scores token t.
   if (warp < T) {
-    int my_id;
-    float my_weight;
-    route_one_token<VPT>(&s_logits[warp][0], correction_bias, params, s_choice[warp], s_group_kept[warp], lane, my_id,
-                         my_weight);
-    if (lane < k) {
-      topk_ids[warp * k + lane] = my_id;
-      topk_weights[warp * k + lane] = my_weight;
-      s_ids[warp * k + lane] = my_id;
+    float key[VPT], weight[VPT];
+    const uint32_t eligible = token_scores<VPT>(&s_logits[warp][0], correction_bias, params, s_choice[warp],
+                                                s_group_kept[warp], lane, key, weight);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e = i * 32 + lane;
+      // A NaN score ranks as -inf (it can still fill a slot, so ids stay valid experts).
+      s_key[warp][e] = ((eligible >> i) & 1u) ? (key[i] != key[i] ? -INFINITY : key[i]) : __int_as_float(0x7fc00000);
+      s_weight[warp][e] = weight[i];
     }
+  }
+  __syncthreads();
+  MOEBIUS_ROUTE_PHASE_STAMP(4);
+  // Phase 2b: rank every eligible (token, expert) entry; entries ranked below k win that slot.
+  for (int item = tid; item < T * E; item += kSmallThreads) {
+    const int t = item / E, e = item - t * E;
+    const float v = s_key[t][e];
+    if (v != v) continue;  // not eligible
+    int beaten_by = 0;
+    for (int o = 0; o < E; ++o) {
+      const float w = s_key[t][o];  // same t across the warp for E >= 32: a broadcast
+      beaten_by += (w > v) | ((w == v) & (o < e));
+    }
+    if (beaten_by < k) {
+      s_win_id[t][beaten_by] = e;
+      s_win_w[t][beaten_by] = s_weight[t][e];
+    }
+  }
+  __syncthreads();
+  MOEBIUS_ROUTE_PHASE_STAMP(5);
+  // Phase 2c: renormalise in slot order (fp64, as the oracle) and publish.
+  for (int item = tid; item < T * k; item += kSmallThreads) {
+    const int t = item / k, j = item - t * k;
+    double sum = 0.0;
+    if (params.renormalize)
+      for (int q = 0; q < k; ++q) sum = __dadd_rn(sum, static_cast<double>(s_win_w[t][q]));
+    const int id = s_win_id[t][j];
+    topk_ids[item] = id;
+    topk_weights[item] = finish_weight(s_win_w[t][j], sum, params);
+    s_ids[item] = id;
   }
   // Phase 3: align the n = T*k pairs (same outputs as moe_align_count + moe_align_scatter).
   const int n = T * k;
@@ -730,8 +815,10 @@ __global__ void __launch_bounds__(kSmallThreads)
   __syncthreads();
   for (int p = tid; p < n; p += kSmallThreads) atomicAdd(&s_count[s_ids[p]], 1);
   __syncthreads();
+  MOEBIUS_ROUTE_PHASE_STAMP(6);
   scan_expert_counts<kSmallThreads>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
                                     padded_offsets, tile_expert, num_tiles);
+  MOEBIUS_ROUTE_PHASE_STAMP(7);
   for (int p = tid; p < n; p += kSmallThreads) {
     const int id = s_ids[p];
     int rank_in_expert = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
@@ -742,6 +829,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   if (tid < E) {  // the tail of this expert's last tile
     for (int r = s_padded_offsets[tid] + s_count[tid]; r < s_padded_offsets[tid + 1]; ++r) padded_pair_ids[r] = -1;
   }
+  MOEBIUS_ROUTE_PHASE_STAMP(8);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -861,17 +949,28 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
   const dim3 grid(kSmallClusterBlocks);
-#define MOEBIUS_ROUTE_SMALL(VPT_)                                                                                  \
-  launch_pdl_cluster(vec ? moe_route_small_kernel<VPT_, true> : moe_route_small_kernel<VPT_, false>, grid,         \
-                     dim3(kSmallThreads), 0, kSmallClusterBlocks, stream, x, x_stride, router_weight, hidden,       \
+  // Tokens per router_dot pass: the capacity rounded up to a power of two, at most 8, so a decode
+  // step with one token does not compute 8 (the result bits are the same either way).
+  const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : capacity <= 4 ? 4 : 8;
+#define MOEBIUS_ROUTE_SMALL_TOK(VPT_, TOK_)                                                                     \
+  launch_pdl_cluster(vec ? moe_route_small_kernel<VPT_, TOK_, true> : moe_route_small_kernel<VPT_, TOK_, false>, \
+                     grid, dim3(kSmallThreads), 0, kSmallClusterBlocks, stream, x, x_stride, router_weight, hidden, \
                      correction_bias, num_tokens, capacity, params, block_m, max_tiles, logits, topk_ids,           \
                      topk_weights, expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert,   \
                      num_tiles)
-  if (E <= 32) MOEBIUS_ROUTE_SMALL(1);
-  else if (E <= 64) MOEBIUS_ROUTE_SMALL(2);
-  else if (E <= 128) MOEBIUS_ROUTE_SMALL(4);
-  else MOEBIUS_ROUTE_SMALL(8);
+#define MOEBIUS_ROUTE_SMALL(VPT_)                 \
+  {                                               \
+    if (tok == 1) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 1); \
+    else if (tok == 2) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 2); \
+    else if (tok == 4) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 4); \
+    else MOEBIUS_ROUTE_SMALL_TOK(VPT_, 8);        \
+  }
+  if (E <= 32) MOEBIUS_ROUTE_SMALL(1)
+  else if (E <= 64) MOEBIUS_ROUTE_SMALL(2)
+  else if (E <= 128) MOEBIUS_ROUTE_SMALL(4)
+  else MOEBIUS_ROUTE_SMALL(8)
 #undef MOEBIUS_ROUTE_SMALL
+#undef MOEBIUS_ROUTE_SMALL_TOK
 }
 
 }  // namespace moebius::kernels
