@@ -8,7 +8,8 @@
 //   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
 //              exact small integers. The group scale multiplies the fp32 accumulator when the
 //              group ends, so weights enter the mma exactly.
-//   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15,
+//   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15
+//              (one shift and one mask for three of a word's four registers, see kNvFp4CodeBits),
 //              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
 //              0; bf16 mul and mma keep subnormals, checked by dev/cuda/probe_bf16_subnormal.cu).
 //              It is multiplied by bf16(block scale * 2^64), an exact product (2 x 4 significant
@@ -48,6 +49,9 @@ struct GemmKernelArgs {
   // stride in elements (0 when the kernel reads them from global memory).
   int stage_rows;
   int stage_stride;
+  // Int formats, decode kernel: byte offset in dynamic shared memory of the block's group scales
+  // ([groups][16 rows] fp16, copied once per block instead of loaded at every group boundary).
+  int group_scale_offset;
 };
 
 // K elements per 16-byte lane slice of a tile chunk; mirrors moe::chunk_k (expert_layout.h).
@@ -77,6 +81,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4-byte async copy global -> shared (.ca: cached in L1 too).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -97,13 +105,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Shift left for positive n, right for negative n; n is a compile-time constant after unrolling.
-template <int N>
-__device__ __forceinline__ uint32_t shift(uint32_t w) {
-  if constexpr (N >= 0) return w << N;
-  else return w >> (-N);
 }
 
 // A-fragment registers of k-step S of a chunk. nv_scale: nvfp4 bf16x2 block-scale pairs for rows
@@ -129,41 +130,44 @@ __device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv
       const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
       a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
     }
-  } else {  // kNvFp4
+  } else {  // kNvFp4: the bit layout is moe::kNvFp4CodeBits (src/moe/expert_layout.h)
     const uint32_t wd = words[S];
-    const uint32_t m0 = shift<6>(wd) & 0x01C001C0u, s0 = shift<12>(wd) & 0x80008000u;
-    const uint32_t m1 = shift<2>(wd) & 0x01C001C0u, s1 = shift<8>(wd) & 0x80008000u;
-    const uint32_t m2 = shift<-2>(wd) & 0x01C001C0u, s2 = shift<4>(wd) & 0x80008000u;
-    const uint32_t m3 = shift<-6>(wd) & 0x01C001C0u, s3 = wd & 0x80008000u;
-    a[0] = bf16x2_bits(__hmul2(as_bf16x2(m0 | s0), as_bf16x2(nv_scale[0])));  // row g
-    a[1] = bf16x2_bits(__hmul2(as_bf16x2(m1 | s1), as_bf16x2(nv_scale[1])));  // row g + 8
-    a[2] = bf16x2_bits(__hmul2(as_bf16x2(m2 | s2), as_bf16x2(nv_scale[0])));
-    a[3] = bf16x2_bits(__hmul2(as_bf16x2(m3 | s3), as_bf16x2(nv_scale[1])));
+    constexpr uint32_t kPair = 0x81C081C0u;  // bf16 bits 6..8 (magnitude) and 15 (sign), both halves
+    const uint32_t c0 = wd & kPair;
+    const uint32_t c1 = (wd << 3) & kPair;
+    const uint32_t c2 = (wd << 6) & kPair;
+    const uint32_t c3 = ((wd >> 4) & 0x00C000C0u) | ((wd >> 5) & 0x01000100u) | ((wd << 1) & 0x80008000u);
+    a[0] = bf16x2_bits(__hmul2(as_bf16x2(c0), as_bf16x2(nv_scale[0])));  // row g
+    a[1] = bf16x2_bits(__hmul2(as_bf16x2(c1), as_bf16x2(nv_scale[1])));  // row g + 8
+    a[2] = bf16x2_bits(__hmul2(as_bf16x2(c2), as_bf16x2(nv_scale[0])));
+    a[3] = bf16x2_bits(__hmul2(as_bf16x2(c3), as_bf16x2(nv_scale[1])));
   }
 }
 
-// bf16 bits of (e4m3 value * 2^64) for every e4m3 byte: block scales become bf16 multipliers.
-// Every thread of the block takes part; the caller syncs before the first read.
-__device__ __forceinline__ void build_e4m3_lut(uint16_t* lut) {
+// bf16x2 {v, v} with v = bf16(e4m3 value * 2^64), for every e4m3 byte: block scales become bf16
+// multipliers of both halves of a weight pair. Stored as pairs (1 KiB) so a k-step's scale is one
+// shared-memory load with no repacking. Every thread of the block takes part; the caller syncs
+// before the first read.
+__device__ __forceinline__ void build_e4m3_lut(uint32_t* lut) {
   for (int i = threadIdx.x; i < 256; i += blockDim.x) {
     const __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(i), __NV_E4M3);
     const float v = __half2float(__half(hr)) * kTwo64;  // exact
     const __nv_bfloat16 b = __float2bfloat16(v);        // exact: 4 significant bits
-    lut[i] = *reinterpret_cast<const uint16_t*>(&b);
+    const uint32_t bits = *reinterpret_cast<const uint16_t*>(&b);
+    lut[i] = bits | (bits << 16);
   }
 }
 
 // The nvfp4 block-scale pair of k-step S of a chunk for lane group g: sc holds the lane's 8 scale
 // bytes (row g blocks 0..3, row g+8 blocks 0..3); out = {row g, row g+8} as bf16x2 multipliers.
 template <int S>
-__device__ __forceinline__ void nvfp4_step_scale(const uint16_t* lut, uint2 sc, uint32_t (&out)[2]) {
-  const uint32_t lo = lut[(sc.x >> (8 * S)) & 0xFF], hi = lut[(sc.y >> (8 * S)) & 0xFF];
-  out[0] = lo | (lo << 16);
-  out[1] = hi | (hi << 16);
+__device__ __forceinline__ void nvfp4_step_scale(const uint32_t* lut, uint2 sc, uint32_t (&out)[2]) {
+  out[0] = lut[(sc.x >> (8 * S)) & 0xFF];
+  out[1] = lut[(sc.y >> (8 * S)) & 0xFF];
 }
 
 // All four k-steps' pairs of one chunk at once (the decode kernel converts a chunk up front).
-__device__ __forceinline__ void nvfp4_step_scales(const uint16_t* lut, uint2 sc, uint32_t (&out)[4][2]) {
+__device__ __forceinline__ void nvfp4_step_scales(const uint32_t* lut, uint2 sc, uint32_t (&out)[4][2]) {
   nvfp4_step_scale<0>(lut, sc, out[0]);
   nvfp4_step_scale<1>(lut, sc, out[1]);
   nvfp4_step_scale<2>(lut, sc, out[2]);

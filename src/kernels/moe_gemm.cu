@@ -59,8 +59,15 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
   }
 }
 
+// Blocks per SM with one token tile (decode), so the usual decode grids run in one wave on 132 SMs:
+// Qwen3-30B-A3B at T = 1 has 96 row tiles x 8 experts = 768 GEMM1 blocks (6 per SM) and 128 x 8
+// = 1024 GEMM2 blocks (8 per SM). The register caps this implies (85 and 64) hold without spills
+// (ptxas -v); GEMM2 prefetches 4 chunks instead of 8 to fit (its K = 768 is 3 chunks per warp).
+template <int NT, Epilogue EPI>
+inline constexpr int kMinBlocksPerSm = NT != 1 ? 1 : (EPI == Epilogue::kGateUp ? 6 : 8);
+
 template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK, bool kStageB>
-__global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs args) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_kernel(const GemmKernelArgs args) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   const int tile = blockIdx.y;
@@ -69,16 +76,85 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
   const int g = lane >> 2, t = lane & 3;
   const MoeGemmDims& d = args.dims;
 
-  __shared__ uint16_t e4m3_lut[256];
+  __shared__ uint32_t e4m3_lut[256];
   __shared__ float partial[kWarps][NT][32][4];
   __shared__ const __nv_bfloat16* s_row_src[kStageB ? NT * 8 : 1];
-  extern __shared__ __align__(16) __nv_bfloat16 s_act[];  // kStageB: [stage_rows][stage_stride]
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  // kStageB: [stage_rows][stage_stride] activations; then, int formats: the group scales.
+  __nv_bfloat16* s_act = reinterpret_cast<__nv_bfloat16*>(s_dyn);
+  const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
   // Prologue that needs nothing from the previous kernel: with PDL it runs while that kernel drains.
   if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
-  pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage)
-  pdl_launch_dependents();
-  const int expert = args.tiles.tile_expert[tile];
-  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles (uniform over the block)
+  // GEMM1: the expert pointer table in shared memory (see MoeTiles::num_experts).
+  constexpr int kTableMax = EPI == Epilogue::kGateUp ? 256 : 1;
+  static_assert(sizeof(ExpertMatrixPtrs) % 8 == 0 && alignof(ExpertMatrixPtrs) <= 8, "copied in 8-byte words");
+  constexpr int kTableWords = sizeof(ExpertMatrixPtrs) / 8;
+  __shared__ uint2 s_table_words[kTableMax * kTableWords];  // raw storage: the struct has initializers
+  const ExpertMatrixPtrs* s_table = reinterpret_cast<const ExpertMatrixPtrs*>(s_table_words);
+  const bool table_in_smem = EPI == Epilogue::kGateUp && args.tiles.num_experts > 0 && args.tiles.num_experts <= kTableMax;
+  if (table_in_smem) {
+    const uint2* src = reinterpret_cast<const uint2*>(args.experts);
+    for (int i = threadIdx.x; i < args.tiles.num_experts * kTableWords; i += kThreads) s_table_words[i] = src[i];
+    __syncthreads();
+  }
+
+  // This warp's contiguous chunk range.
+  const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
+
+  // 16-byte weight loads in flight per lane before the first use. With B read from global memory
+  // in the k-loop, 8 for NT <= 2 was measured slower than 4 at every batch size (docs/PERF.md,
+  // 2026-12-02). With B staged, one token tile takes 8: a Qwen3-30B-A3B GEMM1 warp's whole K
+  // range (8 chunks) is then one memory round trip instead of two.
+  constexpr int kPrefetch = (kStageB && NT == 1 && EPI == Epilogue::kGateUp) ? 8 : 4;
+  uint4 wv[kPrefetch];
+  uint2 sv[kPrefetch];
+  ExpertMatrixPtrs ptrs;
+  const uint4* wbase = nullptr;
+  auto load_batch = [&](int c0) {
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      if (c0 + p < c_end) {
+        wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
+        if constexpr (F == MoeWeightFormat::kNvFp4)
+          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
+      }
+    }
+  };
+  // The tile's expert and its first weights. GEMM2 (kDown*) issues them BEFORE pdl_wait: its
+  // tiles come from the routing two kernels back (GEMM1 runs between), which had completed before
+  // any GEMM1 block passed its own pdl_wait and so before this grid could launch (the PDL
+  // protocol in kernels/pdl.cuh), and weights never change during a forward. The weight reads
+  // then overlap GEMM1's tail instead of following it (at decode sizes GEMM1 is compute-bound and
+  // GEMM2's first round trip to HBM was on the critical path). GEMM1's tiles come from the kernel
+  // right before it, so it reads them after the wait.
+  constexpr bool kWeightsBeforeWait = EPI != Epilogue::kGateUp;
+  auto start_tile = [&]() -> bool {
+    const int expert = args.tiles.tile_expert[tile];
+    if (expert < 0) return false;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles (uniform over the block)
+    ptrs = table_in_smem ? s_table[expert] : args.experts[expert];
+    wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(row_tile) * d.chunks * 32 + lane;
+    // The first weights go out before the activations are staged, so the two latencies overlap.
+    load_batch(c_begin);
+    if constexpr (kIsIntF) {
+      // The tile's group scales, [groups][16] fp16 contiguous, into shared memory: loading them at
+      // each group boundary put a dependent global load inside the k-loop (int4 GEMM1 at T = 1
+      // ran 1.7x nvfp4's time on fewer bytes; docs/PERF.md).
+      const char* src = static_cast<const char*>(ptrs.scales) + static_cast<int64_t>(row_tile) * d.groups * 32;
+      const uint32_t dst = smem_u32(s_dyn + args.group_scale_offset);
+      for (int off = threadIdx.x * 4; off < d.groups * 32; off += kThreads * 4) cp_async4(dst + off, src + off);
+      cp_async_commit();
+    }
+    return true;
+  };
+  if constexpr (kWeightsBeforeWait) {
+    if (!start_tile()) return;
+    pdl_wait();  // h (GEMM1) and the pair ids
+    pdl_launch_dependents();
+  } else {
+    pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage)
+    pdl_launch_dependents();
+    if (!start_tile()) return;
+  }
 
   // The activation row behind padded position pos of this tile (nullptr for padding).
   const int bm = args.tiles.block_m;
@@ -95,32 +171,6 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
   } else {
     if (threadIdx.x < args.stage_rows) s_row_src[threadIdx.x] = act_row(tile * bm + threadIdx.x);
   }
-
-  const ExpertMatrixPtrs ptrs = args.experts[expert];
-  const uint4* wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(row_tile) * d.chunks * 32 + lane;
-
-  // This warp's contiguous chunk range.
-  const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
-
-  // 16-byte weight loads in flight per lane before the first use. With B read from global memory
-  // in the k-loop, 8 for NT <= 2 was measured slower than 4 at every batch size (docs/PERF.md,
-  // 2026-12-02). With B staged, one token tile takes 8: a Qwen3-30B-A3B GEMM1 warp's whole K
-  // range (8 chunks) is then one memory round trip instead of two.
-  constexpr int kPrefetch = (kStageB && NT == 1) ? 8 : 4;
-  uint4 wv[kPrefetch];
-  uint2 sv[kPrefetch];
-  auto load_batch = [&](int c0) {
-#pragma unroll
-    for (int p = 0; p < kPrefetch; ++p) {
-      if (c0 + p < c_end) {
-        wv[p] = load_weights(wbase + static_cast<int64_t>(c0 + p) * 32);
-        if constexpr (F == MoeWeightFormat::kNvFp4)
-          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(row_tile) * d.chunks + c0 + p) * 8 + g);
-      }
-    }
-  };
-  // The first weights go out before the activations are staged, so the two latencies overlap.
-  load_batch(c_begin);
 
   if constexpr (kStageB) {
     // Stage the tile's live activation rows, K padded with zeros to the weights' padded columns,
@@ -141,31 +191,55 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+  } else if constexpr (kIsIntF) {
+    cp_async_wait<0>();  // the group scales
+    __syncthreads();
   } else if constexpr (F == MoeWeightFormat::kNvFp4) {
     __syncthreads();  // the e4m3 table
   }
 
-  float acc[NT][4];
-  float grp[NT][4];  // int formats: the current scale group's unscaled sums
+  // kSets independent accumulator sets, k-step s into set s % kSets, summed in a fixed order at
+  // the end: with one token tile a warp's 32 mma otherwise form one dependent chain through the
+  // accumulators (mma.sync latency ~30 cycles each), which the few warps of a decode block cannot
+  // hide. Larger token tiles already give each k-step NT independent mma.
+  constexpr int kSets = NT == 1 ? 2 : 1;
+  float acc[kSets][NT][4];
+  float grp[kSets][NT][4];  // int formats: the current scale group's unscaled sums
 #pragma unroll
-  for (int tt = 0; tt < NT; ++tt)
+  for (int st = 0; st < kSets; ++st)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[tt][i] = grp[tt][i] = 0.0f;
+    for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[st][tt][i] = grp[st][tt][i] = 0.0f;
 
   auto flush_group = [&](int group) {
-    const __half* sc = static_cast<const __half*>(ptrs.scales) +
-                       (static_cast<int64_t>(row_tile) * d.groups + group) * 16;
+    const __half* sc = s_group_scales + group * 16;
     const float s_lo = __half2float(sc[g]), s_hi = __half2float(sc[g + 8]);
 #pragma unroll
-    for (int tt = 0; tt < NT; ++tt) {
-      acc[tt][0] += grp[tt][0] * s_lo;
-      acc[tt][1] += grp[tt][1] * s_lo;
-      acc[tt][2] += grp[tt][2] * s_hi;
-      acc[tt][3] += grp[tt][3] * s_hi;
+    for (int st = 0; st < kSets; ++st)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) grp[tt][i] = 0.0f;
-    }
+      for (int tt = 0; tt < NT; ++tt) {
+        acc[st][tt][0] += grp[st][tt][0] * s_lo;
+        acc[st][tt][1] += grp[st][tt][1] * s_lo;
+        acc[st][tt][2] += grp[st][tt][2] * s_hi;
+        acc[st][tt][3] += grp[st][tt][3] * s_hi;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) grp[st][tt][i] = 0.0f;
+      }
   };
+
+  // Staged B: the shared-memory row of each token tile this lane reads. Rows past stage_rows
+  // (tile positions no token can occupy, always padding) read row 0 instead of branching per
+  // k-step: an mma output column depends only on its own B column, and the epilogue drops the
+  // padding columns.
+  int b_smem_row[kStageB ? NT : 1];
+  if constexpr (kStageB) {
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt) {
+      const int r = tt * 8 + g;
+      b_smem_row[tt] = (r < args.stage_rows ? r : 0) * args.stage_stride + 2 * t;
+    }
+  }
 
   int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
@@ -180,6 +254,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
       }
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
+        // The k-step's position in the (fully unrolled) batch picks its set: a constant after
+        // unrolling, so acc[set] stays in registers.
+        const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
         dequant_step<F, S>(wv[p], nv_scales[S], a);
         const int k0 = c * KC + S * 16;
@@ -194,17 +271,14 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
         for (int tt = 0; tt < NT; ++tt) {
           uint32_t b0 = 0, b1 = 0;
           if constexpr (kStageB) {
-            const int r = tt * 8 + g;
-            if (r < args.stage_rows) {
-              const uint32_t* q = reinterpret_cast<const uint32_t*>(s_act + r * args.stage_stride + k0 + 2 * t);
-              b0 = q[0];
-              b1 = q[4];
-            }
+            const uint32_t* q = reinterpret_cast<const uint32_t*>(s_act + b_smem_row[tt] + k0);
+            b0 = q[0];
+            b1 = q[4];
           } else {
             load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
           }
-          if constexpr (kIsIntF) mma_bf16(grp[tt], a, b0, b1);
-          else mma_bf16(acc[tt], a, b0, b1);
+          if constexpr (kIsIntF) mma_bf16(grp[set][tt], a, b0, b1);
+          else mma_bf16(acc[set][tt], a, b0, b1);
         }
       };
       [&]<int... S>(std::integer_sequence<int, S...>) {
@@ -215,12 +289,18 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_kernel(const GemmKernelArgs
   if constexpr (kIsIntF) {
     if (c_end > c_begin) flush_group(current_group);
   }
+  if constexpr (kSets == 2) {
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][tt][i] += acc[1][tt][i];
+  }
 
   // Deterministic split-K reduction: every warp parks its sums, warp 0 adds them in warp order.
 #pragma unroll
   for (int tt = 0; tt < NT; ++tt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][tt][lane][i] = acc[tt][i];
+    for (int i = 0; i < 4; ++i) partial[warp][tt][lane][i] = acc[0][tt][i];
   __syncthreads();
   if (warp != 0) return;
   const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
@@ -279,6 +359,12 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   const bool stage = aligned && stage_bytes <= kMaxStageBytes;
   args.stage_rows = stage ? max_rows : 0;
   args.stage_stride = stage ? static_cast<int>(stride) : 0;
+  // Dynamic shared memory: the activation stage, then (int formats) the block's group scales.
+  const int64_t act_bytes = stage ? (stage_bytes + 15) / 16 * 16 : 0;
+  const int64_t scale_bytes = kIsInt<F> ? static_cast<int64_t>(args.dims.groups) * 32 : 0;
+  args.group_scale_offset = static_cast<int>(act_bytes);
+  const size_t dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
+  MOEBIUS_LAUNCH_ASSERT(dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
   auto go = [&](auto kernel, size_t smem) {
     // Static plus dynamic shared memory above 48 KB needs the opt-in; set it for every staged
     // launch (the static arrays grow with the token tile).
@@ -287,9 +373,9 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   };
 #define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
   if (nt == NT_) {                                                                              \
-    if (stage) go(moe_gemm_kernel<F, NT_, EPI, false, true>, static_cast<size_t>(stage_bytes)); \
-    else if (odd_k) go(moe_gemm_kernel<F, NT_, EPI, true, false>, 0);                          \
-    else go(moe_gemm_kernel<F, NT_, EPI, false, false>, 0);                                    \
+    if (stage) go(moe_gemm_kernel<F, NT_, EPI, false, true>, dyn_bytes);                       \
+    else if (odd_k) go(moe_gemm_kernel<F, NT_, EPI, true, false>, dyn_bytes);                  \
+    else go(moe_gemm_kernel<F, NT_, EPI, false, false>, dyn_bytes);                            \
     return;                                                                                     \
   }
   // Token tiles per block: 8 tokens for decode, up to 64 to reuse each dequantized fragment.

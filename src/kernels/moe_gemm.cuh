@@ -33,7 +33,7 @@ enum class MoeWeightFormat : uint8_t { kBF16, kNvFp4, kInt4, kInt2 };
 // [TAG_EXPERT_PTR_TABLE] One expert's matrix: device or mapped-pinned addresses.
 struct ExpertMatrixPtrs {
   const void* weight = nullptr;   // tile layout, 16-byte aligned
-  const void* scales = nullptr;   // nvfp4: e4m3 tiles (8-byte aligned); int: fp16 tiles; bf16: null
+  const void* scales = nullptr;   // nvfp4: e4m3 tiles (8-byte aligned); int: fp16 tiles (4-byte aligned); bf16: null
   float global_scale[2] = {1.0f, 1.0f};  // NVFP4 scale_2 of tile rows 0-7 and 8-15
 };
 
@@ -56,6 +56,11 @@ struct MoeTiles {
   // most once. 0 means block_m. The decode GEMM stages only these rows of activations in shared
   // memory (capacity 1 decode: 1 row, not 8).
   int max_tile_rows = 0;
+  // Entries of the expert pointer table (E), or 0 if unknown. With 1..256 the decode GEMM1 copies
+  // the table into shared memory BEFORE waiting on the previous kernel, taking one dependent L2
+  // round trip off its critical path (tile_expert -> table -> weights). So nothing may write the
+  // table in the kernel right before GEMM1; residency changes write it between forwards.
+  int num_experts = 0;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

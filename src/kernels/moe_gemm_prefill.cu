@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Gem
   if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
 
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint16_t e4m3_lut[256];
+  __shared__ uint32_t e4m3_lut[256];
   __shared__ int32_t pair_ids[BN];
   __shared__ const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
 

@@ -89,6 +89,8 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
                 words[j] |= v << (16 * hi);
                 break;
               case KernelFormat::kNvFp4:
+                for (int b = 0; b < 4; ++b) words[s] |= ((v >> b) & 1u) << (kNvFp4CodeBits[j][b] + 16 * hi);
+                break;
               case KernelFormat::kInt4:
                 words[s] |= v << (4 * (j + 4 * hi));
                 break;
@@ -247,7 +249,8 @@ void unpack_to_float(const PackedMatrix& p, float* out) {
                 v = bf16_bits_to_float(static_cast<uint16_t>(words[j] >> (16 * hi)));
                 break;
               case KernelFormat::kNvFp4: {
-                const uint8_t code = (words[s] >> (4 * (j + 4 * hi))) & 0xF;
+                uint8_t code = 0;
+                for (int b = 0; b < 4; ++b) code |= ((words[s] >> (kNvFp4CodeBits[j][b] + 16 * hi)) & 1u) << b;
                 const uint8_t sc = p.scales[static_cast<size_t>((tile * chunks + c) * 64 + (pos.row & 7) * 8 +
                                                                 (pos.row >> 3) * 4 + s)];
                 v = (e2m1_bits_to_float(code) * e4m3_bits_to_float(sc)) * p.global_scale[pos.row >> 3];

@@ -18,7 +18,13 @@
 //     kInt4  KC = 64:  word s = k-step s; nibble j holds a(2j) and nibble j+4 holds a(2j+1), so
 //                      (w >> 4j) & 0x000F000F | 0x43004300 is bf16x2 (128 + q_lo, 128 + q_hi).
 //                      q is the unsigned GPTQ value; the symmetric zero point is 8.
-//     kNvFp4 KC = 64:  as kInt4, with e2m1 codes (bit 3 = sign) in the nibbles.
+//     kNvFp4 KC = 64:  word s = k-step s, but the four bits of each e2m1 code (m, e0, e1, sign) are
+//                      scattered so that registers 0-2 need one shift and one mask each
+//                      (kNvFp4CodeBits): the magnitude must land on bf16 bits 6..8 and the sign
+//                      on bit 15 of each half, and three of the four registers can be stored at
+//                      left shifts 0, 3 and 6 of that pattern; the fourth uses the remaining
+//                      bits {10, 11, 13, 14} and three shifts. 11 integer ops per word instead of
+//                      16 for contiguous nibbles (no 4 shifts of the pattern tile 16 bits).
 //     kInt2  KC = 128: word i holds k-steps 2i and 2i+1; crumb 4u+j holds a(2j) and crumb
 //                      8+4u+j holds a(2j+1) of step 2i+u, so (w >> 2(4u+j)) & 0x00030003 works
 //                      like int4. Zero point 2.
@@ -48,6 +54,14 @@ enum class KernelFormat : uint8_t { kBF16, kNvFp4, kInt4, kInt2 };
 
 inline constexpr int kTileRows = 16;
 inline constexpr int kTileBytes = 512;  // 32 lanes x 16 B
+
+// kNvFp4: bit position, within each 16-bit half of a k-step's word, of e2m1 code bit b (0: mantissa,
+// 1: exponent bit 0, 2: exponent bit 1, 3: sign) of register j (fragment values a(2j) in the low
+// half, a(2j+1) at +16). The kernel (kernels/moe_dequant.cuh, dequant_step) extracts register j as
+//   j = 0: w & 0x81C081C0          j = 1: (w << 3) & 0x81C081C0      j = 2: (w << 6) & 0x81C081C0
+//   j = 3: ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
+// which puts the magnitude on bf16 bits 6..8 and the sign on bit 15 of each half.
+inline constexpr int kNvFp4CodeBits[4][4] = {{6, 7, 8, 15}, {3, 4, 5, 12}, {0, 1, 2, 9}, {10, 11, 13, 14}};
 
 // K elements per 16-byte lane chunk.
 constexpr int chunk_k(KernelFormat f) {

@@ -409,6 +409,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.block_m = block_m_;
   tiles.grid_tiles = static_cast<int>(grid_tiles_);
   tiles.top_k = k;
+  tiles.num_experts = shape_.num_experts;
   tiles.max_tile_rows = std::min(block_m_, cap);
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
