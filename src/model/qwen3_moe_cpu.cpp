@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+
+#include <fmt/format.h>
 
 #include "core/dtype.h"
 #include "cpu/attention.h"
@@ -262,6 +265,7 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
 
 Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoadOptions& options) {
   Qwen3MoeCpu m;
+  m.options_ = options;
   MOEBIUS_ASSIGN_OR_RETURN(m.config_, load_qwen3_moe_config(dir));
   MOEBIUS_ASSIGN_OR_RETURN(m.quant_, load_quant_config(dir));
   const Qwen3MoeConfig& c = m.config_;
@@ -280,6 +284,52 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
   }
   m.inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.head_dim);
   return m;
+}
+
+namespace {
+
+std::string matrix_layout(const QuantMatrix& m) {
+  std::string s = fmt::format("{} [{}, {}]", weight_format_name(m.format), m.rows, m.cols);
+  if (m.group_size > 0) s += fmt::format(" group size {}", m.group_size);
+  return s;
+}
+
+}  // namespace
+
+Result<Qwen3MoeCpu> Qwen3MoeCpu::stage_reload(const std::string& dir) const {
+  // The config first: a checkpoint of another geometry is named as such, not by its first
+  // misshapen tensor.
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig incoming, load_qwen3_moe_config(dir));
+  if (auto st = check_same_config(config_, incoming); !st.ok())
+    return std::move(st).error().in_file((std::filesystem::path(dir) / "config.json").string());
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeCpu next, load(dir, options_));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Qwen3MoeLayerWeights& a = layers_[l];
+    const Qwen3MoeLayerWeights& b = next.layers_[l];
+    if (!a.is_moe) continue;  // dense weights are fp32 of the config's shapes either way
+    for (size_t e = 0; e < a.moe.experts.size(); ++e) {
+      const cpu::ExpertWeights& x = a.moe.experts[e];
+      const cpu::ExpertWeights& y = b.moe.experts[e];
+      const std::pair<const QuantMatrix*, const QuantMatrix*> pairs[] = {{&x.gate, &y.gate}, {&x.up, &y.up},
+                                                                         {&x.down, &y.down}};
+      const char* names[] = {"gate_proj", "up_proj", "down_proj"};
+      for (int i = 0; i < 3; ++i) {
+        const QuantMatrix& m = *pairs[i].first;
+        const QuantMatrix& n = *pairs[i].second;
+        if (m.format != n.format || m.rows != n.rows || m.cols != n.cols || m.group_size != n.group_size)
+          return Error::format("loads as {}, the serving model has {}; a weight update keeps the expert format",
+                               matrix_layout(n), matrix_layout(m))
+              .in_tensor(fmt::format("model.layers.{}.mlp.experts.{}.{}", l, e, names[i]))
+              .in_file(dir);
+      }
+    }
+  }
+  return next;
+}
+
+void Qwen3MoeCpu::commit_reload(Qwen3MoeCpu&& staged) {
+  MOEBIUS_ASSERT(check_same_config(config_, staged.config_).ok(), "commit_reload of an unchecked model");
+  *this = std::move(staged);
 }
 
 KvCache Qwen3MoeCpu::make_cache(int64_t max_tokens, int block_size) const {

@@ -117,6 +117,20 @@ class Qwen3MoeCpu {
   // A cache shaped for this model; max_tokens defaults to max_position_embeddings.
   KvCache make_cache(int64_t max_tokens = 0, int block_size = 16) const;
 
+  // Weight updates (`moebius serve`'s POST /update_weights_from_disk), in two steps so that
+  // nothing of this model changes before the new checkpoint has been read and checked in full:
+  //  1. stage_reload(dir) loads `dir` with this model's load options into a new model (which
+  //     reads and checks every tensor: presence, shape, dtype, quantized layout, finite values
+  //     where quantizing) and checks that it can take this one's place: config.json identical
+  //     (check_same_config) and every expert projection in the same format, shape and group size.
+  //     It reads only this model's config and expert formats, which never change outside
+  //     commit_reload, so it may run on another thread while forward() runs.
+  //  2. commit_reload(staged) takes the staged model's weights. The CPU backend keeps no state that
+  //     holds weight addresses (the CUDA runner's captured graphs do, so it copies into its
+  //     buffers instead), so the weights are swapped. KV caches made for this model stay valid.
+  Result<Qwen3MoeCpu> stage_reload(const std::string& dir) const;
+  void commit_reload(Qwen3MoeCpu&& staged);
+
   // Runs T tokens at positions cache.position() .. +T-1 (a prefill when the cache is empty, a
   // decode step when T == 1), appends their K/V to the cache and writes logits [T, V] fp32.
   // Errors (cache unchanged) for an id outside [0, V), a cache of another shape, or running past
@@ -128,6 +142,7 @@ class Qwen3MoeCpu {
                    float* out) const;
 
   Qwen3MoeConfig config_;
+  Qwen3MoeLoadOptions options_;  // as loaded; a reload uses the same
   QuantConfig quant_;
   std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;  // owns the mmap that bf16 experts point into
   std::vector<float> embed_;    // [V, H]
