@@ -47,7 +47,22 @@ class CpuRunner final : public StepRunner {
 
   void release(int64_t id) override { caches_.erase(id); }
 
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu next, model_.stage_reload(dir));
+    return std::unique_ptr<StagedWeights>(new Staged(std::move(next)));
+  }
+
+  // The sequences' caches stay: same shape, and their rows (made with the old weights) are kept.
+  void commit_weights(StagedWeights& staged) override {
+    model_.commit_reload(std::move(static_cast<Staged&>(staged).model));
+  }
+
  private:
+  struct Staged final : StagedWeights {
+    explicit Staged(model::Qwen3MoeCpu m) : model(std::move(m)) {}
+    model::Qwen3MoeCpu model;
+  };
+
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
   std::unordered_map<int64_t, model::KvCache> caches_;

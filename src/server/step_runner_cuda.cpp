@@ -44,7 +44,21 @@ class CudaRunner final : public StepRunner {
 
   void release(int64_t) override {}
 
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeStagedWeights> w, model_->stage_weights(dir));
+    return std::unique_ptr<StagedWeights>(new Staged(std::move(w)));
+  }
+
+  void commit_weights(StagedWeights& staged) override {
+    model_->commit_weights(*static_cast<Staged&>(staged).weights);
+  }
+
  private:
+  struct Staged final : StagedWeights {
+    explicit Staged(std::unique_ptr<model::Qwen3MoeStagedWeights> w) : weights(std::move(w)) {}
+    std::unique_ptr<model::Qwen3MoeStagedWeights> weights;
+  };
+
   std::unique_ptr<model::Qwen3MoeCuda> model_;
   RunnerLimits limits_;
   std::vector<model::SequenceStep> steps_;
