@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "formats/nvfp4.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
@@ -119,6 +120,42 @@ inline std::string write_fixture_copy(const std::string& tag, const FixtureTenso
   const Status st = w.write((dir / "model.safetensors").string());
   EXPECT_TRUE(st.ok()) << st.error().what();
   return dir.string();
+}
+
+// The fixture with every expert in ModelOpt's NVFP4 layout (weight, weight_scale,
+// weight_scale_2; hf_quant_config.json), quantized by nvfp4::quantize.
+inline std::string write_nvfp4_fixture_copy(const std::string& tag) {
+  FixtureTensors out;
+  for (auto& [name, t] : tiny_fixture_tensors()) {
+    if (name.find(".mlp.experts.") == std::string::npos) {
+      out[name] = t;
+      continue;
+    }
+    const int64_t N = t.shape[0], K = t.shape[1];
+    std::vector<float> w(static_cast<size_t>(N * K));
+    for (size_t i = 0; i < w.size(); ++i) {
+      uint16_t b;
+      std::memcpy(&b, t.bytes.data() + 2 * i, 2);
+      w[i] = bf16_bits_to_float(b);
+    }
+    auto q = nvfp4::quantize(w.data(), N, K);
+    EXPECT_TRUE(q.ok()) << q.error().what();
+    if (!q.ok()) continue;
+    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+    const float s2 = q->scale_2.at(0).scale_2;
+    std::vector<uint8_t> s2_bytes(4);
+    std::memcpy(s2_bytes.data(), &s2, 4);
+    out[module + ".weight"] = FixtureTensor{DType::kU8, Shape{N, K / 2}, {q->weight.begin(), q->weight.end()}};
+    out[module + ".weight_scale"] =
+        FixtureTensor{DType::kF8E4M3, Shape{N, K / 16}, {q->scales.begin(), q->scales.end()}};
+    out[module + ".weight_scale_2"] = FixtureTensor{DType::kF32, Shape{}, s2_bytes};
+  }
+  const std::string dir = write_fixture_copy(tag, out);
+  std::ofstream(std::filesystem::path(dir) / "hf_quant_config.json")
+      << R"({"producer": {"name": "modelopt", "version": "0.29.0"},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": null, "group_size": 16,
+                             "exclude_modules": ["lm_head"]}})";
+  return dir;
 }
 
 }  // namespace moebius::testing

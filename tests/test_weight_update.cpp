@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "fixture_copy.h"
-#include "formats/nvfp4.h"
 #include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
 #include "model/sampler.h"
@@ -107,40 +106,6 @@ TEST(WeightUpdateCpu, AReloadQuantizesWithTheServingModelsOptions) {
   testing::remove_fixture_copies();
 }
 
-// The fixture with every expert of layers 0 and 2 in ModelOpt's NVFP4 layout.
-std::string nvfp4_checkpoint() {
-  FixtureTensors in = testing::tiny_fixture_tensors(), out;
-  for (auto& [name, t] : in) {
-    const bool expert = name.find(".mlp.experts.") != std::string::npos;
-    if (!expert) {
-      out[name] = t;
-      continue;
-    }
-    const int64_t N = t.shape[0], K = t.shape[1];
-    std::vector<float> w(static_cast<size_t>(N * K));
-    for (size_t i = 0; i < w.size(); ++i) {
-      uint16_t b;
-      std::memcpy(&b, t.bytes.data() + 2 * i, 2);
-      w[i] = bf16_bits_to_float(b);
-    }
-    auto q = nvfp4::quantize(w.data(), N, K);
-    EXPECT_TRUE(q.ok()) << q.error().what();
-    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
-    const float s2 = q->scale_2.at(0).scale_2;
-    out[module + ".weight"] = {DType::kU8, Shape{N, K / 2}, {q->weight.begin(), q->weight.end()}};
-    out[module + ".weight_scale"] = {DType::kF8E4M3, Shape{N, K / 16}, {q->scales.begin(), q->scales.end()}};
-    std::vector<uint8_t> s2_bytes(4);
-    std::memcpy(s2_bytes.data(), &s2, 4);
-    out[module + ".weight_scale_2"] = {DType::kF32, Shape{}, s2_bytes};
-  }
-  const std::string dir = testing::write_fixture_copy("update-nvfp4", out);
-  std::ofstream(fs::path(dir) / "hf_quant_config.json")
-      << R"({"producer": {"name": "modelopt", "version": "0.29.0"},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": null, "group_size": 16,
-                             "exclude_modules": ["lm_head"]}})";
-  return dir;
-}
-
 struct BadCase {
   std::string name;
   std::function<std::string()> make;  // writes the checkpoint, returns its directory
@@ -194,7 +159,8 @@ std::vector<BadCase> bad_cases() {
          return dir;
        },
        {"model.safetensors"}},
-      {"experts of another format", nvfp4_checkpoint, {"nvfp4", "bf16", "experts"}},
+      {"experts of another format", [] { return testing::write_nvfp4_fixture_copy("update-nvfp4"); },
+       {"nvfp4", "bf16", "experts"}},
       {"no such directory", [] { return std::string("/nonexistent/moebius-checkpoint"); },
        {"/nonexistent/moebius-checkpoint"}},
   };
