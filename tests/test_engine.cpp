@@ -45,7 +45,7 @@ std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_t
 std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
                                     int max_queue = 256) {
   RunnerOptions o;
-  o.model_dir = testing::tiny_fixture_dir();
+  o.source.model_dir = testing::tiny_fixture_dir();
   o.max_seqs = max_seqs;
   o.max_step_tokens = max_step_tokens;
   o.num_blocks = num_blocks;
@@ -220,7 +220,7 @@ TEST(Engine, EosStops) {
   const auto prompt = prompt_for(6);
   const int32_t first = reference_ids(prompt, 1)[0];
   RunnerOptions o;
-  o.model_dir = testing::tiny_fixture_dir();
+  o.source.model_dir = testing::tiny_fixture_dir();
   auto runner = load_runner(o);
   ASSERT_TRUE(runner.ok());
   Engine engine(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{8, {first}});

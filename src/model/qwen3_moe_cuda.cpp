@@ -479,6 +479,16 @@ void Qwen3MoeCuda::commit_weights(const Qwen3MoeStagedWeights& w) {
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::open(const WeightSource& source,
+                                                         const Qwen3MoeCudaOptions& options) {
+  MOEBIUS_TRY(validate_weight_source(source));
+  if (!source.dummy()) return load(source.model_dir, options);
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, weight_source_config(source));
+  MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat experts,
+                           moe::kernel_format_for(options.experts_format.value_or(WeightFormat::kBF16)));
+  return create_dummy(config, experts, options);
+}
+
 Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeConfig& c, moe::KernelFormat experts,
                                                                  const Qwen3MoeCudaOptions& options) {
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda());

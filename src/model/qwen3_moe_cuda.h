@@ -53,6 +53,7 @@
 #include "formats/quant_matrix.h"
 #include "model/qwen3_moe_config.h"
 #include "model/step_batch.h"
+#include "model/weight_source.h"
 #include "moe/expert_layout.h"
 
 namespace moebius::moe {
@@ -126,6 +127,10 @@ class Qwen3MoeCuda {
   // experts from MoeLayerCuda::create_dummy (neutral scales).
   static Result<std::unique_ptr<Qwen3MoeCuda>> create_dummy(const Qwen3MoeConfig& config, moe::KernelFormat experts,
                                                             const Qwen3MoeCudaOptions& options);
+  // The runner `source` names (model/weight_source.h): create_dummy of its config with experts in
+  // options.experts_format (bf16 when unset), or load(source.model_dir). The one place that makes
+  // this choice for `generate`, `bench generate` and `serve`.
+  static Result<std::unique_ptr<Qwen3MoeCuda>> open(const WeightSource& source, const Qwen3MoeCudaOptions& options);
   ~Qwen3MoeCuda();
   Qwen3MoeCuda(const Qwen3MoeCuda&) = delete;
   Qwen3MoeCuda& operator=(const Qwen3MoeCuda&) = delete;

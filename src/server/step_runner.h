@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "model/qwen3_moe_config.h"
+#include "model/weight_source.h"
 
 namespace moebius::server {
 
@@ -69,10 +70,9 @@ class StepRunner {
 };
 
 struct RunnerOptions {
-  std::string model_dir;
+  model::WeightSource source;   // --model, or --geometry with --load-format dummy (cuda: random weights)
   std::string backend = "cpu";  // cpu or cuda
   std::string experts;          // "" keeps the checkpoint's format; bf16, nvfp4, int4, int2
-  std::string load_format = "auto";  // cuda: "dummy" random weights (benchmarks)
   int max_context = 0;          // 0: max_position_embeddings
   int max_seqs = 64;
   int max_step_tokens = 512;

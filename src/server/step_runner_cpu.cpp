@@ -75,7 +75,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   model::Qwen3MoeLoadOptions load;
   load.experts_format = experts;
-  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.model_dir, load));
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
   RunnerLimits l;
   const int ctx = m.config().max_position_embeddings;
   l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
@@ -88,17 +88,15 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
 }
 
 Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
-  if (o.model_dir.empty()) return Error("is required").in_field("--model");
+  MOEBIUS_TRY(model::validate_weight_source(o.source));
   if (o.max_seqs < 1) return Error::format("must be >= 1, got {}", o.max_seqs).in_field("--max-running");
   if (o.max_step_tokens < o.max_seqs)
     return Error::format("must be >= --max-running ({}), got {}", o.max_seqs, o.max_step_tokens)
         .in_field("--max-step-tokens");
   if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
   if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
-  if (o.load_format != "auto" && o.load_format != "dummy")
-    return Error::format("unknown load format '{}'; expected auto or dummy", o.load_format).in_field("--load-format");
   if (o.backend == "cpu") {
-    if (o.load_format == "dummy") return Error("dummy weights need --backend cuda").in_field("--load-format");
+    if (o.source.dummy()) return Error("dummy weights need --backend cuda").in_field("--load-format");
     return load_cpu_runner(o);
   }
   if (o.backend == "cuda") {

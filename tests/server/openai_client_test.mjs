@@ -309,6 +309,24 @@ test('load: 200 concurrent streams with disconnects', async () => {
   }
 });
 
+// `serve --geometry` (dummy weights, no model directory) needs the CUDA backend and --tokenizer; on
+// the CPU backend its flags are still checked, each error naming its flag, before anything loads.
+test('serve flags: --geometry needs dummy weights and --tokenizer', async () => {
+  const serve = (...flags) => spawnSync(args.bin, ['serve', '--port', '0', ...flags], { encoding: 'utf8', timeout: 30000 });
+  const cases = [[[], '--model'],
+                 [['--geometry', 'qwen3-30b-a3b'], '--load-format'],
+                 [['--geometry', 'qwen3-30b-a3b', '--load-format', 'dummy'], '--tokenizer'],
+                 [['--geometry', 'qwen3-30b-a3b', '--model', args.model, '--load-format', 'dummy'], '--geometry'],
+                 [['--geometry', 'qwen3-30b-a3b', '--load-format', 'dummy', '--tokenizer', args.tokenizer], '--load-format'],
+                 [['--geometry', 'no-such-model', '--load-format', 'dummy', '--tokenizer', args.tokenizer, '--backend', 'cuda'],
+                  '--geometry']];
+  for (const [flags, named] of cases) {
+    const r = serve(...flags);
+    assert.equal(r.status, 2, `${flags.join(' ')}: ${r.stderr}`);
+    assert.ok(r.stderr.includes(`field '${named}`), `${flags.join(' ')} should name ${named}: ${r.stderr}`);
+  }
+});
+
 // Edited copies of the model directory for the weight-update test: safetensors read and written
 // here (header JSON + data section, tensors packed in name order), config.json edited as text.
 function readSafetensors(file) {
