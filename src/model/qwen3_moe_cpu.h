@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -137,9 +138,27 @@ class Qwen3MoeCpu {
   // the cache or max_position_embeddings.
   Status forward(const int32_t* ids, int T, KvCache& cache, float* logits) const;
 
+  // One sequence of forward_batch: its new tokens, continuing its own cache.
+  struct BatchSeq {
+    std::span<const int32_t> ids;  // at least one, at positions cache->position() ..
+    KvCache* cache = nullptr;      // distinct for each sequence of a batch
+    bool want_logits = false;      // the logits of its last token are wanted
+  };
+  // Several sequences in one pass (the server's step): every token of every sequence goes through
+  // the norms, projections, router and experts together (each touched expert is dequantized once
+  // per step, not once per sequence), attention runs per sequence over its own cache, and the
+  // lm_head only for the wanted rows. Every op is per token, so each sequence's results are
+  // bit-identical to forward() on it alone. Writes logits [R, V] for the R sequences with
+  // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
+  Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
+
  private:
-  Status attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, int T, int64_t p0, KvCache& cache,
-                   float* out) const;
+  // forward() (all_rows: logits of every token of the single sequence) and forward_batch().
+  Status run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const;
+  // Attention of layer `layer` for the N tokens of `seqs` (rows in sequence order, h [N, H]),
+  // their absolute positions [N]; writes their K/V into each sequence's cache and out [N, H].
+  void attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, std::span<const BatchSeq> seqs,
+                 const std::vector<int64_t>& positions, float* out) const;
 
   Qwen3MoeConfig config_;
   Qwen3MoeLoadOptions options_;  // as loaded; a reload uses the same

@@ -2,8 +2,8 @@
 // The scheduler (engine.h) owns the sequences and the KV block accounting (a BlockAllocator over
 // num_blocks() blocks of block_size() tokens); a runner only computes.
 //
-//   cpu:  Qwen3MoeCpu, one KvCache per sequence (the CPU model runs one sequence per forward), so
-//         a step runs its sequences one after another. The block tables are only accounting here;
+//   cpu:  Qwen3MoeCpu, one KvCache per sequence; a step is one forward_batch (dense ops and experts
+//         over every token of the step, attention per sequence). The block tables are only accounting here;
 //         release() frees the sequence's cache memory at once. A weight update swaps the model's
 //         weights for the staged model's.
 //   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block

@@ -1,4 +1,5 @@
-// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence.
+// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence; a step is one
+// Qwen3MoeCpu::forward_batch over all its sequences.
 #include <algorithm>
 #include <optional>
 #include <unordered_map>
@@ -24,9 +25,10 @@ class CpuRunner final : public StepRunner {
                        limits_.block_size);
   }
 
+  // One forward_batch over every sequence of the step (bit-identical to running them one by one).
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    const size_t V = static_cast<size_t>(config().vocab_size);
-    logits.clear();
+    batch_.clear();
+    size_t rows = 0;
     for (const RunnerSeq& s : seqs) {
       auto it = caches_.find(s.id);
       if (it == caches_.end())
@@ -36,13 +38,11 @@ class CpuRunner final : public StepRunner {
       // its cache ends. [TAG_SERVE_RECOMPUTE]
       if (s.start == 0) cache.clear();
       MOEBIUS_ASSERT(cache.position() == s.start, "sequence {} at {} steps from {}", s.id, cache.position(), s.start);
-      const int T = static_cast<int>(s.tokens.size());
-      scratch_.resize(static_cast<size_t>(T) * V);
-      MOEBIUS_TRY(model_.forward(s.tokens.data(), T, cache, scratch_.data()));
-      if (s.want_logits)
-        logits.insert(logits.end(), scratch_.end() - static_cast<std::ptrdiff_t>(V), scratch_.end());
+      batch_.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
+      rows += s.want_logits ? 1 : 0;
     }
-    return Ok{};
+    logits.resize(rows * static_cast<size_t>(config().vocab_size));
+    return model_.forward_batch(batch_, logits.data());
   }
 
   void release(int64_t id) override { caches_.erase(id); }
@@ -65,8 +65,8 @@ class CpuRunner final : public StepRunner {
 
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
-  std::unordered_map<int64_t, model::KvCache> caches_;
-  std::vector<float> scratch_;  // [T, V] of the sequence being run
+  std::unordered_map<int64_t, model::KvCache> caches_;  // node-based: the pointers in batch_ stay valid
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch_;
 };
 
 }  // namespace
