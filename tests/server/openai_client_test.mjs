@@ -232,13 +232,15 @@ test('API key', async () => {
 });
 
 test('bench serve reports every request', async ({ url }) => {
-  const out = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-bench-')), 'bench.json');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-bench-'));
+  const out = path.join(dir, 'bench.json');
   const r = spawnSync(args.bin, ['bench', 'serve', '--url', url, '--model', MODEL, '--dataset', 'random', '--input-len', '16',
                                  '--output-len', '8', '--num-prompts', '12', '--request-rate', '200', '--max-concurrency', '4',
                                  '--vocab-size', '512', '--output-file', out], { encoding: 'utf8', timeout: 60000 });
   assert.equal(r.status, 0, r.stderr);
   assert.match(r.stdout, /Serving Benchmark Result/);
   const j = JSON.parse(fs.readFileSync(out, 'utf8'));
+  fs.rmSync(dir, { recursive: true, force: true });
   assert.equal(j.completed, 12);
   assert.equal(j.total_input_tokens, 12 * 16);
   assert.equal(j.total_output_tokens, 12 * 8);
