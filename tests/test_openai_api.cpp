@@ -319,7 +319,8 @@ TEST(OpenAiApi, UpdateWeightsRequest) {
   EXPECT_FALSE(update(R"({"model_path": "/ckpt/step-100"})", &r));
   EXPECT_EQ(r.model_path, "/ckpt/step-100");
   // SGLang's other fields are accepted and ignored; load_format may only say "auto".
-  EXPECT_FALSE(update(R"({"model_path": "/m", "load_format": "auto", "flush_cache": true, "abort_all_requests": false})"));
+  EXPECT_FALSE(
+      update(R"({"model_path": "/m", "load_format": "auto", "flush_cache": true, "abort_all_requests": false})"));
   EXPECT_FALSE(update(R"({"model_path": "/m", "load_format": null})"));
   expect_400(update(R"({"model_path": "/m", "load_format": "dummy"})"), "load_format");
   expect_400(update(R"({"model_path": "/m", "load_format": 3})"), "load_format");
@@ -338,7 +339,8 @@ TEST(OpenAiApi, UpdateWeightsResponses) {
   EXPECT_EQ(ok["message"], "done");
   EXPECT_EQ(ok["num_paused_requests"], 3);
   // A failure reads as SGLang's {"success": false, "message"} and as OpenAI's error object.
-  const json bad = json::parse(update_weights_error(invalid_request("no config.json", "model_path", "invalid_checkpoint")));
+  const json bad =
+      json::parse(update_weights_error(invalid_request("no config.json", "model_path", "invalid_checkpoint")));
   EXPECT_EQ(bad["success"], false);
   EXPECT_EQ(bad["message"], "no config.json");
   EXPECT_EQ(bad["error"]["message"], "no config.json");

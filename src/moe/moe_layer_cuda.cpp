@@ -310,8 +310,9 @@ Status MoeLayerCuda::check_compatible(const PackedMoeLayer& p) const {
     // The group size decides the scale bytes and the kernels' group stride (dims13_/dims2_).
     if (a.weight.size() != w13_bytes_ || a.scales.size() != s13_bytes_ || b.weight.size() != w2_bytes_ ||
         b.scales.size() != s2_bytes_ || a.group_size != dims13_.group_size || b.group_size != dims2_.group_size)
-      return Error::format("expert {} packs to {} + {} / {} + {} bytes with group size {} / {}; the serving layer holds "
-                           "{} + {} / {} + {} bytes with group size {} / {} (gate/up, down: weights + scales)",
+      return Error::format("expert {} packs to {} + {} / {} + {} bytes with group size {} / {}; the serving "
+                           "layer holds {} + {} / {} + {} bytes with group size {} / {} (gate/up, down: weights + "
+                           "scales)",
                            e, a.weight.size(), a.scales.size(), b.weight.size(), b.scales.size(), a.group_size,
                            b.group_size, w13_bytes_, s13_bytes_, w2_bytes_, s2_bytes_, dims13_.group_size,
                            dims2_.group_size);
@@ -320,7 +321,8 @@ Status MoeLayerCuda::check_compatible(const PackedMoeLayer& p) const {
   const bool softmax = r.scoring == cpu::RouterScoring::kSoftmax;
   if (softmax != (route_.scoring == kernels::RouteScoring::kSoftmax) || r.renormalize != route_.renormalize ||
       r.n_groups != route_.n_groups || r.topk_groups != route_.topk_groups ||
-      r.routed_scaling_factor != route_.routed_scaling_factor || r.correction_bias.empty() != (correction_bias_ == nullptr))
+      r.routed_scaling_factor != route_.routed_scaling_factor ||
+      r.correction_bias.empty() != (correction_bias_ == nullptr))
     return Error("the routing settings (scoring, renormalization, groups, scaling, correction bias) differ from the "
                  "serving layer's");
   if (r.correction_bias.size() != (correction_bias_ == nullptr ? 0 : E))

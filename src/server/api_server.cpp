@@ -43,7 +43,8 @@ void ApiServer::handle(const HttpRequest& req, HttpResponse& res) {
   if (guarded && !options_.api_key.empty()) {
     const std::string* auth = req.header("authorization");
     if (auth == nullptr || *auth != "Bearer " + options_.api_key) {
-      if (p == "/update_weights_from_disk") return res.send(401, "application/json", update_weights_error(unauthorized()));
+      if (p == "/update_weights_from_disk")
+        return res.send(401, "application/json", update_weights_error(unauthorized()));
       return send_error(res, unauthorized());
     }
   }

@@ -363,7 +363,8 @@ std::string update_weights_response(const std::string& message, int64_t num_paus
 }
 
 std::string update_weights_error(const ApiError& e) {
-  json err = {{"message", e.message}, {"type", e.type}, {"param", null_if_empty(e.param)}, {"code", null_if_empty(e.code)}};
+  json err = {{"message", e.message}, {"type", e.type}, {"param", null_if_empty(e.param)},
+              {"code", null_if_empty(e.code)}};
   return dump({{"success", false}, {"message", e.message}, {"error", std::move(err)}});
 }
 
