@@ -1,4 +1,5 @@
-// libFuzzer target: server::parse_request, the OpenAI request parser every HTTP body reaches.
+// libFuzzer target: server::parse_request, the OpenAI request parser every HTTP body reaches (and
+// parse_update_weights_request on the same bytes).
 // The first byte picks the endpoint (chat or completions); the rest is the body. Beyond "no
 // crash, no sanitizer report": an error has a 4xx status and serializes to JSON in OpenAI's
 // shape; an accepted request satisfies the invariants the engine relies on, and its strings
@@ -29,6 +30,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ApiLimits limits;
   limits.model_names = {"tiny", "m"};
   limits.max_body_bytes = 1 << 16;
+  // The same body as POST /update_weights_from_disk: a 4xx with both error shapes, or a path.
+  UpdateWeightsRequest u;
+  if (auto e = parse_update_weights_request(body, limits, &u)) {
+    check(e->status == 400 || e->status == 413);
+    const nlohmann::json j = nlohmann::json::parse(update_weights_error(*e));
+    check(j["success"] == false && j["message"] == j["error"]["message"]);
+  } else {
+    check(!u.model_path.empty());
+    check(nlohmann::json::parse(update_weights_response(u.model_path, 0))["message"] == u.model_path);
+  }
   GenerationRequest r;
   if (auto e = parse_request(endpoint, body, limits, &r)) {
     check(e->status == 400 || e->status == 404 || e->status == 413);

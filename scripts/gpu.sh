@@ -13,7 +13,9 @@
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
 #   4. the CPU MoE benchmark on a small geometry;
 #   5. the CUDA MoE layer and attention benchmarks;
-#   6. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4).
+#   6. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
+#   7. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
+#      nvfp4 weights and the real tokenizer (needs $MOEBIUS_QWEN3_TOKENIZER_DIR).
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,20 @@ BUILD=${1:-build/release}
 OUT=${OUT:-/tmp/moebius-out}
 mkdir -p "$OUT"
 export MOEBIUS_TEST_DATA_DIR="$PWD/tests/data"
+
+# A `moebius serve` a step started in the background (SERVE_PID): stop_serve stops it (SIGTERM,
+# SIGKILL after 30 s). The traps make sure no server outlives the script, whatever path it takes.
+SERVE_PID=
+stop_serve() {
+  [ -n "$SERVE_PID" ] || return 0
+  kill $SERVE_PID 2>/dev/null
+  for _ in $(seq 300); do kill -0 $SERVE_PID 2>/dev/null || break; sleep 0.1; done
+  kill -9 $SERVE_PID 2>/dev/null
+  wait $SERVE_PID 2>/dev/null
+  SERVE_PID=
+}
+trap stop_serve EXIT
+trap 'stop_serve; exit 143' TERM INT HUP
 
 declare -a rows
 step() {  # step NAME COMMAND...
@@ -136,6 +152,52 @@ serve_tiny_cuda() {
 }
 command -v curl >/dev/null && step serve-tiny-cuda serve_tiny_cuda
 
+# moebius serve under load: the Qwen3-30B-A3B geometry with dummy NVFP4 experts (no checkpoint),
+# the real Qwen3 tokenizer ($MOEBIUS_QWEN3_TOKENIZER_DIR), and `bench serve`: 64 streamed requests
+# of 1024 random prompt tokens and 128 generated tokens (ignore_eos), at most 16 in flight. A short
+# warm-up run first captures the decode graphs (batch buckets 1..16), so the measured run sees
+# steady-state steps. The server is stopped on every path: by the function itself, and by
+# stop_serve in the script's EXIT and TERM/INT/HUP traps. The log's last line is the summary row.
+bench_serve_dummy() {
+  local name=qwen3-30b-a3b url="http://127.0.0.1:18124" server_log="$OUT/bench-serve.server.log" out rc
+  out=$(mktemp)
+  "$BUILD/moebius" serve --geometry $name --load-format dummy --experts nvfp4 --backend cuda \
+    --tokenizer "$MOEBIUS_QWEN3_TOKENIZER_DIR" --port 18124 --max-running 16 --max-context 2048 \
+    --max-step-tokens 2048 >"$server_log" 2>&1 &
+  SERVE_PID=$!
+  bench_serve_run "$url" $name "$server_log" "$out"
+  rc=$?
+  stop_serve
+  rm -f "$out"
+  return $rc
+}
+bench_serve_run() {  # URL NAME SERVER_LOG OUT
+  local url=$1 name=$2 server_log=$3 out=$4 up=0
+  for _ in $(seq 600); do  # up to 120 s to load; stop at once if the server died
+    curl -sf "$url/health" >/dev/null && { up=1; break; }
+    kill -0 $SERVE_PID 2>/dev/null || break
+    sleep 0.2
+  done
+  sed -n '1,/listening on/p' "$server_log"  # startup: the memory plan
+  [ $up = 1 ] || { echo "the server did not come up"; tail -n 20 "$server_log"; return 1; }
+  "$BUILD/moebius" bench serve --url "$url" --model $name --dataset random --input-len 64 --output-len 16 \
+    --num-prompts 16 --max-concurrency 16 --vocab-size 151000 >/dev/null || { echo "warm-up failed"; return 1; }
+  "$BUILD/moebius" bench serve --url "$url" --model $name --dataset random --input-len 1024 --output-len 128 \
+    --num-prompts 64 --max-concurrency 16 --vocab-size 151000 >"$out" || { cat "$out"; return 1; }
+  cat "$out"
+  curl -sf "$url/metrics" | grep -E '^moebius_(engine_steps_total|preemptions_total|requests_failed_total) '
+  # Summary row: requests completed, output tok/s, median TTFT and TPOT; fails unless all 64 completed.
+  awk -F': *' '/^Successful requests:/ {ok = $2} /^Output token throughput/ {tps = $2}
+               /^Median TTFT/ {ttft = $2} /^Median TPOT/ {tpot = $2}
+               END {printf "%d/64 ok, %.0f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.2f ms\n", ok, tps, ttft, tpot;
+                    exit (ok == 64 ? 0 : 1)}' "$out"
+}
+if [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && command -v curl >/dev/null; then
+  step bench-serve bench_serve_dummy
+else
+  rows+=("$(printf '%-24s %-5s %8s     %s' bench-serve skip - 'needs MOEBIUS_QWEN3_TOKENIZER_DIR and curl')")
+fi
+
 # The chat-template fixture against transformers itself (it was made with jinja2 configured as
 # transformers does): regenerate with apply_chat_template and compare every expected string.
 # Needs the Qwen3 tokenizer directory in $MOEBIUS_QWEN3_TOKENIZER_DIR (tokenizer.json and
@@ -163,6 +225,7 @@ cat "$OUT/generate-tiny-cuda.log"
 cat "$OUT/eval-logprobs-tiny-cuda.log"
 cat "$OUT/bench-generate.log"
 [ -f "$OUT/serve-tiny-cuda.log" ] && cat "$OUT/serve-tiny-cuda.log"
+[ -f "$OUT/bench-serve.log" ] && cat "$OUT/bench-serve.log"
 [ -f "$OUT/chat-template-ref.log" ] && cat "$OUT/chat-template-ref.log"
 
 echo

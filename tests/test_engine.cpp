@@ -5,12 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "model/generate.h"
 #include "server/engine.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
+#include "fixture_copy.h"
 
 namespace moebius::server {
 namespace {
@@ -42,7 +45,7 @@ std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_t
 std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
                                     int max_queue = 256) {
   RunnerOptions o;
-  o.model_dir = testing::tiny_fixture_dir();
+  o.source.model_dir = testing::tiny_fixture_dir();
   o.max_seqs = max_seqs;
   o.max_step_tokens = max_step_tokens;
   o.num_blocks = num_blocks;
@@ -217,7 +220,7 @@ TEST(Engine, EosStops) {
   const auto prompt = prompt_for(6);
   const int32_t first = reference_ids(prompt, 1)[0];
   RunnerOptions o;
-  o.model_dir = testing::tiny_fixture_dir();
+  o.source.model_dir = testing::tiny_fixture_dir();
   auto runner = load_runner(o);
   ASSERT_TRUE(runner.ok());
   Engine engine(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{8, {first}});
@@ -227,6 +230,80 @@ TEST(Engine, EosStops) {
   EngineRequest ig = greedy(prompt, 5);
   ig.ignore_eos = true;
   EXPECT_EQ(drain(*engine.submit(ig).stream).completion_tokens, 5);
+}
+
+// The greedy tokens of the model in `dir` (generate's loop, one sequence), for a checkpoint the
+// engine was switched to.
+std::vector<int32_t> reference_ids_of(const std::string& dir, const std::vector<int32_t>& prompt, int max_tokens) {
+  auto m = model::Qwen3MoeCpu::load(dir);
+  EXPECT_TRUE(m.ok()) << m.error().what();
+  auto sampler = model::Sampler::create(model::SamplerParams{.temperature = 0.0f});
+  auto stats = model::generate(*m, prompt, max_tokens, *sampler, {}, nullptr);
+  EXPECT_TRUE(stats.ok()) << stats.error().what();
+  return stats->generated;
+}
+
+// POST /update_weights_from_disk's engine side: requests in flight when the weights change run on
+// to their end; new requests follow the new weights exactly; refused checkpoints change nothing;
+// the original checkpoint restores the original tokens and logprobs bit for bit.
+TEST(Engine, UpdateWeightsBetweenSteps) {
+  auto engine = make_engine(4, 16);
+  const auto probe = prompt_for(7);
+  const RequestUpdate original = drain(*engine->submit(greedy(probe, 12)).stream);
+  ASSERT_EQ(ids_of(original), reference_ids(probe, 12));
+
+  testing::FixtureTensors t = testing::tiny_fixture_tensors();
+  testing::perturb_bf16(t, 11);
+  const std::string altered = testing::write_fixture_copy("engine-altered", t);
+  t = testing::tiny_fixture_tensors();
+  t["lm_head.weight"].shape = Shape{256, 128};  // same bytes, wrong shape
+  const std::string misshapen = testing::write_fixture_copy("engine-shape", t);
+
+  // Long requests in flight (prompt + 200 tokens < the context of 256) while the update runs.
+  std::vector<std::shared_ptr<RequestStream>> in_flight;
+  for (int i = 0; i < 3; ++i) in_flight.push_back(engine->submit(greedy(prompt_for(i), 200)).stream);
+  RequestUpdate first;
+  while (first.tokens.empty()) in_flight[0]->take(&first, 100ms);
+  const WeightUpdate u = engine->update_weights(altered);
+  ASSERT_EQ(u.outcome, WeightUpdate::Outcome::kUpdated) << u.message;
+  std::printf("  update: %s (%lld requests paused)\n", u.message.c_str(), static_cast<long long>(u.paused_requests));
+  for (auto& s : in_flight) {
+    ASSERT_TRUE(s);
+    const RequestUpdate r = drain(*s);
+    EXPECT_EQ(r.error, "");
+    EXPECT_EQ(r.finish_reason, "length");
+    EXPECT_EQ(r.completion_tokens, 200);
+  }
+  const std::vector<int32_t> want_altered = reference_ids_of(altered, probe, 12);
+  EXPECT_NE(want_altered, ids_of(original));
+  EXPECT_EQ(ids_of(drain(*engine->submit(greedy(probe, 12)).stream)), want_altered);
+
+  // Refused: the old (here: the altered) weights keep serving.
+  const WeightUpdate missing = engine->update_weights("/nonexistent/moebius-checkpoint");
+  EXPECT_EQ(missing.outcome, WeightUpdate::Outcome::kRefused);
+  EXPECT_NE(missing.message.find("does not exist"), std::string::npos) << missing.message;
+  const WeightUpdate shape = engine->update_weights(misshapen);
+  EXPECT_EQ(shape.outcome, WeightUpdate::Outcome::kRefused);
+  EXPECT_NE(shape.message.find("lm_head.weight"), std::string::npos) << shape.message;
+  EXPECT_EQ(ids_of(drain(*engine->submit(greedy(probe, 12)).stream)), want_altered);
+
+  const WeightUpdate back = engine->update_weights(testing::tiny_fixture_dir());
+  ASSERT_EQ(back.outcome, WeightUpdate::Outcome::kUpdated) << back.message;
+  const RequestUpdate restored = drain(*engine->submit(greedy(probe, 12)).stream);
+  ASSERT_EQ(restored.tokens.size(), original.tokens.size());
+  for (size_t i = 0; i < restored.tokens.size(); ++i) {
+    EXPECT_EQ(restored.tokens[i].id, original.tokens[i].id) << i;
+    EXPECT_EQ(std::memcmp(&restored.tokens[i].logprob, &original.tokens[i].logprob, sizeof(float)), 0) << i;
+  }
+  EXPECT_EQ(engine->metrics().weight_updates_total.load(), 2);
+  testing::remove_fixture_copies();
+}
+
+TEST(Engine, UpdateWeightsAfterStopChangesNothing) {
+  auto engine = make_engine(2, 16);
+  engine->stop();
+  const WeightUpdate u = engine->update_weights(testing::tiny_fixture_dir());
+  EXPECT_EQ(u.outcome, WeightUpdate::Outcome::kStopped) << u.message;
 }
 
 }  // namespace

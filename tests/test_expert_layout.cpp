@@ -5,6 +5,7 @@
 
 #include <random>
 
+#include "core/dtype.h"
 #include "moe/expert_layout.h"
 
 namespace moebius::moe {
@@ -89,6 +90,60 @@ TEST(ExpertLayout, RefusesWhatTheKernelsCannotRun) {
   QuantMatrix a = random_matrix(WeightFormat::kInt4, 16, 128, 128, 1);
   QuantMatrix b = random_matrix(WeightFormat::kInt4, 16, 128, 64, 2);
   EXPECT_THAT(pack_gate_up(a, b).error().what(), ::testing::HasSubstr("must match"));
+}
+
+// A MoE layer of 4 experts, H = 64, I = 32, in `f`.
+cpu::MoeLayerReference random_layer(WeightFormat f, int group) {
+  cpu::MoeLayerReference L;
+  L.shape = cpu::MoeShape{64, 32, 4, 2};
+  L.router.num_experts = 4;
+  L.router.top_k = 2;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> d(0.0f, 0.5f);
+  L.router_weight.resize(4 * 64);
+  for (auto& v : L.router_weight) v = d(rng);
+  for (int e = 0; e < 4; ++e)
+    L.experts.push_back({random_matrix(f, 32, 64, group, 100 + 3 * e), random_matrix(f, 32, 64, group, 101 + 3 * e),
+                         random_matrix(f, 64, 32, group, 102 + 3 * e)});
+  return L;
+}
+
+// pack_moe_layer is what MoeLayerCuda uploads at creation and on a weight update: exactly the
+// per-expert packs, the router in bf16 and in the tile layout.
+TEST(ExpertLayout, PackMoeLayerPacksEveryExpertAndTheRouter) {
+  const cpu::MoeLayerReference L = random_layer(WeightFormat::kNvFp4, 16);
+  auto p = pack_moe_layer(L);
+  ASSERT_TRUE(p.ok()) << p.error().what();
+  EXPECT_EQ(p->format, KernelFormat::kNvFp4);
+  ASSERT_EQ(p->w13.size(), 4u);
+  ASSERT_EQ(p->w2.size(), 4u);
+  for (int e = 0; e < 4; ++e) {
+    const auto& x = L.experts[static_cast<size_t>(e)];
+    auto a = pack_gate_up(x.gate, x.up);
+    auto b = pack_matrix(x.down);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(p->w13[static_cast<size_t>(e)].weight, a->weight) << e;
+    EXPECT_EQ(p->w13[static_cast<size_t>(e)].scales, a->scales) << e;
+    EXPECT_EQ(p->w13[static_cast<size_t>(e)].global_scale[1], a->global_scale[1]) << e;
+    EXPECT_EQ(p->w2[static_cast<size_t>(e)].weight, b->weight) << e;
+    EXPECT_EQ(p->w2[static_cast<size_t>(e)].scales, b->scales) << e;
+  }
+  ASSERT_EQ(p->router.size(), L.router_weight.size());
+  for (size_t i = 0; i < p->router.size(); ++i) ASSERT_EQ(p->router[i], float_to_bf16_bits(L.router_weight[i]));
+  std::vector<float> tiles(static_cast<size_t>(p->router_tiles.rows_padded * p->router_tiles.cols_padded));
+  unpack_to_float(p->router_tiles, tiles.data());
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t k = 0; k < 64; ++k)
+      ASSERT_EQ(tiles[static_cast<size_t>(r * p->router_tiles.cols_padded + k)],
+                bf16_bits_to_float(p->router[static_cast<size_t>(r * 64 + k)]));
+}
+
+TEST(ExpertLayout, PackMoeLayerRefusesExpertsOfMixedFormats) {
+  cpu::MoeLayerReference L = random_layer(WeightFormat::kInt4, 32);
+  L.experts[2].down = random_matrix(WeightFormat::kInt4, 64, 32, 16, 9);  // another group size
+  auto p = pack_moe_layer(L);
+  ASSERT_FALSE(p.ok());
+  EXPECT_THAT(p.error().what(), ::testing::HasSubstr("expert 2"));
 }
 
 }  // namespace

@@ -309,5 +309,45 @@ TEST(OpenAiApi, ResponseShapes) {
   EXPECT_NO_THROW(json::parse(chat_response(m, c, Usage{})));
 }
 
+std::optional<ApiError> update(const std::string& body, UpdateWeightsRequest* out = nullptr) {
+  UpdateWeightsRequest r;
+  return parse_update_weights_request(body, limits(), out ? out : &r);
+}
+
+TEST(OpenAiApi, UpdateWeightsRequest) {
+  UpdateWeightsRequest r;
+  EXPECT_FALSE(update(R"({"model_path": "/ckpt/step-100"})", &r));
+  EXPECT_EQ(r.model_path, "/ckpt/step-100");
+  // SGLang's other fields are accepted and ignored; load_format may only say "auto".
+  EXPECT_FALSE(
+      update(R"({"model_path": "/m", "load_format": "auto", "flush_cache": true, "abort_all_requests": false})"));
+  EXPECT_FALSE(update(R"({"model_path": "/m", "load_format": null})"));
+  expect_400(update(R"({"model_path": "/m", "load_format": "dummy"})"), "load_format");
+  expect_400(update(R"({"model_path": "/m", "load_format": 3})"), "load_format");
+  expect_400(update("{}"), "model_path");
+  expect_400(update(R"({"model_path": null})"), "model_path");
+  expect_400(update(R"({"model_path": ""})"), "model_path");
+  expect_400(update(R"({"model_path": ["/m"]})"), "model_path");
+  expect_400(update(R"({"model_path": )"), "", "invalid_json");
+  expect_400(update("[]"), "");
+  EXPECT_EQ(update(std::string(5000, ' '))->status, 413);
+}
+
+TEST(OpenAiApi, UpdateWeightsResponses) {
+  const json ok = json::parse(update_weights_response("done", 3));
+  EXPECT_EQ(ok["success"], true);
+  EXPECT_EQ(ok["message"], "done");
+  EXPECT_EQ(ok["num_paused_requests"], 3);
+  // A failure reads as SGLang's {"success": false, "message"} and as OpenAI's error object.
+  const json bad =
+      json::parse(update_weights_error(invalid_request("no config.json", "model_path", "invalid_checkpoint")));
+  EXPECT_EQ(bad["success"], false);
+  EXPECT_EQ(bad["message"], "no config.json");
+  EXPECT_EQ(bad["error"]["message"], "no config.json");
+  EXPECT_EQ(bad["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(bad["error"]["param"], "model_path");
+  EXPECT_EQ(bad["error"]["code"], "invalid_checkpoint");
+}
+
 }  // namespace
 }  // namespace moebius::server

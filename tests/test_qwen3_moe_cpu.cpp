@@ -256,6 +256,65 @@ TEST(Qwen3MoeCpu, ForwardRefusesBadInputsWithoutTouchingTheCache) {
   EXPECT_FALSE(m.forward(ids, 1, other, logits.data()).ok());  // shaped for another model
 }
 
+// forward_batch (the server's CPU step) against forward() one sequence at a time: a prefill
+// chunk, a first prefill and two decodes in one batch, one of them without logits, give
+// bit-identical logits and caches; a bad sequence refuses the whole batch and touches no cache.
+TEST(Qwen3MoeCpu, ForwardBatchMatchesOneSequenceAtATimeBitExactly) {
+  const Qwen3MoeCpu& m = tiny_model();
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  const std::vector<std::vector<int32_t>> prompts = {
+      {5, 9, 33, 2, 17, 400, 8}, {1, 2, 3}, {77, 78, 79, 80, 81, 82, 83, 84, 85, 86}, {300, 12}};
+  std::vector<KvCache> solo, batched;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    solo.push_back(m.make_cache(32, 4));
+    batched.push_back(m.make_cache(32, 4));
+  }
+  // Sequences 1 and 3 already hold their prompts; 0 has its first 4 tokens; 2 starts now.
+  auto warm = [&](std::vector<KvCache>& caches) {
+    std::vector<float> scratch(16 * V);
+    EXPECT_TRUE(m.forward(prompts[0].data(), 4, caches[0], scratch.data()).ok());
+    EXPECT_TRUE(m.forward(prompts[1].data(), 3, caches[1], scratch.data()).ok());
+    EXPECT_TRUE(m.forward(prompts[3].data(), 2, caches[3], scratch.data()).ok());
+  };
+  warm(solo);
+  warm(batched);
+  const int32_t next1 = 42, next3 = 511;
+  const std::vector<Qwen3MoeCpu::BatchSeq> step = {
+      {std::span<const int32_t>(prompts[0]).subspan(4), &batched[0], true},  // the rest of a chunked prefill
+      {std::span<const int32_t>(&next1, 1), &batched[1], true},              // a decode
+      {std::span<const int32_t>(prompts[2]).first(6), &batched[2], false},   // a chunk whose logits are not needed
+      {std::span<const int32_t>(&next3, 1), &batched[3], true}};             // a decode
+  std::vector<float> got(3 * V);
+  ASSERT_TRUE(m.forward_batch(step, got.data()).ok());
+
+  std::vector<float> want, scratch(16 * V);
+  for (size_t i = 0; i < step.size(); ++i) {
+    const int T = static_cast<int>(step[i].ids.size());
+    ASSERT_TRUE(m.forward(step[i].ids.data(), T, solo[i], scratch.data()).ok());
+    if (step[i].want_logits) want.insert(want.end(), scratch.begin() + (T - 1) * V, scratch.begin() + T * V);
+  }
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  // The caches hold the same rows: one more decode step on each gives the same logits.
+  for (size_t i = 0; i < step.size(); ++i) {
+    EXPECT_EQ(batched[i].position(), solo[i].position());
+    std::vector<float> a(V), b(V);
+    const int32_t id = 7;
+    ASSERT_TRUE(m.forward(&id, 1, batched[i], a.data()).ok());
+    ASSERT_TRUE(m.forward(&id, 1, solo[i], b.data()).ok());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), V * sizeof(float)), 0) << "sequence " << i;
+  }
+
+  // One sequence past its cache: nothing runs, no cache moves.
+  std::vector<int64_t> before;
+  for (const KvCache& c : batched) before.push_back(c.position());
+  const std::vector<int32_t> many(40, 3);
+  const std::vector<Qwen3MoeCpu::BatchSeq> bad = {{std::span<const int32_t>(&next1, 1), &batched[1], true},
+                                                  {many, &batched[0], true}};
+  EXPECT_FALSE(m.forward_batch(bad, got.data()).ok());
+  for (size_t i = 0; i < batched.size(); ++i) EXPECT_EQ(batched[i].position(), before[i]);
+}
+
 // The fixture copied to a temporary directory, minus `drop`, with `reshape` given the wrong shape.
 std::string damaged_copy(const std::string& drop, const std::string& reshape) {
   namespace fs = std::filesystem;

@@ -34,6 +34,7 @@
 #include "core/error.h"
 #include "model/generate.h"
 #include "model/qwen3_moe_config.h"
+#include "model/weight_source.h"
 
 #ifdef MOEBIUS_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -66,21 +67,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 Status run(const BenchGenerateOptions& o) {
-  if (o.geometry.empty() == o.model_dir.empty()) return Error("give exactly one of --geometry and --model").in_field("--geometry");
-  if (o.load_format != "dummy" && o.load_format != "auto")
-    return Error::format("expected dummy or auto, got '{}'", o.load_format).in_field("--load-format");
-  if (!o.geometry.empty() && o.load_format != "dummy")
-    return Error("--geometry has no checkpoint; use --load-format dummy").in_field("--load-format");
+  const model::WeightSource source{o.model_dir, o.geometry, o.load_format};
+  MOEBIUS_TRY(model::validate_weight_source(source));
   if (o.prefill < 1) return Error::format("must be >= 1, got {}", o.prefill).in_field("--prefill");
   if (o.decode_steps < 1) return Error::format("must be >= 1, got {}", o.decode_steps).in_field("--decode-steps");
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", int64_t{1} << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
-  model::Qwen3MoeConfig config;
-  if (!o.geometry.empty()) {
-    MOEBIUS_ASSIGN_OR_RETURN(config, model::named_qwen3_moe_config(o.geometry));
-  } else {
-    MOEBIUS_ASSIGN_OR_RETURN(config, model::load_qwen3_moe_config(o.model_dir));
-  }
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(source));
   constexpr int kWarmup = 3;
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
   const int64_t need = std::max<int64_t>(max_ctx + kWarmup + o.decode_steps, o.prefill);
@@ -99,13 +92,7 @@ Status run(const BenchGenerateOptions& o) {
   co.seed = o.seed;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
-  std::unique_ptr<model::Qwen3MoeCuda> m;
-  if (o.load_format == "dummy") {
-    MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
-    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::create_dummy(config, kf, co));
-  } else {
-    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::load(o.model_dir, co));
-  }
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("moebius bench generate  %s  %s (L=%d H=%lld E=%d k=%d V=%lld)  experts=%s  weights=%s\n", prop.name,

@@ -1,8 +1,12 @@
 // `moebius serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--backend cpu|cuda]`
+// `moebius serve --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 --backend cuda --tokenizer DIR`
 //
 // Loads the model into a StepRunner, starts the engine thread (server/engine.h) and serves the
 // OpenAI API (server/api_server.h) until SIGINT or SIGTERM. The tokenizer (tokenizer.json) and
-// chat template (tokenizer_config.json) come from --tokenizer DIR, by default the model's.
+// chat template (tokenizer_config.json) come from --tokenizer DIR, by default the model's; with
+// --geometry (random weights of a named model, no directory: benchmarks, or a server whose real
+// weights arrive by POST /update_weights_from_disk) --tokenizer is required and the sampling
+// defaults are the API's (no generation_config.json).
 // Once listening it prints "moebius serve: listening on http://HOST:PORT" to stderr (with
 // --port 0 the port is the one the system chose; the server tests read it from there).
 #include <pthread.h>
@@ -23,6 +27,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "model/generation_config.h"
+#include "model/weight_source.h"
 #include "server/api_server.h"
 #include "server/http_server.h"
 #include "server/step_runner.h"
@@ -58,7 +63,12 @@ std::optional<int32_t> tokenizer_eos(const std::string& dir, const tokenizer::Bp
 }
 
 Status run(ServeOptions& o) {
-  if (o.tokenizer_dir.empty()) o.tokenizer_dir = o.runner.model_dir;
+  const model::WeightSource& source = o.runner.source;
+  MOEBIUS_TRY(model::validate_weight_source(source));
+  if (o.tokenizer_dir.empty()) o.tokenizer_dir = source.model_dir;
+  if (o.tokenizer_dir.empty())
+    return Error("is required with --geometry (there is no model directory to read tokenizer.json from)")
+        .in_field("--tokenizer");
   if (o.port < 0 || o.port > 65535) return Error::format("must be in [0, 65535], got {}", o.port).in_field("--port");
   if (o.max_queue < 1) return Error::format("must be >= 1, got {}", o.max_queue).in_field("--max-queue");
   const std::string tok_path = (std::filesystem::path(o.tokenizer_dir) / "tokenizer.json").string();
@@ -66,7 +76,10 @@ Status run(ServeOptions& o) {
   if (!std::filesystem::exists(tok_path, ec))
     return Error::format("'{}' does not exist; serving needs a tokenizer", tok_path).in_field("--tokenizer");
   MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer tok, tokenizer::BpeTokenizer::load(tok_path));
-  MOEBIUS_ASSIGN_OR_RETURN(model::GenerationConfig gen, model::load_generation_config(o.runner.model_dir));
+  model::GenerationConfig gen;
+  if (!source.model_dir.empty()) {
+    MOEBIUS_ASSIGN_OR_RETURN(gen, model::load_generation_config(source.model_dir));
+  }
 
   // SIGINT/SIGTERM are taken by one thread with sigwait(); blocked before any thread starts so
   // none of the others is interrupted by them.
@@ -76,7 +89,7 @@ Status run(ServeOptions& o) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  log_info("loading {} ({} backend)", o.runner.model_dir, o.runner.backend);
+  log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
   log_info("{}", runner->describe());
 
@@ -88,11 +101,11 @@ Status run(ServeOptions& o) {
   server::Engine engine(std::move(runner), &tok, eo);
 
   server::ApiServerOptions ao;
-  ao.served_model_name = o.served_model_name.empty()
-                             ? std::filesystem::path(o.runner.model_dir).lexically_normal().filename().string()
-                             : o.served_model_name;
-  if (ao.served_model_name.empty()) ao.served_model_name = o.runner.model_dir;
-  ao.model_aliases = {o.runner.model_dir};
+  ao.served_model_name = o.served_model_name;
+  if (ao.served_model_name.empty() && !source.model_dir.empty())
+    ao.served_model_name = std::filesystem::path(source.model_dir).lexically_normal().filename().string();
+  if (ao.served_model_name.empty()) ao.served_model_name = source.name();
+  ao.model_aliases = {source.name()};
   ao.api_key = o.api_key;
   ao.max_body_bytes = o.max_body_bytes;
   if (gen.do_sample.has_value() && !*gen.do_sample) ao.sampling.temperature = 0.0f;
@@ -152,7 +165,9 @@ Status run(ServeOptions& o) {
 void register_serve(CLI::App& app) {
   auto o = std::make_shared<ServeOptions>();
   CLI::App* cmd = app.add_subcommand("serve", "serve the OpenAI API (chat and completions) with continuous batching");
-  cmd->add_option("--model", o->runner.model_dir, "model directory (config.json, *.safetensors)")->required();
+  cmd->add_option("--model", o->runner.source.model_dir, "model directory (config.json, *.safetensors)");
+  cmd->add_option("--geometry", o->runner.source.geometry,
+                  "instead of --model: qwen3-30b-a3b or qwen3-235b-a22b with --load-format dummy (needs --tokenizer)");
   cmd->add_option("--tokenizer", o->tokenizer_dir, "directory of tokenizer.json and tokenizer_config.json (default: --model)");
   cmd->add_option("--host", o->host, "address to bind (0.0.0.0 exposes the server)")->capture_default_str();
   cmd->add_option("--port", o->port, "port; 0 picks a free one")->capture_default_str();
@@ -160,7 +175,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
   cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
-  cmd->add_option("--load-format", o->runner.load_format, "auto, or dummy (cuda: random weights)")->capture_default_str();
+  cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
+      ->capture_default_str();
   cmd->add_option("--max-context", o->runner.max_context,
                   "tokens per sequence (default: the model's; cuda: at most 8192)");
   cmd->add_option("--max-running", o->runner.max_seqs, "sequences per step")->capture_default_str();

@@ -214,7 +214,8 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
 
 #ifdef MOEBIUS_HAS_CUDA
   if (o.backend == "cuda") {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, load_qwen3_moe_config(o.model_dir));
+    const WeightSource source{o.model_dir, "", o.load_format};
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, weight_source_config(source));
     Qwen3MoeCudaOptions co;
     co.experts_format = experts;
     const int64_t P = static_cast<int64_t>(o.prompt_ids.size());
@@ -224,13 +225,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.max_seqs = 1;
     co.graph_batches = {1};
     co.progress = o.on_progress;
-    std::unique_ptr<Qwen3MoeCuda> model;
-    if (o.load_format == "dummy") {
-      MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
-      MOEBIUS_ASSIGN_OR_RETURN(model, Qwen3MoeCuda::create_dummy(config, kf, co));
-    } else {
-      MOEBIUS_ASSIGN_OR_RETURN(model, Qwen3MoeCuda::load(o.model_dir, co));
-    }
+    MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (o.on_report) o.on_report(format_memory_plan(model->memory_plan()));
     return generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
   }

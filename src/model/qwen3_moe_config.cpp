@@ -7,6 +7,8 @@
 #include <optional>
 #include <sstream>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 namespace moebius::model {
@@ -137,6 +139,36 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
 bool Qwen3MoeConfig::is_moe_layer(int layer) const {
   const bool forced_dense = std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end();
   return !forced_dense && num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+Status check_same_config(const Qwen3MoeConfig& a, const Qwen3MoeConfig& b) {
+  std::optional<Error> first;  // the first field that differs
+  const auto same = [&first](const char* field, const auto& serving, const auto& incoming) {
+    if (first || serving == incoming) return;
+    first = Error::format("is {} here, the serving model has {}; a weight update needs an identical config",
+                          incoming, serving)
+                .in_field(field);
+  };
+  same("vocab_size", a.vocab_size, b.vocab_size);
+  same("hidden_size", a.hidden_size, b.hidden_size);
+  same("num_hidden_layers", a.num_hidden_layers, b.num_hidden_layers);
+  same("num_attention_heads", a.num_attention_heads, b.num_attention_heads);
+  same("num_key_value_heads", a.num_key_value_heads, b.num_key_value_heads);
+  same("head_dim", a.head_dim, b.head_dim);
+  same("rope_theta", a.rope_theta, b.rope_theta);
+  same("rms_norm_eps", a.rms_norm_eps, b.rms_norm_eps);
+  same("num_experts", a.num_experts, b.num_experts);
+  same("num_experts_per_tok", a.num_experts_per_tok, b.num_experts_per_tok);
+  same("moe_intermediate_size", a.moe_intermediate_size, b.moe_intermediate_size);
+  same("intermediate_size", a.intermediate_size, b.intermediate_size);
+  same("norm_topk_prob", a.norm_topk_prob, b.norm_topk_prob);
+  same("decoder_sparse_step", a.decoder_sparse_step, b.decoder_sparse_step);
+  same("mlp_only_layers", fmt::format("[{}]", fmt::join(a.mlp_only_layers, ", ")),
+       fmt::format("[{}]", fmt::join(b.mlp_only_layers, ", ")));
+  same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
+  same("max_position_embeddings", a.max_position_embeddings, b.max_position_embeddings);
+  if (first) return std::move(*first);
+  return Ok{};
 }
 
 Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::string& source) {

@@ -47,6 +47,11 @@ Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::
 // Reads `path`, or `path`/config.json when `path` is a directory.
 Result<Qwen3MoeConfig> load_qwen3_moe_config(const std::string& path);
 
+// Ok when a model of `incoming` can take the place of one of `serving` (a weight update): every
+// field is identical (geometry, RoPE, norms, routing, which layers are MoE). Otherwise an Error
+// naming the first field that differs and both values; the caller adds the file.
+Status check_same_config(const Qwen3MoeConfig& serving, const Qwen3MoeConfig& incoming);
+
 // The published configs of real models, for dummy-weight benchmarks without a checkpoint:
 // "qwen3-30b-a3b" (Qwen/Qwen3-30B-A3B) and "qwen3-235b-a22b" (Qwen/Qwen3-235B-A22B).
 Result<Qwen3MoeConfig> named_qwen3_moe_config(const std::string& name);

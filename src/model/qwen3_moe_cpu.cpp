@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+
+#include <fmt/format.h>
 
 #include "core/dtype.h"
 #include "cpu/attention.h"
@@ -262,6 +265,7 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
 
 Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoadOptions& options) {
   Qwen3MoeCpu m;
+  m.options_ = options;
   MOEBIUS_ASSIGN_OR_RETURN(m.config_, load_qwen3_moe_config(dir));
   MOEBIUS_ASSIGN_OR_RETURN(m.quant_, load_quant_config(dir));
   const Qwen3MoeConfig& c = m.config_;
@@ -282,85 +286,184 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
   return m;
 }
 
+namespace {
+
+std::string matrix_layout(const QuantMatrix& m) {
+  std::string s = fmt::format("{} [{}, {}]", weight_format_name(m.format), m.rows, m.cols);
+  if (m.group_size > 0) s += fmt::format(" group size {}", m.group_size);
+  return s;
+}
+
+}  // namespace
+
+Result<Qwen3MoeCpu> Qwen3MoeCpu::stage_reload(const std::string& dir) const {
+  // The config first: a checkpoint of another geometry is named as such, not by its first
+  // misshapen tensor.
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig incoming, load_qwen3_moe_config(dir));
+  if (auto st = check_same_config(config_, incoming); !st.ok())
+    return std::move(st).error().in_file((std::filesystem::path(dir) / "config.json").string());
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeCpu next, load(dir, options_));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Qwen3MoeLayerWeights& a = layers_[l];
+    const Qwen3MoeLayerWeights& b = next.layers_[l];
+    if (!a.is_moe) continue;  // dense weights are fp32 of the config's shapes either way
+    for (size_t e = 0; e < a.moe.experts.size(); ++e) {
+      const cpu::ExpertWeights& x = a.moe.experts[e];
+      const cpu::ExpertWeights& y = b.moe.experts[e];
+      const std::pair<const QuantMatrix*, const QuantMatrix*> pairs[] = {{&x.gate, &y.gate}, {&x.up, &y.up},
+                                                                         {&x.down, &y.down}};
+      const char* names[] = {"gate_proj", "up_proj", "down_proj"};
+      for (int i = 0; i < 3; ++i) {
+        const QuantMatrix& m = *pairs[i].first;
+        const QuantMatrix& n = *pairs[i].second;
+        if (m.format != n.format || m.rows != n.rows || m.cols != n.cols || m.group_size != n.group_size)
+          return Error::format("loads as {}, the serving model has {}; a weight update keeps the expert format",
+                               matrix_layout(n), matrix_layout(m))
+              .in_tensor(fmt::format("model.layers.{}.mlp.experts.{}.{}", l, e, names[i]))
+              .in_file(dir);
+      }
+    }
+  }
+  return next;
+}
+
+void Qwen3MoeCpu::commit_reload(Qwen3MoeCpu&& staged) {
+  MOEBIUS_ASSERT(check_same_config(config_, staged.config_).ok(), "commit_reload of an unchecked model");
+  *this = std::move(staged);
+}
+
 KvCache Qwen3MoeCpu::make_cache(int64_t max_tokens, int block_size) const {
   if (max_tokens <= 0) max_tokens = config_.max_position_embeddings;
   return KvCache(config_.num_hidden_layers, config_.num_key_value_heads, config_.head_dim, max_tokens, block_size);
 }
 
-Status Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, int T, int64_t p0,
-                              KvCache& cache, float* out) const {
+void Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, std::span<const BatchSeq> seqs,
+                            const std::vector<int64_t>& positions, float* out) const {
   const Qwen3MoeConfig& c = config_;
   const int nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  const int64_t N = static_cast<int64_t>(positions.size());
   const int64_t H = c.hidden_size, q_dim = int64_t{nh} * hd, kv_dim = int64_t{nkv} * hd;
-  std::vector<float> q(static_cast<size_t>(T * q_dim)), k(static_cast<size_t>(T * kv_dim)),
-      v(static_cast<size_t>(T * kv_dim)), a(static_cast<size_t>(T * q_dim));
-  cpu::linear_reference(h, w.q_proj.data(), T, q_dim, H, q.data());   // [T, nh, hd]
-  cpu::linear_reference(h, w.k_proj.data(), T, kv_dim, H, k.data());  // [T, nkv, hd]
-  cpu::linear_reference(h, w.v_proj.data(), T, kv_dim, H, v.data());  // [T, nkv, hd]
+  std::vector<float> q(static_cast<size_t>(N * q_dim)), k(static_cast<size_t>(N * kv_dim)),
+      v(static_cast<size_t>(N * kv_dim)), a(static_cast<size_t>(N * q_dim));
+  cpu::linear_reference(h, w.q_proj.data(), N, q_dim, H, q.data());   // [N, nh, hd]
+  cpu::linear_reference(h, w.k_proj.data(), N, kv_dim, H, k.data());  // [N, nkv, hd]
+  cpu::linear_reference(h, w.v_proj.data(), N, kv_dim, H, v.data());  // [N, nkv, hd]
   // Qwen3's QK-norm: RMSNorm over each head's hd values, before RoPE.
-  cpu::rms_norm_reference(q.data(), w.q_norm.data(), int64_t{T} * nh, hd, c.rms_norm_eps, q.data());
-  cpu::rms_norm_reference(k.data(), w.k_norm.data(), int64_t{T} * nkv, hd, c.rms_norm_eps, k.data());
-  std::vector<int64_t> positions(static_cast<size_t>(T));
-  for (int t = 0; t < T; ++t) positions[static_cast<size_t>(t)] = p0 + t;
-  cpu::rope_neox_reference(q.data(), T, nh, hd, positions.data(), inv_freq_.data());
-  cpu::rope_neox_reference(k.data(), T, nkv, hd, positions.data(), inv_freq_.data());
-  for (int t = 0; t < T; ++t) {  // rows [p0, p0 + T) were reserved by forward()
-    std::copy_n(k.data() + t * kv_dim, kv_dim, cache.key(layer, p0 + t));
-    std::copy_n(v.data() + t * kv_dim, kv_dim, cache.value(layer, p0 + t));
+  cpu::rms_norm_reference(q.data(), w.q_norm.data(), N * nh, hd, c.rms_norm_eps, q.data());
+  cpu::rms_norm_reference(k.data(), w.k_norm.data(), N * nkv, hd, c.rms_norm_eps, k.data());
+  cpu::rope_neox_reference(q.data(), N, nh, hd, positions.data(), inv_freq_.data());
+  cpu::rope_neox_reference(k.data(), N, nkv, hd, positions.data(), inv_freq_.data());
+  int64_t row = 0;  // the sequence's first token in the batch
+  for (const BatchSeq& s : seqs) {
+    KvCache& cache = *s.cache;
+    const int64_t T = static_cast<int64_t>(s.ids.size()), p0 = cache.position();
+    for (int64_t t = 0; t < T; ++t) {  // rows [p0, p0 + T) were reserved by run()
+      std::copy_n(k.data() + (row + t) * kv_dim, kv_dim, cache.key(layer, p0 + t));
+      std::copy_n(v.data() + (row + t) * kv_dim, kv_dim, cache.value(layer, p0 + t));
+    }
+    // Causal GQA over the cache rows [0, p0 + T), by row pointers into the paged cache.
+    const KvCache& kc = cache;
+    std::vector<const float*> k_rows(static_cast<size_t>(p0 + T)), v_rows(static_cast<size_t>(p0 + T));
+    for (int64_t j = 0; j < p0 + T; ++j) {
+      k_rows[static_cast<size_t>(j)] = kc.key(layer, j);
+      v_rows[static_cast<size_t>(j)] = kc.value(layer, j);
+    }
+    cpu::attention_reference(q.data() + row * q_dim, T, nh, nkv, hd, p0, k_rows.data(), v_rows.data(),
+                             a.data() + row * q_dim);
+    row += T;
   }
-  // Causal GQA over the cache rows [0, p0 + T), by row pointers into the paged cache.
-  const KvCache& kc = cache;
-  std::vector<const float*> k_rows(static_cast<size_t>(p0 + T)), v_rows(static_cast<size_t>(p0 + T));
-  for (int64_t j = 0; j < p0 + T; ++j) {
-    k_rows[static_cast<size_t>(j)] = kc.key(layer, j);
-    v_rows[static_cast<size_t>(j)] = kc.value(layer, j);
-  }
-  cpu::attention_reference(q.data(), T, nh, nkv, hd, p0, k_rows.data(), v_rows.data(), a.data());
-  cpu::linear_reference(a.data(), w.o_proj.data(), T, H, q_dim, out);  // [T, H]
-  return Ok{};
+  cpu::linear_reference(a.data(), w.o_proj.data(), N, H, q_dim, out);  // [N, H]
 }
 
 Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* logits) const {
+  if (T <= 0) return Error::format("forward needs at least one token, got {}", T);
+  const BatchSeq seq{std::span<const int32_t>(ids, static_cast<size_t>(T)), &cache, true};
+  return run(std::span<const BatchSeq>(&seq, 1), /*all_rows=*/true, logits);
+}
+
+Status Qwen3MoeCpu::forward_batch(std::span<const BatchSeq> seqs, float* logits) const {
+  return run(seqs, /*all_rows=*/false, logits);
+}
+
+Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const {
   const Qwen3MoeConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size;
-  if (T <= 0) return Error::format("forward needs at least one token, got {}", T);
-  if (cache.num_layers() != c.num_hidden_layers || cache.num_kv_heads() != c.num_key_value_heads ||
-      cache.head_dim() != c.head_dim)
-    return Error::format("KV cache is shaped for L={} nkv={} hd={}, the model has L={} nkv={} hd={}",
-                         cache.num_layers(), cache.num_kv_heads(), cache.head_dim(), c.num_hidden_layers,
-                         c.num_key_value_heads, c.head_dim);
-  const int64_t p0 = cache.position();
-  if (p0 + T > c.max_position_embeddings)
-    return Error::format("positions up to {} exceed max_position_embeddings {}", p0 + T - 1, c.max_position_embeddings);
-  for (int t = 0; t < T; ++t)
-    if (ids[t] < 0 || ids[t] >= V) return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, ids[t], V);
-  MOEBIUS_TRY(cache.reserve(p0 + T));
+  MOEBIUS_ASSERT(!all_rows || seqs.size() == 1);
+  if (seqs.empty()) return Error("forward needs at least one sequence");
+  // Everything that can fail is checked before any cache changes.
+  int64_t N = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const BatchSeq& s = seqs[i];
+    MOEBIUS_ASSERT(s.cache != nullptr);
+    for (size_t j = 0; j < i; ++j) MOEBIUS_ASSERT(seqs[j].cache != s.cache, "two sequences share a KV cache");
+    const KvCache& cache = *s.cache;
+    const int64_t T = static_cast<int64_t>(s.ids.size());
+    if (T <= 0) return Error::format("forward needs at least one token, got {}", T);
+    if (cache.num_layers() != c.num_hidden_layers || cache.num_kv_heads() != c.num_key_value_heads ||
+        cache.head_dim() != c.head_dim)
+      return Error::format("KV cache is shaped for L={} nkv={} hd={}, the model has L={} nkv={} hd={}",
+                           cache.num_layers(), cache.num_kv_heads(), cache.head_dim(), c.num_hidden_layers,
+                           c.num_key_value_heads, c.head_dim);
+    const int64_t p0 = cache.position();
+    if (p0 + T > c.max_position_embeddings)
+      return Error::format("positions up to {} exceed max_position_embeddings {}", p0 + T - 1,
+                           c.max_position_embeddings);
+    if (p0 + T > cache.max_tokens())
+      return Error::format("KV cache holds at most {} tokens, {} requested", cache.max_tokens(), p0 + T);
+    for (int64_t t = 0; t < T; ++t)
+      if (s.ids[static_cast<size_t>(t)] < 0 || s.ids[static_cast<size_t>(t)] >= V)
+        return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, s.ids[static_cast<size_t>(t)], V);
+    N += T;
+  }
+  std::vector<int64_t> positions;  // [N]
+  positions.reserve(static_cast<size_t>(N));
+  for (const BatchSeq& s : seqs) {
+    const int64_t p0 = s.cache->position(), T = static_cast<int64_t>(s.ids.size());
+    MOEBIUS_TRY(s.cache->reserve(p0 + T));  // checked above: cannot fail
+    for (int64_t t = 0; t < T; ++t) positions.push_back(p0 + t);
+  }
 
-  const size_t n = static_cast<size_t>(T * H);
-  std::vector<float> x(n), h(n), y(n);  // each [T, H]; x is the residual stream
-  for (int t = 0; t < T; ++t) std::copy_n(embed_.data() + int64_t{ids[t]} * H, H, x.data() + t * H);
+  const size_t n = static_cast<size_t>(N * H);
+  std::vector<float> x(n), h(n), y(n);  // each [N, H]; x is the residual stream
+  {
+    int64_t row = 0;
+    for (const BatchSeq& s : seqs)
+      for (int32_t id : s.ids) std::copy_n(embed_.data() + int64_t{id} * H, H, x.data() + (row++) * H);
+  }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Qwen3MoeLayerWeights& w = layers_[static_cast<size_t>(l)];
-    cpu::rms_norm_reference(x.data(), w.input_norm.data(), T, H, c.rms_norm_eps, h.data());
-    MOEBIUS_TRY(attention(w, l, h.data(), T, p0, cache, y.data()));
+    cpu::rms_norm_reference(x.data(), w.input_norm.data(), N, H, c.rms_norm_eps, h.data());
+    attention(w, l, h.data(), seqs, positions, y.data());
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
-    cpu::rms_norm_reference(x.data(), w.post_norm.data(), T, H, c.rms_norm_eps, h.data());
+    cpu::rms_norm_reference(x.data(), w.post_norm.data(), N, H, c.rms_norm_eps, h.data());
     if (w.is_moe) {
-      if (auto st = w.moe.forward(h.data(), T, y.data()); !st.ok())
+      if (auto st = w.moe.forward(h.data(), N, y.data()); !st.ok())
         return std::move(st).error().with_context("layer " + std::to_string(l));
     } else {  // dense SwiGLU: down(silu(gate h) * up h)
       const int64_t I = c.intermediate_size;
-      std::vector<float> g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
-      cpu::linear_reference(h.data(), w.gate_proj.data(), T, I, H, g.data());
-      cpu::linear_reference(h.data(), w.up_proj.data(), T, I, H, u.data());
-      cpu::swiglu_reference(g.data(), I, u.data(), I, T, I, g.data());
-      cpu::linear_reference(g.data(), w.down_proj.data(), T, H, I, y.data());
+      std::vector<float> g(static_cast<size_t>(N * I)), u(static_cast<size_t>(N * I));
+      cpu::linear_reference(h.data(), w.gate_proj.data(), N, I, H, g.data());
+      cpu::linear_reference(h.data(), w.up_proj.data(), N, I, H, u.data());
+      cpu::swiglu_reference(g.data(), I, u.data(), I, N, I, g.data());
+      cpu::linear_reference(g.data(), w.down_proj.data(), N, H, I, y.data());
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
   }
-  cpu::rms_norm_reference(x.data(), norm_.data(), T, H, c.rms_norm_eps, h.data());
-  cpu::linear_reference(h.data(), (lm_head_.empty() ? embed_ : lm_head_).data(), T, V, H, logits);  // [T, V]
-  cache.advance(T);
+  cpu::rms_norm_reference(x.data(), norm_.data(), N, H, c.rms_norm_eps, h.data());
+  const float* head = (lm_head_.empty() ? embed_ : lm_head_).data();
+  if (all_rows) {
+    cpu::linear_reference(h.data(), head, N, V, H, logits);  // [N, V]
+  } else {  // the last row of each sequence that wants logits: [R, V]
+    std::vector<float> last;
+    int64_t end = 0;
+    for (const BatchSeq& s : seqs) {
+      end += static_cast<int64_t>(s.ids.size());
+      if (s.want_logits) last.insert(last.end(), h.begin() + (end - 1) * H, h.begin() + end * H);
+    }
+    const int64_t R = static_cast<int64_t>(last.size()) / H;
+    if (R > 0) cpu::linear_reference(last.data(), head, R, V, H, logits);
+  }
+  for (const BatchSeq& s : seqs) s.cache->advance(static_cast<int64_t>(s.ids.size()));
   return Ok{};
 }
 

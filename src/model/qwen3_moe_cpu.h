@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -117,17 +118,50 @@ class Qwen3MoeCpu {
   // A cache shaped for this model; max_tokens defaults to max_position_embeddings.
   KvCache make_cache(int64_t max_tokens = 0, int block_size = 16) const;
 
+  // Weight updates (`moebius serve`'s POST /update_weights_from_disk), in two steps so that
+  // nothing of this model changes before the new checkpoint has been read and checked in full:
+  //  1. stage_reload(dir) loads `dir` with this model's load options into a new model (which
+  //     reads and checks every tensor: presence, shape, dtype, quantized layout, finite values
+  //     where quantizing) and checks that it can take this one's place: config.json identical
+  //     (check_same_config) and every expert projection in the same format, shape and group size.
+  //     It reads only this model's config and expert formats, which never change outside
+  //     commit_reload, so it may run on another thread while forward() runs.
+  //  2. commit_reload(staged) takes the staged model's weights. The CPU backend keeps no state that
+  //     holds weight addresses (the CUDA runner's captured graphs do, so it copies into its
+  //     buffers instead), so the weights are swapped. KV caches made for this model stay valid.
+  Result<Qwen3MoeCpu> stage_reload(const std::string& dir) const;
+  void commit_reload(Qwen3MoeCpu&& staged);
+
   // Runs T tokens at positions cache.position() .. +T-1 (a prefill when the cache is empty, a
   // decode step when T == 1), appends their K/V to the cache and writes logits [T, V] fp32.
   // Errors (cache unchanged) for an id outside [0, V), a cache of another shape, or running past
   // the cache or max_position_embeddings.
   Status forward(const int32_t* ids, int T, KvCache& cache, float* logits) const;
 
+  // One sequence of forward_batch: its new tokens, continuing its own cache.
+  struct BatchSeq {
+    std::span<const int32_t> ids;  // at least one, at positions cache->position() ..
+    KvCache* cache = nullptr;      // distinct for each sequence of a batch
+    bool want_logits = false;      // the logits of its last token are wanted
+  };
+  // Several sequences in one pass (the server's step): every token of every sequence goes through
+  // the norms, projections, router and experts together (each touched expert is dequantized once
+  // per step, not once per sequence), attention runs per sequence over its own cache, and the
+  // lm_head only for the wanted rows. Every op is per token, so each sequence's results are
+  // bit-identical to forward() on it alone. Writes logits [R, V] for the R sequences with
+  // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
+  Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
+
  private:
-  Status attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, int T, int64_t p0, KvCache& cache,
-                   float* out) const;
+  // forward() (all_rows: logits of every token of the single sequence) and forward_batch().
+  Status run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const;
+  // Attention of layer `layer` for the N tokens of `seqs` (rows in sequence order, h [N, H]),
+  // their absolute positions [N]; writes their K/V into each sequence's cache and out [N, H].
+  void attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, std::span<const BatchSeq> seqs,
+                 const std::vector<int64_t>& positions, float* out) const;
 
   Qwen3MoeConfig config_;
+  Qwen3MoeLoadOptions options_;  // as loaded; a reload uses the same
   QuantConfig quant_;
   std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;  // owns the mmap that bf16 experts point into
   std::vector<float> embed_;    // [V, H]

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -89,10 +90,12 @@ Result<void*> Qwen3MoeCuda::device_alloc(size_t bytes, uint64_t* account) {
   return p;
 }
 
-Status Qwen3MoeCuda::upload_bf16(const std::vector<float>& host, __nv_bfloat16* dst) {
-  const std::vector<uint16_t> bits = to_bf16_bits(host);
-  CUDA_CHECK(cudaMemcpy(dst, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  return Ok{};
+void Qwen3MoeCuda::upload(const std::vector<uint16_t>& bf16_bits, __nv_bfloat16* dst) {
+  CUDA_CHECK(cudaMemcpy(dst, bf16_bits.data(), bf16_bits.size() * 2, cudaMemcpyHostToDevice));
+}
+
+void Qwen3MoeCuda::upload(const std::vector<float>& f32, float* dst) {
+  CUDA_CHECK(cudaMemcpy(dst, f32.data(), f32.size() * sizeof(float), cudaMemcpyHostToDevice));
 }
 
 Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& options) {
@@ -285,72 +288,205 @@ moe::MoeCudaOptions moe_options(int capacity) {
 
 }  // namespace
 
-Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir, const Qwen3MoeCudaOptions& options) {
-  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig c, load_qwen3_moe_config(dir));
-  MOEBIUS_ASSIGN_OR_RETURN(QuantConfig quant, load_quant_config(dir));
+// ---------------------------------------------------------------------------------------------
+// Staging: a checkpoint read and converted on the host into the device buffers' bytes
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// The checkpoint a runner loads: config, quantization config and the opened safetensors.
+struct OpenedCheckpoint {
+  Qwen3MoeConfig config;
+  QuantConfig quant;
+  std::shared_ptr<const SafetensorsCheckpoint> ck;
+};
+
+Result<OpenedCheckpoint> open_checkpoint(const std::string& dir) {
+  OpenedCheckpoint o;
+  MOEBIUS_ASSIGN_OR_RETURN(o.config, load_qwen3_moe_config(dir));
+  MOEBIUS_ASSIGN_OR_RETURN(o.quant, load_quant_config(dir));
   MOEBIUS_ASSIGN_OR_RETURN(SafetensorsCheckpoint opened, SafetensorsCheckpoint::open(dir));
-  auto ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
+  o.ck = std::make_shared<const SafetensorsCheckpoint>(std::move(opened));
+  return o;
+}
+
+// The CUDA kernels have no fp32 experts: keep bf16 for checkpoints stored in another float type.
+// Pre-quantized experts load as stored (load_qwen3_moe_layer refuses an --experts of another
+// format); a layer mixing formats (a checkpoint excluding some of its experts) is refused by
+// pack_moe_layer.
+Qwen3MoeLoadOptions layer_load_options(const Qwen3MoeCudaOptions& o) {
+  Qwen3MoeLoadOptions lo;
+  lo.experts_format = o.experts_format;
+  lo.experts_group_size = o.experts_group_size;
+  lo.unquantized_experts_bf16 = true;
+  return lo;
+}
+
+Status stage_embeddings(const OpenedCheckpoint& k, Qwen3MoeStagedWeights& out) {
+  const Qwen3MoeConfig& c = k.config;
+  const int64_t V = c.vocab_size, H = c.hidden_size;
+  MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> e, load_float_tensor(*k.ck, "model.embed_tokens.weight", Shape{V, H}));
+  out.embed = to_bf16_bits(e);
+  if (!c.tie_word_embeddings) {
+    MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> lm, load_linear_weight(*k.ck, k.quant, "lm_head", V, H));
+    out.lm_head = to_bf16_bits(lm);
+  }
+  MOEBIUS_ASSIGN_OR_RETURN(out.final_norm, load_float_tensor(*k.ck, "model.norm.weight", Shape{H}));
+  return Ok{};
+}
+
+// Layer `l` through the CPU backend's reader (load_qwen3_moe_layer: every tensor present with its
+// shape and dtype, quantized layouts checked), converted: dense weights to bf16 (q, k, v stacked;
+// gate and up stacked), experts packed (pack_moe_layer).
+Result<Qwen3MoeStagedWeights::Layer> stage_layer(const OpenedCheckpoint& k, int l, const Qwen3MoeLoadOptions& lo) {
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(k.ck, k.config, k.quant, l, lo));
+  Qwen3MoeStagedWeights::Layer s;
+  s.input_norm = std::move(w.input_norm);
+  s.post_norm = std::move(w.post_norm);
+  s.q_norm = std::move(w.q_norm);
+  s.k_norm = std::move(w.k_norm);
+  s.wqkv.reserve(w.q_proj.size() + w.k_proj.size() + w.v_proj.size());
+  for (const std::vector<float>* part : {&w.q_proj, &w.k_proj, &w.v_proj})
+    for (float x : *part) s.wqkv.push_back(float_to_bf16_bits(x));
+  s.wo = to_bf16_bits(w.o_proj);
+  if (w.is_moe) {
+    auto packed = moe::pack_moe_layer(w.moe);
+    if (!packed.ok()) return std::move(packed).error().with_context(fmt::format("layer {}", l));
+    s.moe = std::move(packed).value();
+  } else {
+    s.gate_up.reserve(w.gate_proj.size() + w.up_proj.size());
+    for (const std::vector<float>* part : {&w.gate_proj, &w.up_proj})
+      for (float x : *part) s.gate_up.push_back(float_to_bf16_bits(x));
+    s.down = to_bf16_bits(w.down_proj);
+  }
+  return s;
+}
+
+}  // namespace
+
+void Qwen3MoeCuda::upload_embeddings(const Qwen3MoeStagedWeights& w) {
+  upload(w.embed, embed_);
+  if (!config_.tie_word_embeddings) upload(w.lm_head, lm_head_);
+  upload(w.final_norm, final_norm_);
+}
+
+// [TAG_MODEL_WEIGHTS_IN_PLACE] The dense weights of layer `l` into the buffers init() made; the
+// MoE weights go through MoeLayerCuda (create at load, update_weights on a reload).
+void Qwen3MoeCuda::upload_dense(const Qwen3MoeStagedWeights::Layer& w, Layer& L) {
+  upload(w.input_norm, L.input_norm);
+  upload(w.post_norm, L.post_norm);
+  upload(w.q_norm, L.q_norm);
+  upload(w.k_norm, L.k_norm);
+  upload(w.wqkv, L.wqkv);
+  upload(w.wo, L.wo);
+  if (!L.is_moe) {
+    upload(w.gate_up, L.gate_up);
+    upload(w.down, L.down);
+  }
+}
+
+Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir, const Qwen3MoeCudaOptions& options) {
+  MOEBIUS_ASSIGN_OR_RETURN(OpenedCheckpoint k, open_checkpoint(dir));
+  const Qwen3MoeConfig& c = k.config;
   std::unique_ptr<Qwen3MoeCuda> m(new Qwen3MoeCuda());
   MOEBIUS_TRY(m->init(c, options));
   const int total = c.num_hidden_layers + 1;
-  const int64_t V = c.vocab_size, H = c.hidden_size;
   {
-    MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> e, load_float_tensor(*ck, "model.embed_tokens.weight", Shape{V, H}));
-    MOEBIUS_TRY(m->upload_bf16(e, m->embed_));
-    if (!c.tie_word_embeddings) {
-      MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> lm, load_linear_weight(*ck, quant, "lm_head", V, H));
-      MOEBIUS_TRY(m->upload_bf16(lm, m->lm_head_));
-    }
-    MOEBIUS_ASSIGN_OR_RETURN(std::vector<float> n, load_float_tensor(*ck, "model.norm.weight", Shape{H}));
-    CUDA_CHECK(cudaMemcpy(m->final_norm_, n.data(), sizeof(float) * n.size(), cudaMemcpyHostToDevice));
+    Qwen3MoeStagedWeights e;
+    MOEBIUS_TRY(stage_embeddings(k, e));
+    m->upload_embeddings(e);
   }
   if (m->opt_.progress) m->opt_.progress(1, total);
 
-  // The CUDA kernels have no fp32 experts: keep bf16 for checkpoints stored in another float type.
-  // Pre-quantized experts load as stored (load_qwen3_moe_layer refuses an --experts of another
-  // format); a layer mixing formats (a checkpoint excluding some of its experts) is refused by
-  // MoeLayerCuda::create.
-  Qwen3MoeLoadOptions lo;
-  lo.experts_format = options.experts_format;
-  lo.experts_group_size = options.experts_group_size;
-  lo.unquantized_experts_bf16 = true;
+  // Layer by layer (one layer's host copy at a time), unlike a reload, which stages everything
+  // before it overwrites anything.
+  const Qwen3MoeLoadOptions lo = layer_load_options(options);
   MOEBIUS_ASSIGN_OR_RETURN(m->experts_format_,
                            moe::kernel_format_for(options.experts_format.value_or(
-                               quantized_experts_format(c, quant).value_or(WeightFormat::kBF16))));
+                               quantized_experts_format(c, k.quant).value_or(WeightFormat::kBF16))));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, quant, l, lo));
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeStagedWeights::Layer w, stage_layer(k, l, lo));
     Layer& L = m->layers_[static_cast<size_t>(l)];
-    CUDA_CHECK(cudaMemcpy(L.input_norm, w.input_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L.post_norm, w.post_norm.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L.q_norm, w.q_norm.data(), sizeof(float) * c.head_dim, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L.k_norm, w.k_norm.data(), sizeof(float) * c.head_dim, cudaMemcpyHostToDevice));
-    std::vector<float> qkv;
-    qkv.reserve(w.q_proj.size() + w.k_proj.size() + w.v_proj.size());
-    qkv.insert(qkv.end(), w.q_proj.begin(), w.q_proj.end());
-    qkv.insert(qkv.end(), w.k_proj.begin(), w.k_proj.end());
-    qkv.insert(qkv.end(), w.v_proj.begin(), w.v_proj.end());
-    MOEBIUS_TRY(m->upload_bf16(qkv, L.wqkv));
-    MOEBIUS_TRY(m->upload_bf16(w.o_proj, L.wo));
-    if (w.is_moe) {
-      auto d = moe::MoeLayerCuda::create(w.moe, moe_options(m->moe_decode_capacity_));
+    m->upload_dense(w, L);
+    if (w.moe) {
+      auto d = moe::MoeLayerCuda::create(*w.moe, moe_options(m->moe_decode_capacity_));
       if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
       L.moe_decode = std::move(d).value();
       m->plan_.experts += L.moe_decode->weight_bytes();
       if (m->opt_.max_tokens > m->moe_decode_capacity_) {
         MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
       }
-    } else {
-      std::vector<float> gu;
-      gu.reserve(w.gate_proj.size() + w.up_proj.size());
-      gu.insert(gu.end(), w.gate_proj.begin(), w.gate_proj.end());
-      gu.insert(gu.end(), w.up_proj.begin(), w.up_proj.end());
-      MOEBIUS_TRY(m->upload_bf16(gu, L.gate_up));
-      MOEBIUS_TRY(m->upload_bf16(w.down_proj, L.down));
     }
     if (m->opt_.progress) m->opt_.progress(l + 2, total);
   }
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
+}
+
+uint64_t Qwen3MoeStagedWeights::host_bytes() const {
+  auto b = [](const auto& v) { return static_cast<uint64_t>(v.size() * sizeof(v[0])); };
+  uint64_t n = b(embed) + b(lm_head) + b(final_norm);
+  for (const Layer& l : layers) {
+    n += b(l.input_norm) + b(l.post_norm) + b(l.q_norm) + b(l.k_norm) + b(l.wqkv) + b(l.wo) + b(l.gate_up) +
+         b(l.down);
+    if (l.moe) {
+      n += b(l.moe->router) + l.moe->router_tiles.weight.size();
+      for (const moe::PackedMatrix& p : l.moe->w13) n += p.weight.size() + p.scales.size();
+      for (const moe::PackedMatrix& p : l.moe->w2) n += p.weight.size() + p.scales.size();
+    }
+  }
+  return n;
+}
+
+Result<std::unique_ptr<Qwen3MoeStagedWeights>> Qwen3MoeCuda::stage_weights(const std::string& dir) const {
+  // The config first: a checkpoint of another geometry is named as such, not by its first
+  // misshapen tensor.
+  MOEBIUS_ASSIGN_OR_RETURN(OpenedCheckpoint k, open_checkpoint(dir));
+  if (auto st = check_same_config(config_, k.config); !st.ok())
+    return std::move(st).error().in_file((std::filesystem::path(dir) / "config.json").string());
+  auto w = std::make_unique<Qwen3MoeStagedWeights>();
+  w->source = dir;
+  MOEBIUS_TRY(stage_embeddings(k, *w));
+  const Qwen3MoeLoadOptions lo = layer_load_options(opt_);
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeStagedWeights::Layer s, stage_layer(k, l, lo));
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    MOEBIUS_ASSERT(s.moe.has_value() == L.is_moe);  // the configs are identical
+    if (s.moe) {
+      if (auto st = L.moe_decode->check_compatible(*s.moe); !st.ok())
+        return std::move(st).error().with_context(fmt::format("layer {}", l)).in_file(dir);
+    }
+    w->layers.push_back(std::move(s));
+  }
+  return w;
+}
+
+void Qwen3MoeCuda::commit_weights(const Qwen3MoeStagedWeights& w) {
+  MOEBIUS_ASSERT(w.layers.size() == layers_.size(), "commit_weights of weights staged for another model");
+  // Whatever was enqueued (a bench may enqueue without waiting) finishes on the old weights.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  upload_embeddings(w);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    upload_dense(w.layers[l], L);
+    if (L.is_moe) {
+      const Status st = L.moe_decode->update_weights(*w.layers[l].moe);  // moe_prefill shares these weights
+      MOEBIUS_ASSERT(st.ok(), "layer {}: a staged MoE layer no longer fits: {}", l, st.error().what());
+    }
+  }
+  // cudaMemcpy from pageable memory may return before its DMA lands, and stream_ does not wait for
+  // the legacy stream: every copy is done before the next step is enqueued.
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::open(const WeightSource& source,
+                                                         const Qwen3MoeCudaOptions& options) {
+  MOEBIUS_TRY(validate_weight_source(source));
+  if (!source.dummy()) return load(source.model_dir, options);
+  MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, weight_source_config(source));
+  MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat experts,
+                           moe::kernel_format_for(options.experts_format.value_or(WeightFormat::kBF16)));
+  return create_dummy(config, experts, options);
 }
 
 Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeConfig& c, moe::KernelFormat experts,

@@ -53,6 +53,7 @@
 #include "formats/quant_matrix.h"
 #include "model/qwen3_moe_config.h"
 #include "model/step_batch.h"
+#include "model/weight_source.h"
 #include "moe/expert_layout.h"
 
 namespace moebius::moe {
@@ -97,6 +98,26 @@ struct MemoryPlan {
 };
 std::string format_memory_plan(const MemoryPlan& plan);
 
+// A checkpoint read, checked and converted on the host into exactly the bytes of a runner's device
+// weight buffers: dense weights as bf16 bits (q/k/v and gate/up stacked as the device holds
+// them), norms as fp32, experts packed (moe::PackedMoeLayer). Made by Qwen3MoeCuda::stage_weights,
+// copied by commit_weights. It holds as many host bytes as the device weights (host_bytes()).
+struct Qwen3MoeStagedWeights {
+  struct Layer {
+    std::vector<float> input_norm, post_norm, q_norm, k_norm;  // [H], [H], [hd], [hd]
+    std::vector<uint16_t> wqkv;                                // [(nh + 2 nkv) hd, H]
+    std::vector<uint16_t> wo;                                  // [H, nh hd]
+    std::optional<moe::PackedMoeLayer> moe;                    // MoE layers
+    std::vector<uint16_t> gate_up, down;                       // dense layers: [2 I, H], [H, I]
+  };
+  std::string source;                  // the checkpoint directory
+  std::vector<uint16_t> embed;         // [V, H]
+  std::vector<uint16_t> lm_head;       // [V, H]; empty when tied
+  std::vector<float> final_norm;       // [H]
+  std::vector<Layer> layers;
+  uint64_t host_bytes() const;
+};
+
 class Qwen3MoeCuda {
  public:
   // Loads `dir` (config.json + safetensors) layer by layer through the CPU backend's readers
@@ -106,6 +127,10 @@ class Qwen3MoeCuda {
   // experts from MoeLayerCuda::create_dummy (neutral scales).
   static Result<std::unique_ptr<Qwen3MoeCuda>> create_dummy(const Qwen3MoeConfig& config, moe::KernelFormat experts,
                                                             const Qwen3MoeCudaOptions& options);
+  // The runner `source` names (model/weight_source.h): create_dummy of its config with experts in
+  // options.experts_format (bf16 when unset), or load(source.model_dir). The one place that makes
+  // this choice for `generate`, `bench generate` and `serve`.
+  static Result<std::unique_ptr<Qwen3MoeCuda>> open(const WeightSource& source, const Qwen3MoeCudaOptions& options);
   ~Qwen3MoeCuda();
   Qwen3MoeCuda(const Qwen3MoeCuda&) = delete;
   Qwen3MoeCuda& operator=(const Qwen3MoeCuda&) = delete;
@@ -143,6 +168,25 @@ class Qwen3MoeCuda {
   // Every weight byte on the device: what a large prefill reads once.
   uint64_t total_weight_bytes() const { return plan_.weights(); }
 
+  // Weight updates (`moebius serve`'s POST /update_weights_from_disk) in two steps, so that
+  // nothing on the device changes before the new checkpoint has been read and checked in full:
+  //  1. stage_weights(dir) reads `dir` with this runner's load options (experts_format, group
+  //     size) through the same readers as load(), converts and packs everything on the host, and
+  //     checks that it fits the runner: config.json identical (check_same_config), every tensor
+  //     present with its shape and dtype, the experts in the runner's format with the same packed
+  //     sizes and group size (MoeLayerCuda::check_compatible). It touches no device memory and
+  //     reads only what never changes after creation, so it may run on another thread while
+  //     steps run.
+  //  2. commit_weights(staged) waits for the stream, then copies every weight into the buffers
+  //     they already occupy ([TAG_MODEL_WEIGHTS_IN_PLACE], [TAG_MOE_WEIGHTS_IN_PLACE]): device
+  //     addresses do not change, so the captured decode graphs stay valid and replay the new
+  //     weights. It cannot fail (device errors abort, as everywhere); no step may be enqueued
+  //     meanwhile. The KV cache is left as it is.
+  // Dummy runners (create_dummy) take a checkpoint of their geometry the same way, with their
+  // experts_format option deciding how float experts are quantized.
+  Result<std::unique_ptr<Qwen3MoeStagedWeights>> stage_weights(const std::string& dir) const;
+  void commit_weights(const Qwen3MoeStagedWeights& staged);
+
   // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
   int64_t graph_steps() const { return graph_steps_; }
   int64_t eager_steps() const { return eager_steps_; }
@@ -154,7 +198,11 @@ class Qwen3MoeCuda {
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
   Status allocate_runtime(int moe_decode_capacity);
   Result<void*> device_alloc(size_t bytes, uint64_t* account);
-  Status upload_bf16(const std::vector<float>& host, __nv_bfloat16* dst);
+  // Synchronous host-to-device copies of staged weights into existing buffers.
+  static void upload(const std::vector<uint16_t>& bf16_bits, __nv_bfloat16* dst);
+  static void upload(const std::vector<float>& f32, float* dst);
+  void upload_embeddings(const Qwen3MoeStagedWeights& w);
+  void upload_dense(const Qwen3MoeStagedWeights::Layer& w, Layer& L);
   void enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len);
 
   Qwen3MoeConfig config_;

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/dtype.h"
 #include "formats/gptq.h"
 #include "formats/nvfp4.h"
@@ -224,6 +226,47 @@ Result<PackedMatrix> pack_gate_up(const QuantMatrix& gate, const QuantMatrix& up
     p.global_scale[0] = gate.scale_2_for_row(0);
     p.global_scale[1] = up.scale_2_for_row(0);
   }
+  return p;
+}
+
+PackedMatrix pack_router(std::span<const uint16_t> bits, int64_t num_experts, int64_t hidden) {
+  MOEBIUS_ASSERT(bits.size() == static_cast<size_t>(num_experts * hidden));
+  QuantMatrixStorage storage;
+  storage.weight.resize(bits.size() * 2);
+  std::memcpy(storage.weight.data(), bits.data(), storage.weight.size());
+  const QuantMatrix m = make_owning_matrix(WeightFormat::kBF16, num_experts, hidden, 0, std::move(storage));
+  return pack_matrix(m).value();  // bf16 packs at any shape
+}
+
+Result<PackedMoeLayer> pack_moe_layer(const cpu::MoeLayerReference& layer) {
+  MOEBIUS_TRY(layer.validate());
+  PackedMoeLayer p;
+  p.shape = layer.shape;
+  MOEBIUS_ASSIGN_OR_RETURN(p.format, kernel_format_for(layer.experts[0].gate.format));
+  const int E = layer.shape.num_experts;
+  p.w13.resize(static_cast<size_t>(E));
+  p.w2.resize(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    const cpu::ExpertWeights& ex = layer.experts[static_cast<size_t>(e)];
+    auto a = pack_gate_up(ex.gate, ex.up);
+    if (!a.ok()) return std::move(a).error().with_context(fmt::format("expert {} gate/up", e));
+    auto b = pack_matrix(ex.down);
+    if (!b.ok()) return std::move(b).error().with_context(fmt::format("expert {} down", e));
+    const PackedMatrix& a0 = e > 0 ? p.w13[0] : *a;
+    const PackedMatrix& b0 = e > 0 ? p.w2[0] : *b;
+    if (a->format != p.format || b->format != p.format || a->weight.size() != a0.weight.size() ||
+        a->scales.size() != a0.scales.size() || a->group_size != a0.group_size ||
+        b->weight.size() != b0.weight.size() || b->scales.size() != b0.scales.size() ||
+        b->group_size != b0.group_size)
+      return Error::format("expert {} has a different format or shape from expert 0", e);
+    p.w13[static_cast<size_t>(e)] = std::move(a).value();
+    p.w2[static_cast<size_t>(e)] = std::move(b).value();
+  }
+  p.router.resize(layer.router_weight.size());
+  for (size_t i = 0; i < p.router.size(); ++i) p.router[i] = float_to_bf16_bits(layer.router_weight[i]);
+  p.router_tiles = pack_router(p.router, E, layer.shape.hidden);
+  p.routing = layer.router;
+  p.activation = layer.options.activation;
   return p;
 }
 

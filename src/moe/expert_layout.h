@@ -43,9 +43,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/error.h"
+#include "cpu/moe_layer.h"
 #include "formats/quant_matrix.h"
 
 namespace moebius::moe {
@@ -100,6 +102,29 @@ Result<PackedMatrix> pack_matrix(const QuantMatrix& m);
 // same intermediate index and SwiGLU runs in registers. I is padded to a multiple of 8; `rows`
 // becomes 2 * ceil(I / 8) * 8. Gate and up must share format, shape and group size.
 Result<PackedMatrix> pack_gate_up(const QuantMatrix& gate, const QuantMatrix& up);
+
+// A whole MoE layer's weights in the device layout, on the host: every expert packed (GEMM1 fused
+// gate/up, GEMM2 down), the router in bf16, and the routing and activation settings. Made and
+// checked without a GPU. MoeLayerCuda::create uploads one into fresh buffers;
+// MoeLayerCuda::update_weights copies one over a layer's existing buffers (a weight update), so
+// the two share every step but the allocation.
+struct PackedMoeLayer {
+  cpu::MoeShape shape;
+  KernelFormat format = KernelFormat::kBF16;
+  std::vector<PackedMatrix> w13;  // [E] pack_gate_up(gate, up)
+  std::vector<PackedMatrix> w2;   // [E] pack_matrix(down)
+  std::vector<uint16_t> router;   // [E, H] bf16 bits of the router weight (the GEMV reads these)
+  PackedMatrix router_tiles;      // the same in the bf16 tile layout (the tensor-core router GEMM)
+  cpu::RouterConfig routing;      // scoring, renormalization, groups, correction bias
+  cpu::ActivationConfig activation;
+};
+
+// The router weight [E, H] (bf16 bits) in the bf16 tile layout, as one "expert" of E rows.
+PackedMatrix pack_router(std::span<const uint16_t> bits, int64_t num_experts, int64_t hidden);
+
+// Packs `layer` (validated first). Every expert must pack to the same format and sizes as expert
+// 0; the error names the expert otherwise.
+Result<PackedMoeLayer> pack_moe_layer(const cpu::MoeLayerReference& layer);
 
 // The dequantized values of a packed matrix as fp32 [rows_padded, cols_padded], computed from the
 // packed bytes with exactly the arithmetic of dequantize_rows(). Tests use it to check the repack.

@@ -219,19 +219,11 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   return Ok{};
 }
 
-Status MoeLayerCuda::upload_packed_router(const std::vector<uint16_t>& router_bits) {
-  if (router_packed_ == nullptr) return Ok{};
-  const int E = shape_.num_experts;
-  const int64_t H = shape_.hidden;
-  MOEBIUS_ASSERT(router_bits.size() == static_cast<size_t>(E * H));
-  QuantMatrixStorage storage;
-  storage.weight.resize(router_bits.size() * 2);
-  std::memcpy(storage.weight.data(), router_bits.data(), storage.weight.size());
-  const QuantMatrix m = make_owning_matrix(WeightFormat::kBF16, E, H, 0, std::move(storage));
-  auto packed = pack_matrix(m);
-  if (!packed.ok()) return std::move(packed).error().with_context("router weight");
-  CUDA_CHECK(cudaMemcpy(router_packed_, packed->weight.data(), packed->weight.size(), cudaMemcpyHostToDevice));
-  return Ok{};
+void MoeLayerCuda::upload_packed_router(const PackedMatrix& tiles) {
+  if (router_packed_ == nullptr) return;
+  MOEBIUS_ASSERT(tiles.format == KernelFormat::kBF16 && tiles.rows == shape_.num_experts &&
+                 tiles.cols == shape_.hidden);
+  CUDA_CHECK(cudaMemcpy(router_packed_, tiles.weight.data(), tiles.weight.size(), cudaMemcpyHostToDevice));
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaOptions& opt) const {
@@ -268,51 +260,19 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaO
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerReference& layer,
                                                            const MoeCudaOptions& opt) {
-  MOEBIUS_TRY(layer.validate());
-  const cpu::MoeShape& s = layer.shape;
-  MOEBIUS_ASSIGN_OR_RETURN(KernelFormat format, kernel_format_for(layer.experts[0].gate.format));
-  std::vector<PackedMatrix> w13(static_cast<size_t>(s.num_experts)), w2(static_cast<size_t>(s.num_experts));
-  for (int e = 0; e < s.num_experts; ++e) {
-    const auto& ex = layer.experts[static_cast<size_t>(e)];
-    auto a = pack_gate_up(ex.gate, ex.up);
-    if (!a.ok()) return std::move(a).error().with_context(fmt::format("expert {} gate/up", e));
-    auto b = pack_matrix(ex.down);
-    if (!b.ok()) return std::move(b).error().with_context(fmt::format("expert {} down", e));
-    if (e > 0 && (a->weight.size() != w13[0].weight.size() || b->weight.size() != w2[0].weight.size() ||
-                  a->format != w13[0].format || b->format != w13[0].format))
-      return Error::format("expert {} has a different format or shape from expert 0", e);
-    w13[static_cast<size_t>(e)] = std::move(a).value();
-    w2[static_cast<size_t>(e)] = std::move(b).value();
-  }
-  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
-  MOEBIUS_TRY(L->allocate(s, format, w13[0], w2[0], opt));
-  const int E = s.num_experts;
-  for (int e = 0; e < E; ++e) {
-    const auto& a = w13[static_cast<size_t>(e)];
-    const auto& b = w2[static_cast<size_t>(e)];
-    MOEBIUS_ASSERT(a.weight.size() == L->w13_bytes_ && a.scales.size() == L->s13_bytes_ &&
-                   b.weight.size() == L->w2_bytes_ && b.scales.size() == L->s2_bytes_);
-    CUDA_CHECK(cudaMemcpy(L->w13_ + L->w13_bytes_ * e, a.weight.data(), a.weight.size(), cudaMemcpyHostToDevice));
-    if (!a.scales.empty())
-      CUDA_CHECK(cudaMemcpy(L->s13_ + L->s13_bytes_ * e, a.scales.data(), a.scales.size(), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L->w2_ + L->w2_bytes_ * e, b.weight.data(), b.weight.size(), cudaMemcpyHostToDevice));
-    if (!b.scales.empty())
-      CUDA_CHECK(cudaMemcpy(L->s2_ + L->s2_bytes_ * e, b.scales.data(), b.scales.size(), cudaMemcpyHostToDevice));
-    L->host_table13_[e].global_scale[0] = a.global_scale[0];
-    L->host_table13_[e].global_scale[1] = a.global_scale[1];
-    L->host_table2_[e].global_scale[0] = b.global_scale[0];
-    L->host_table2_[e].global_scale[1] = b.global_scale[1];
-  }
-  CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
-                        cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(L->table2_, L->host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
-                        cudaMemcpyHostToDevice));
-  std::vector<uint16_t> rw(layer.router_weight.size());
-  for (size_t i = 0; i < rw.size(); ++i) rw[i] = float_to_bf16_bits(layer.router_weight[i]);
-  CUDA_CHECK(cudaMemcpy(L->router_weight_, rw.data(), rw.size() * 2, cudaMemcpyHostToDevice));
-  MOEBIUS_TRY(L->upload_packed_router(rw));
+  MOEBIUS_ASSIGN_OR_RETURN(PackedMoeLayer packed, pack_moe_layer(layer));
+  return create(packed, opt);
+}
 
-  const cpu::RouterConfig& r = layer.router;
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const PackedMoeLayer& p, const MoeCudaOptions& opt) {
+  const int E = p.shape.num_experts;
+  if (E < 1 || static_cast<int>(p.w13.size()) != E || static_cast<int>(p.w2.size()) != E ||
+      p.router.size() != static_cast<size_t>(E) * static_cast<size_t>(p.shape.hidden))
+    return Error::format("a packed MoE layer of E={} holds {} gate/up, {} down and {} router values", E, p.w13.size(),
+                         p.w2.size(), p.router.size());
+  std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
+  MOEBIUS_TRY(L->allocate(p.shape, p.format, p.w13[0], p.w2[0], opt));
+  const cpu::RouterConfig& r = p.routing;
   L->route_.scoring = r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax
                                                                 : kernels::RouteScoring::kSigmoid;
   L->route_.renormalize = r.renormalize;
@@ -323,10 +283,95 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerRe
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, sizeof(float) * E));
     L->correction_bias_ = b.as<float>();
     L->weights_->push_back(std::move(b));
-    CUDA_CHECK(cudaMemcpy(L->correction_bias_, r.correction_bias.data(), sizeof(float) * E, cudaMemcpyHostToDevice));
   }
-  L->act_ = to_kernel(layer.options.activation);
+  L->act_ = to_kernel(p.activation);
+  MOEBIUS_TRY(L->check_compatible(p));
+  L->upload(p);
   return L;
+}
+
+Status MoeLayerCuda::check_compatible(const PackedMoeLayer& p) const {
+  const cpu::MoeShape& s = p.shape;
+  if (s.hidden != shape_.hidden || s.intermediate != shape_.intermediate || s.num_experts != shape_.num_experts ||
+      s.top_k != shape_.top_k)
+    return Error::format("the MoE layer is H={} I={} E={} k={}, the serving one H={} I={} E={} k={}", s.hidden,
+                         s.intermediate, s.num_experts, s.top_k, shape_.hidden, shape_.intermediate,
+                         shape_.num_experts, shape_.top_k);
+  if (p.format != format_)
+    return Error::format("the experts are {}, the serving ones {}; a weight update keeps the expert format",
+                         kernel_format_name(p.format), kernel_format_name(format_));
+  const size_t E = static_cast<size_t>(shape_.num_experts);
+  if (p.w13.size() != E || p.w2.size() != E || p.router.size() != E * static_cast<size_t>(shape_.hidden))
+    return Error::format("the packed layer holds {} gate/up, {} down and {} router values for E={}", p.w13.size(),
+                         p.w2.size(), p.router.size(), E);
+  for (size_t e = 0; e < E; ++e) {
+    const PackedMatrix& a = p.w13[e];
+    const PackedMatrix& b = p.w2[e];
+    // The group size decides the scale bytes and the kernels' group stride (dims13_/dims2_).
+    if (a.weight.size() != w13_bytes_ || a.scales.size() != s13_bytes_ || b.weight.size() != w2_bytes_ ||
+        b.scales.size() != s2_bytes_ || a.group_size != dims13_.group_size || b.group_size != dims2_.group_size)
+      return Error::format("expert {} packs to {} + {} / {} + {} bytes with group size {} / {}; the serving "
+                           "layer holds {} + {} / {} + {} bytes with group size {} / {} (gate/up, down: weights + "
+                           "scales)",
+                           e, a.weight.size(), a.scales.size(), b.weight.size(), b.scales.size(), a.group_size,
+                           b.group_size, w13_bytes_, s13_bytes_, w2_bytes_, s2_bytes_, dims13_.group_size,
+                           dims2_.group_size);
+  }
+  const cpu::RouterConfig& r = p.routing;
+  const bool softmax = r.scoring == cpu::RouterScoring::kSoftmax;
+  if (softmax != (route_.scoring == kernels::RouteScoring::kSoftmax) || r.renormalize != route_.renormalize ||
+      r.n_groups != route_.n_groups || r.topk_groups != route_.topk_groups ||
+      r.routed_scaling_factor != route_.routed_scaling_factor ||
+      r.correction_bias.empty() != (correction_bias_ == nullptr))
+    return Error("the routing settings (scoring, renormalization, groups, scaling, correction bias) differ from the "
+                 "serving layer's");
+  if (r.correction_bias.size() != (correction_bias_ == nullptr ? 0 : E))
+    return Error::format("the router's correction bias has {} values for E={}", r.correction_bias.size(), E);
+  const kernels::MoeActivationParams act = to_kernel(p.activation);
+  if (act.kind != act_.kind || act.limit != act_.limit || act.alpha != act_.alpha)
+    return Error("the expert activation differs from the serving layer's");
+  return Ok{};
+}
+
+Status MoeLayerCuda::update_weights(const PackedMoeLayer& p) {
+  MOEBIUS_TRY(check_compatible(p));
+  upload(p);
+  return Ok{};
+}
+
+// [TAG_MOE_WEIGHTS_IN_PLACE] Writes every weight byte of `p` into the buffers allocate() made, at
+// the same addresses: a captured graph that reads them stays valid. The expert tables are
+// rewritten whole because they carry the NVFP4 global scales next to the (unchanged) pointers.
+// Synchronous (cudaMemcpy from pageable memory, then a device synchronize): the caller makes sure
+// no forward that reads these weights is in flight.
+void MoeLayerCuda::upload(const PackedMoeLayer& p) {
+  const int E = shape_.num_experts;
+  for (int e = 0; e < E; ++e) {
+    const PackedMatrix& a = p.w13[static_cast<size_t>(e)];
+    const PackedMatrix& b = p.w2[static_cast<size_t>(e)];
+    MOEBIUS_ASSERT(a.weight.size() == w13_bytes_ && a.scales.size() == s13_bytes_ && b.weight.size() == w2_bytes_ &&
+                   b.scales.size() == s2_bytes_);
+    CUDA_CHECK(cudaMemcpy(w13_ + w13_bytes_ * e, a.weight.data(), a.weight.size(), cudaMemcpyHostToDevice));
+    if (!a.scales.empty())
+      CUDA_CHECK(cudaMemcpy(s13_ + s13_bytes_ * e, a.scales.data(), a.scales.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(w2_ + w2_bytes_ * e, b.weight.data(), b.weight.size(), cudaMemcpyHostToDevice));
+    if (!b.scales.empty())
+      CUDA_CHECK(cudaMemcpy(s2_ + s2_bytes_ * e, b.scales.data(), b.scales.size(), cudaMemcpyHostToDevice));
+    host_table13_[static_cast<size_t>(e)].global_scale[0] = a.global_scale[0];
+    host_table13_[static_cast<size_t>(e)].global_scale[1] = a.global_scale[1];
+    host_table2_[static_cast<size_t>(e)].global_scale[0] = b.global_scale[0];
+    host_table2_[static_cast<size_t>(e)].global_scale[1] = b.global_scale[1];
+  }
+  CUDA_CHECK(cudaMemcpy(table13_, host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(table2_, host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(router_weight_, p.router.data(), p.router.size() * 2, cudaMemcpyHostToDevice));
+  upload_packed_router(p.router_tiles);
+  if (correction_bias_ != nullptr)
+    CUDA_CHECK(cudaMemcpy(correction_bias_, p.routing.correction_bias.data(), sizeof(float) * E,
+                          cudaMemcpyHostToDevice));
+  // cudaMemcpy from pageable memory may return before its DMA lands, and the model's stream does
+  // not wait for the legacy stream: finish every copy before the next forward.
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeShape& s, KernelFormat format,
@@ -364,7 +409,7 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
   if (L->router_packed_ != nullptr) {  // the same random router, also in the tile layout
     std::vector<uint16_t> rw(static_cast<size_t>(E) * s.hidden);
     CUDA_CHECK(cudaMemcpy(rw.data(), L->router_weight_, rw.size() * 2, cudaMemcpyDeviceToHost));
-    MOEBIUS_TRY(L->upload_packed_router(rw));
+    L->upload_packed_router(pack_router(rw, E, s.hidden));
   }
   CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
                         cudaMemcpyHostToDevice));

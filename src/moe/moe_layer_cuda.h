@@ -68,6 +68,8 @@ class MoeLayerCuda {
  public:
   // Packs the reference layer's experts into the tile layout and uploads everything.
   static Result<std::unique_ptr<MoeLayerCuda>> create(const cpu::MoeLayerReference& layer, const MoeCudaOptions& opt);
+  // The same from a layer packed on the host (pack_moe_layer).
+  static Result<std::unique_ptr<MoeLayerCuda>> create(const PackedMoeLayer& packed, const MoeCudaOptions& opt);
   // Random weights of the given geometry and format written straight into the packed layout on
   // the device (benchmarks): codes uniform, neutral scales (global scale 1).
   static Result<std::unique_ptr<MoeLayerCuda>> create_dummy(const cpu::MoeShape& shape, KernelFormat format,
@@ -76,6 +78,14 @@ class MoeLayerCuda {
   // model keeps a small-capacity one for decode (fused routing, a grid of a few tiles) and a large
   // one for prefill, and stores the experts once. The weights live while either layer does.
   Result<std::unique_ptr<MoeLayerCuda>> share_weights(const MoeCudaOptions& opt) const;
+  // Weight updates: whether `packed` can be copied over this layer's weights (same shape, expert
+  // format, packed sizes and group size, routing and activation settings; the error names the
+  // first difference), and the copy itself, into the same device buffers ([TAG_MOE_WEIGHTS_IN_PLACE]):
+  // graphs captured over this layer, and every layer sharing its weights (share_weights), see the
+  // new weights. update_weights checks first and changes nothing when the check fails; it is
+  // synchronous, and no forward reading these weights may be in flight.
+  Status check_compatible(const PackedMoeLayer& packed) const;
+  Status update_weights(const PackedMoeLayer& packed);
   ~MoeLayerCuda();
   MoeLayerCuda(const MoeLayerCuda&) = delete;
   MoeLayerCuda& operator=(const MoeLayerCuda&) = delete;
@@ -120,8 +130,11 @@ class MoeLayerCuda {
   MoeLayerCuda() = default;
   Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,
                   const PackedMatrix& w2_proto, const MoeCudaOptions& opt);
-  // Packs the bf16 router weight [E, H] (bits) for the tensor-core router and uploads it.
-  Status upload_packed_router(const std::vector<uint16_t>& router_bits);
+  // The router in the tile layout (pack_router), for the tensor-core router; nothing when this
+  // layer keeps no such copy.
+  void upload_packed_router(const PackedMatrix& tiles);
+  // Every weight of `packed` into this layer's buffers (checked by check_compatible).
+  void upload(const PackedMoeLayer& packed);
   Status allocate_workspace(const MoeCudaOptions& opt);
 
   cpu::MoeShape shape_;

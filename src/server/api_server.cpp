@@ -39,10 +39,14 @@ std::string ApiServer::error_body(int status, const std::string& message) {
 
 void ApiServer::handle(const HttpRequest& req, HttpResponse& res) {
   const std::string& p = req.path;
-  const bool v1 = p.rfind("/v1/", 0) == 0;
-  if (v1 && !options_.api_key.empty()) {
+  const bool guarded = p.rfind("/v1/", 0) == 0 || p == "/update_weights_from_disk";
+  if (guarded && !options_.api_key.empty()) {
     const std::string* auth = req.header("authorization");
-    if (auth == nullptr || *auth != "Bearer " + options_.api_key) return send_error(res, unauthorized());
+    if (auth == nullptr || *auth != "Bearer " + options_.api_key) {
+      if (p == "/update_weights_from_disk")
+        return res.send(401, "application/json", update_weights_error(unauthorized()));
+      return send_error(res, unauthorized());
+    }
   }
   const auto route = [&](const char* path, const char* method) {
     if (p != path) return false;
@@ -74,7 +78,29 @@ void ApiServer::handle(const HttpRequest& req, HttpResponse& res) {
     if (route("/v1/completions", "POST")) generate(Endpoint::kCompletion, req, res);
     return;
   }
+  if (p == "/update_weights_from_disk") {
+    if (route("/update_weights_from_disk", "POST")) update_weights(req, res);
+    return;
+  }
   send_error(res, not_found(p));
+}
+
+void ApiServer::update_weights(const HttpRequest& http, HttpResponse& res) {
+  const auto fail = [&res](const ApiError& e) { res.send(e.status, "application/json", update_weights_error(e)); };
+  UpdateWeightsRequest req;
+  if (auto e = parse_update_weights_request(http.body, limits_, &req)) return fail(*e);
+  log_info("weight update from '{}' requested", req.model_path);
+  const WeightUpdate u = engine_->update_weights(req.model_path);
+  switch (u.outcome) {
+    case WeightUpdate::Outcome::kUpdated:
+      return res.send(200, "application/json", update_weights_response(u.message, u.paused_requests));
+    case WeightUpdate::Outcome::kRefused:
+      return fail(invalid_request(fmt::format("The weights were not updated ({}); the old weights keep serving.",
+                                              u.message),
+                                  "model_path", "invalid_checkpoint"));
+    case WeightUpdate::Outcome::kStopped:
+      return fail(server_error(u.message, 503));
+  }
 }
 
 std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vector<int32_t>* ids) const {

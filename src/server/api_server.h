@@ -5,8 +5,13 @@
 //   GET  /v1/models             the served model
 //   GET  /health                200 while the engine runs
 //   GET  /metrics               Prometheus text (engine gauges, counters, TTFT/ITL histograms)
-// With an API key, /v1/* needs "Authorization: Bearer KEY" (401 otherwise); /health and /metrics
-// stay open for probes and scrapers, as in vLLM.
+//   POST /update_weights_from_disk  {"model_path": DIR}: reload the weights in place (SGLang's
+//                               route; Engine::update_weights). 200 {"success": true, "message",
+//                               "num_paused_requests"}; a refused checkpoint is a 400 naming the
+//                               problem ({"success": false, "message", "error": {...}}), and the
+//                               old weights keep serving.
+// With an API key, /v1/* and /update_weights_from_disk need "Authorization: Bearer KEY" (401
+// otherwise); /health and /metrics stay open for probes and scrapers, as in vLLM.
 //
 // A handler thread waits on its request's RequestStream in short slices and checks the socket in
 // between: when the client is gone the request is cancelled, and the engine frees its KV at its
@@ -61,6 +66,7 @@ class ApiServer {
 
  private:
   void generate(Endpoint endpoint, const HttpRequest& request, HttpResponse& response);
+  void update_weights(const HttpRequest& request, HttpResponse& response);
   void stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
               const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
   void whole(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <future>
 #include <optional>
 
 #include "core/log.h"
@@ -33,6 +35,12 @@ struct Engine::Seq {
   bool admitted_once = false;
 
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - computed; }
+};
+
+// A staged checkpoint on its way to the engine thread, and the answer coming back.
+struct Engine::Commit {
+  std::unique_ptr<StagedWeights> staged;
+  std::promise<std::optional<int64_t>> done;  // the paused request count; nullopt: not committed
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -166,11 +174,81 @@ Submitted Engine::submit(EngineRequest r) {
   return out;
 }
 
+WeightUpdate Engine::update_weights(const std::string& dir) {
+  std::lock_guard<std::mutex> serial(update_mu_);  // staging reads what another update's commit changes
+  const auto t0 = Clock::now();
+  WeightUpdate out;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    out.message = std::filesystem::exists(dir, ec)
+                      ? fmt::format("'{}' is not a directory; model_path names a checkpoint directory", dir)
+                      : fmt::format("'{}' does not exist", dir);
+    log_warn("weight update refused: {}", out.message);
+    return out;
+  }
+  // The slow part (reading, converting, checking the whole checkpoint) runs here, on the caller's
+  // thread, while the engine keeps stepping.
+  auto staged = runner_->stage_weights(dir);
+  if (!staged.ok()) {
+    out.message = staged.error().what();
+    log_warn("weight update from '{}' refused: {}", dir, out.message);
+    return out;
+  }
+  auto commit = std::make_shared<Commit>();
+  commit->staged = std::move(staged).value();
+  std::future<std::optional<int64_t>> done = commit->done.get_future();
+  bool posted = false;
+  {
+    std::lock_guard<std::mutex> lock(wake_->mu);
+    if (!stopping_) {
+      commit_ = commit;
+      posted = true;
+    }
+  }
+  if (!posted) {
+    out.outcome = WeightUpdate::Outcome::kStopped;
+    out.message = "the engine is not running";
+    return out;
+  }
+  wake_->cv.notify_one();
+  const std::optional<int64_t> paused = done.get();
+  out.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!paused) {
+    out.outcome = WeightUpdate::Outcome::kStopped;
+    out.message = "the server shut down before the new weights were put in place; nothing changed";
+    return out;
+  }
+  out.outcome = WeightUpdate::Outcome::kUpdated;
+  out.paused_requests = *paused;
+  out.message = fmt::format("Succeeded to update the model weights from '{}' in {:.2f} s.", dir, out.seconds);
+  return out;
+}
+
+// Engine thread, between two steps: puts staged weights in place.
+void Engine::commit_weights() {
+  std::shared_ptr<Commit> c;
+  {
+    std::lock_guard<std::mutex> lock(wake_->mu);
+    c = std::move(commit_);
+    commit_.reset();
+  }
+  if (!c) return;
+  const auto t0 = Clock::now();
+  runner_->commit_weights(*c->staged);
+  c->staged.reset();  // the host copy (cuda) goes now, not when the caller wakes
+  const int64_t paused = static_cast<int64_t>(running_.size() + waiting_.size());
+  ++metrics_.weight_updates_total;
+  log_info("weights updated ({:.3f} s with the engine paused; requests in flight, which continue on them: {})",
+           std::chrono::duration<double>(Clock::now() - t0).count(), paused);
+  c->done.set_value(paused);
+}
+
 // Moves submitted requests into `waiting_`. With `block`, sleeps until there is something to do.
 // Returns false when the engine is stopping.
 bool Engine::take_incoming(bool block) {
   std::unique_lock<std::mutex> lock(wake_->mu);
-  if (block) wake_->cv.wait(lock, [&] { return stopping_ || !incoming_.empty() || wake_->cancel_seen; });
+  if (block)
+    wake_->cv.wait(lock, [&] { return stopping_ || !incoming_.empty() || wake_->cancel_seen || commit_ != nullptr; });
   wake_->cancel_seen = false;
   while (!incoming_.empty()) {
     waiting_.push_back(std::move(incoming_.front()));
@@ -377,6 +455,7 @@ void Engine::loop() {
     const bool idle = running_.empty() && waiting_.empty();
     ok = take_incoming(idle);
     if (!ok) break;
+    commit_weights();
     drop_cancelled();
     std::vector<Seq*> batch;
     std::vector<int> chunk;
@@ -395,6 +474,10 @@ void Engine::loop() {
   }
   // Shutting down: whatever is left ends with an error, so no client waits forever.
   std::lock_guard<std::mutex> lock(wake_->mu);
+  if (commit_) {
+    commit_->done.set_value(std::nullopt);
+    commit_.reset();
+  }
   for (auto& s : incoming_) waiting_.push_back(std::move(s));
   incoming_.clear();
   for (auto& s : running_)

@@ -17,6 +17,16 @@
 // HTTP threads talk to the engine only through submit() and the RequestStream it returns, both
 // thread-safe. The queue is bounded: submit() refuses when max_queue requests already wait (429).
 //
+// Weight updates (update_weights, POST /update_weights_from_disk): the calling thread reads and
+// checks the whole new checkpoint (StepRunner::stage_weights) while the engine keeps stepping;
+// a checkpoint that does not fit is refused with the reason and the old weights keep serving.
+// A staged checkpoint is handed to the engine thread, which puts it in place BETWEEN two steps
+// (StepRunner::commit_weights), so no step ever sees half-copied weights. Requests in flight are
+// neither aborted nor drained: they pause for the copy and continue on the new weights, with the
+// KV cache their earlier tokens left under the old ones (what SGLang and vLLM also do unless told
+// to abort or drain; a client that needs one set of weights per request waits for its requests
+// first). Updates run one at a time.
+//
 // Every request's prompt plus max_tokens must fit max_context(), which is at most the KV pool:
 // the oldest running sequence can then always grow, by preempting newer ones, and finish.
 #pragma once
@@ -97,6 +107,18 @@ struct EngineOptions {
   std::vector<int32_t> eos_ids;    // generation stops at these (unless ignore_eos)
 };
 
+struct WeightUpdate {
+  enum class Outcome {
+    kUpdated,   // the new weights serve
+    kRefused,   // the checkpoint was refused (message says why); the old weights serve
+    kStopped,   // the engine stopped before the commit; nothing changed
+  };
+  Outcome outcome = Outcome::kRefused;
+  std::string message;
+  int64_t paused_requests = 0;  // kUpdated: requests running or waiting while the weights changed
+  double seconds = 0.0;         // staging and commit, wall time
+};
+
 struct Submitted {
   std::shared_ptr<RequestStream> stream;  // null when refused
   bool queue_full = false;
@@ -112,6 +134,9 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   Submitted submit(EngineRequest request);
+  // Reloads the weights from the checkpoint directory `dir` (see the header comment). Blocks until
+  // the new weights serve, or returns why not. Thread-safe.
+  WeightUpdate update_weights(const std::string& dir);
   // Ends the thread; requests still queued or running finish with an error.
   void stop();
   bool alive() const { return !failed_.load(); }
@@ -126,7 +151,9 @@ class Engine {
 
  private:
   struct Seq;
+  struct Commit;
   void loop();
+  void commit_weights();
   bool take_incoming(bool block);
   void drop_cancelled();
   void schedule(std::vector<Seq*>& batch, std::vector<int>& chunk);
@@ -148,9 +175,11 @@ class Engine {
   std::shared_ptr<RequestStream::Wake> wake_;
   std::deque<std::unique_ptr<Seq>> incoming_;  // guarded by wake_->mu
   bool stopping_ = false;                      // guarded by wake_->mu
+  std::shared_ptr<Commit> commit_;             // staged weights for the engine thread; guarded by wake_->mu
   std::atomic<int64_t> queued_{0};             // incoming + waiting: the bound submit() checks
   std::atomic<bool> failed_{false};
   int64_t next_id_ = 0;                        // guarded by wake_->mu
+  std::mutex update_mu_;                       // one weight update at a time
 
   // Engine thread only.
   std::deque<std::unique_ptr<Seq>> waiting_;

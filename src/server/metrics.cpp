@@ -67,6 +67,8 @@ std::string EngineMetrics::render() const {
   metric(out, "preemptions_total", "counter", "Sequences preempted (KV freed, recomputed later).",
          double(preemptions_total.load()));
   metric(out, "engine_steps_total", "counter", "Forward steps run.", double(steps_total.load()));
+  metric(out, "weight_updates_total", "counter", "Weight updates from disk that took effect.",
+         double(weight_updates_total.load()));
   out += ttft.render("moebius_time_to_first_token_seconds", "Time from arrival to the first generated token.");
   out += itl.render("moebius_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.");
   out += e2e.render("moebius_e2e_request_latency_seconds", "Time from arrival to the last token.");

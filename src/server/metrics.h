@@ -40,6 +40,7 @@ struct EngineMetrics {
   std::atomic<int64_t> requests_rejected_total{0};  // queue full
   std::atomic<int64_t> preemptions_total{0};
   std::atomic<int64_t> steps_total{0};
+  std::atomic<int64_t> weight_updates_total{0};     // POST /update_weights_from_disk that took effect
   std::atomic<double> generation_tokens_per_second{0.0};  // over the last few seconds
   Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60}};
   Histogram itl{{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5}};

@@ -319,19 +319,59 @@ ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t con
                          "max_tokens", "context_length_exceeded");
 }
 
-std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
-                                      GenerationRequest* out) {
+namespace {
+
+// The checks every JSON body gets: size, UTF-8, nesting, syntax, an object at the top.
+std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limits, json* doc) {
   if (body.size() > limits.max_body_bytes) return body_too_large(body.size(), limits.max_body_bytes);
   if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
   if (json_depth(body) > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
-  json doc;
   try {
-    doc = json::parse(body);
+    *doc = json::parse(body);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     return invalid_request(fmt::format("The request body is not valid JSON: {}", e.what()), "", "invalid_json");
   }
-  if (!doc.is_object()) return invalid_request("The request body must be a JSON object, got " + type_name(doc) + ".");
+  if (!doc->is_object()) return invalid_request("The request body must be a JSON object, got " + type_name(*doc) + ".");
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> parse_update_weights_request(std::string_view body, const ApiLimits& limits,
+                                                     UpdateWeightsRequest* out) {
+  json doc;
+  if (auto e = parse_body(body, limits, &doc)) return e;
+  const json* path = field(doc, "model_path");
+  if (path == nullptr) return invalid_request("'model_path' is required", "model_path");
+  if (!path->is_string()) return wrong_type("model_path", "a string", *path);
+  if (path->get_ref<const std::string&>().empty()) return invalid_request("'model_path' is empty", "model_path");
+  if (const json* f = field(doc, "load_format")) {
+    if (!f->is_string()) return wrong_type("load_format", "a string", *f);
+    if (*f != "auto")
+      return invalid_request(fmt::format("load_format '{}' is not supported; this server reads safetensors "
+                                         "checkpoints (\"auto\")",
+                                         f->get<std::string>()),
+                             "load_format");
+  }
+  out->model_path = path->get<std::string>();
+  return std::nullopt;
+}
+
+std::string update_weights_response(const std::string& message, int64_t num_paused_requests) {
+  return dump({{"success", true}, {"message", message}, {"num_paused_requests", num_paused_requests}});
+}
+
+std::string update_weights_error(const ApiError& e) {
+  json err = {{"message", e.message}, {"type", e.type}, {"param", null_if_empty(e.param)},
+              {"code", null_if_empty(e.code)}};
+  return dump({{"success", false}, {"message", e.message}, {"error", std::move(err)}});
+}
+
+std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
+                                      GenerationRequest* out) {
+  json doc;
+  if (auto e = parse_body(body, limits, &doc)) return e;
 
   GenerationRequest r;
   r.endpoint = endpoint;

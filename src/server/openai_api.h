@@ -81,6 +81,20 @@ struct GenerationRequest {
 std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
                                       GenerationRequest* out);
 
+// POST /update_weights_from_disk, SGLang's native weight-update route: {"model_path": DIR}, plus
+// an optional "load_format" that may only be null or "auto" (this server reads safetensors
+// checkpoints). SGLang's other fields (flush_cache, abort_all_requests, ...) are ignored.
+struct UpdateWeightsRequest {
+  std::string model_path;
+};
+std::optional<ApiError> parse_update_weights_request(std::string_view body, const ApiLimits& limits,
+                                                     UpdateWeightsRequest* out);
+// Success: SGLang's {"success": true, "message": ..., "num_paused_requests": n}.
+std::string update_weights_response(const std::string& message, int64_t num_paused_requests);
+// Failure: SGLang's {"success": false, "message": ...} and OpenAI's "error" object in one body, so
+// both kinds of client read it; the HTTP status is the error's.
+std::string update_weights_error(const ApiError& error);
+
 // ---------------------------------------------------------------------------------------------
 // Responses
 // ---------------------------------------------------------------------------------------------

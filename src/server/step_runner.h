@@ -2,12 +2,14 @@
 // The scheduler (engine.h) owns the sequences and the KV block accounting (a BlockAllocator over
 // num_blocks() blocks of block_size() tokens); a runner only computes.
 //
-//   cpu:  Qwen3MoeCpu, one KvCache per sequence (the CPU model runs one sequence per forward), so
-//         a step runs its sequences one after another. The block tables are only accounting here;
-//         release() frees the sequence's cache memory at once.
+//   cpu:  Qwen3MoeCpu, one KvCache per sequence; a step is one forward_batch (dense ops and experts
+//         over every token of the step, attention per sequence). The block tables are only accounting here;
+//         release() frees the sequence's cache memory at once. A weight update swaps the model's
+//         weights for the staged model's.
 //   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block
 //         tables are the scheduler's ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the
-//         runner's CUDA graphs.
+//         runner's CUDA graphs. A weight update copies the staged host weights into the device
+//         buffers they replace, so the graphs stay valid.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 
 #include "core/error.h"
 #include "model/qwen3_moe_config.h"
+#include "model/weight_source.h"
 
 namespace moebius::server {
 
@@ -37,6 +40,12 @@ struct RunnerLimits {
   int max_seqs = 0;          // sequences per step
 };
 
+// A checkpoint a runner has read and checked, ready for commit_weights (backend-specific).
+class StagedWeights {
+ public:
+  virtual ~StagedWeights() = default;
+};
+
 class StepRunner {
  public:
   virtual ~StepRunner() = default;
@@ -48,13 +57,22 @@ class StepRunner {
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it.
   virtual void release(int64_t id) = 0;
+
+  // Weight updates (POST /update_weights_from_disk; Engine::update_weights), in two steps:
+  // stage_weights reads the checkpoint directory `dir` completely and checks it against the
+  // serving model (identical config, every tensor with its shape and dtype, the same expert
+  // formats); an error names what is wrong, and nothing has changed. It may run on any thread
+  // while step() runs (it reads nothing a step changes); updates must not overlap each other.
+  // commit_weights, between two steps on the engine thread, puts the staged weights in place
+  // (cuda: copied into the buffers they replace, so captured graphs stay valid). It cannot fail.
+  virtual Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const = 0;
+  virtual void commit_weights(StagedWeights& staged) = 0;
 };
 
 struct RunnerOptions {
-  std::string model_dir;
+  model::WeightSource source;   // --model, or --geometry with --load-format dummy (cuda: random weights)
   std::string backend = "cpu";  // cpu or cuda
   std::string experts;          // "" keeps the checkpoint's format; bf16, nvfp4, int4, int2
-  std::string load_format = "auto";  // cuda: "dummy" random weights (benchmarks)
   int max_context = 0;          // 0: max_position_embeddings
   int max_seqs = 64;
   int max_step_tokens = 512;

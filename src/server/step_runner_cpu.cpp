@@ -1,4 +1,5 @@
-// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence.
+// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence; a step is one
+// Qwen3MoeCpu::forward_batch over all its sequences.
 #include <algorithm>
 #include <optional>
 #include <unordered_map>
@@ -24,9 +25,10 @@ class CpuRunner final : public StepRunner {
                        limits_.block_size);
   }
 
+  // One forward_batch over every sequence of the step (bit-identical to running them one by one).
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    const size_t V = static_cast<size_t>(config().vocab_size);
-    logits.clear();
+    batch_.clear();
+    size_t rows = 0;
     for (const RunnerSeq& s : seqs) {
       auto it = caches_.find(s.id);
       if (it == caches_.end())
@@ -36,22 +38,35 @@ class CpuRunner final : public StepRunner {
       // its cache ends. [TAG_SERVE_RECOMPUTE]
       if (s.start == 0) cache.clear();
       MOEBIUS_ASSERT(cache.position() == s.start, "sequence {} at {} steps from {}", s.id, cache.position(), s.start);
-      const int T = static_cast<int>(s.tokens.size());
-      scratch_.resize(static_cast<size_t>(T) * V);
-      MOEBIUS_TRY(model_.forward(s.tokens.data(), T, cache, scratch_.data()));
-      if (s.want_logits)
-        logits.insert(logits.end(), scratch_.end() - static_cast<std::ptrdiff_t>(V), scratch_.end());
+      batch_.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
+      rows += s.want_logits ? 1 : 0;
     }
-    return Ok{};
+    logits.resize(rows * static_cast<size_t>(config().vocab_size));
+    return model_.forward_batch(batch_, logits.data());
   }
 
   void release(int64_t id) override { caches_.erase(id); }
 
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu next, model_.stage_reload(dir));
+    return std::unique_ptr<StagedWeights>(new Staged(std::move(next)));
+  }
+
+  // The sequences' caches stay: same shape, and their rows (made with the old weights) are kept.
+  void commit_weights(StagedWeights& staged) override {
+    model_.commit_reload(std::move(static_cast<Staged&>(staged).model));
+  }
+
  private:
+  struct Staged final : StagedWeights {
+    explicit Staged(model::Qwen3MoeCpu m) : model(std::move(m)) {}
+    model::Qwen3MoeCpu model;
+  };
+
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
-  std::unordered_map<int64_t, model::KvCache> caches_;
-  std::vector<float> scratch_;  // [T, V] of the sequence being run
+  std::unordered_map<int64_t, model::KvCache> caches_;  // node-based: the pointers in batch_ stay valid
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch_;
 };
 
 }  // namespace
@@ -60,7 +75,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   model::Qwen3MoeLoadOptions load;
   load.experts_format = experts;
-  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.model_dir, load));
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
   RunnerLimits l;
   const int ctx = m.config().max_position_embeddings;
   l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
@@ -73,17 +88,15 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
 }
 
 Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
-  if (o.model_dir.empty()) return Error("is required").in_field("--model");
+  MOEBIUS_TRY(model::validate_weight_source(o.source));
   if (o.max_seqs < 1) return Error::format("must be >= 1, got {}", o.max_seqs).in_field("--max-running");
   if (o.max_step_tokens < o.max_seqs)
     return Error::format("must be >= --max-running ({}), got {}", o.max_seqs, o.max_step_tokens)
         .in_field("--max-step-tokens");
   if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
   if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
-  if (o.load_format != "auto" && o.load_format != "dummy")
-    return Error::format("unknown load format '{}'; expected auto or dummy", o.load_format).in_field("--load-format");
   if (o.backend == "cpu") {
-    if (o.load_format == "dummy") return Error("dummy weights need --backend cuda").in_field("--load-format");
+    if (o.source.dummy()) return Error("dummy weights need --backend cuda").in_field("--load-format");
     return load_cpu_runner(o);
   }
   if (o.backend == "cuda") {

@@ -44,7 +44,21 @@ class CudaRunner final : public StepRunner {
 
   void release(int64_t) override {}
 
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeStagedWeights> w, model_->stage_weights(dir));
+    return std::unique_ptr<StagedWeights>(new Staged(std::move(w)));
+  }
+
+  void commit_weights(StagedWeights& staged) override {
+    model_->commit_weights(*static_cast<Staged&>(staged).weights);
+  }
+
  private:
+  struct Staged final : StagedWeights {
+    explicit Staged(std::unique_ptr<model::Qwen3MoeStagedWeights> w) : weights(std::move(w)) {}
+    std::unique_ptr<model::Qwen3MoeStagedWeights> weights;
+  };
+
   std::unique_ptr<model::Qwen3MoeCuda> model_;
   RunnerLimits limits_;
   std::vector<model::SequenceStep> steps_;
@@ -55,7 +69,7 @@ class CudaRunner final : public StepRunner {
 
 Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
-  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::load_qwen3_moe_config(o.model_dir));
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(o.source));
   model::Qwen3MoeCudaOptions co;
   co.experts_format = experts;
   // A full-length context for every running sequence would not fit a real model's pool: default
@@ -70,13 +84,7 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   co.graph_batches = o.graph_batches;
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
-  std::unique_ptr<model::Qwen3MoeCuda> m;
-  if (o.load_format == "dummy") {
-    MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));
-    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::create_dummy(config, kf, co));
-  } else {
-    MOEBIUS_ASSIGN_OR_RETURN(m, model::Qwen3MoeCuda::load(o.model_dir, co));
-  }
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
   RunnerLimits l;
   l.block_size = m->block_size();
   l.num_blocks = m->num_blocks();

@@ -232,13 +232,15 @@ test('API key', async () => {
 });
 
 test('bench serve reports every request', async ({ url }) => {
-  const out = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-bench-')), 'bench.json');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-bench-'));
+  const out = path.join(dir, 'bench.json');
   const r = spawnSync(args.bin, ['bench', 'serve', '--url', url, '--model', MODEL, '--dataset', 'random', '--input-len', '16',
                                  '--output-len', '8', '--num-prompts', '12', '--request-rate', '200', '--max-concurrency', '4',
                                  '--vocab-size', '512', '--output-file', out], { encoding: 'utf8', timeout: 60000 });
   assert.equal(r.status, 0, r.stderr);
   assert.match(r.stdout, /Serving Benchmark Result/);
   const j = JSON.parse(fs.readFileSync(out, 'utf8'));
+  fs.rmSync(dir, { recursive: true, force: true });
   assert.equal(j.completed, 12);
   assert.equal(j.total_input_tokens, 12 * 16);
   assert.equal(j.total_output_tokens, 12 * 8);
@@ -306,6 +308,145 @@ test('load: 200 concurrent streams with disconnects', async () => {
     assert.equal(after.usage.completion_tokens, 4);
   } finally {
     await stopServer(s);
+  }
+});
+
+// `serve --geometry` (dummy weights, no model directory) needs the CUDA backend and --tokenizer; on
+// the CPU backend its flags are still checked, each error naming its flag, before anything loads.
+test('serve flags: --geometry needs dummy weights and --tokenizer', async () => {
+  const serve = (...flags) => spawnSync(args.bin, ['serve', '--port', '0', ...flags], { encoding: 'utf8', timeout: 30000 });
+  const cases = [[[], '--model'],
+                 [['--geometry', 'qwen3-30b-a3b'], '--load-format'],
+                 [['--geometry', 'qwen3-30b-a3b', '--load-format', 'dummy'], '--tokenizer'],
+                 [['--geometry', 'qwen3-30b-a3b', '--model', args.model, '--load-format', 'dummy'], '--geometry'],
+                 [['--geometry', 'qwen3-30b-a3b', '--load-format', 'dummy', '--tokenizer', args.tokenizer], '--load-format'],
+                 [['--geometry', 'no-such-model', '--load-format', 'dummy', '--tokenizer', args.tokenizer, '--backend', 'cuda'],
+                  '--geometry']];
+  for (const [flags, named] of cases) {
+    const r = serve(...flags);
+    assert.equal(r.status, 2, `${flags.join(' ')}: ${r.stderr}`);
+    assert.ok(r.stderr.includes(`field '${named}`), `${flags.join(' ')} should name ${named}: ${r.stderr}`);
+  }
+});
+
+// Edited copies of the model directory for the weight-update test: safetensors read and written
+// here (header JSON + data section, tensors packed in name order), config.json edited as text.
+function readSafetensors(file) {
+  const buf = fs.readFileSync(file);
+  const n = Number(buf.readBigUInt64LE(0));
+  const header = JSON.parse(buf.subarray(8, 8 + n).toString('utf8'));
+  const data = buf.subarray(8 + n);
+  const tensors = {};
+  for (const [name, t] of Object.entries(header)) {
+    if (name === '__metadata__') continue;
+    tensors[name] = { dtype: t.dtype, shape: t.shape, bytes: Buffer.from(data.subarray(t.data_offsets[0], t.data_offsets[1])) };
+  }
+  return tensors;
+}
+
+function writeModelDir(dir, tensors, config) {
+  fs.mkdirSync(dir, { recursive: true });
+  const names = Object.keys(tensors).sort();
+  const header = {};
+  let offset = 0;
+  for (const name of names) {
+    const t = tensors[name];
+    header[name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + t.bytes.length] };
+    offset += t.bytes.length;
+  }
+  let h = JSON.stringify(header);
+  h += ' '.repeat((8 - (h.length % 8)) % 8);  // the data section starts 8-byte aligned
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(Buffer.byteLength(h)));
+  fs.writeFileSync(path.join(dir, 'model.safetensors'), Buffer.concat([len, Buffer.from(h), ...names.map((k) => tensors[k].bytes)]));
+  fs.writeFileSync(path.join(dir, 'config.json'), config);
+  fs.copyFileSync(path.join(args.model, 'generation_config.json'), path.join(dir, 'generation_config.json'));
+  return dir;
+}
+
+// Auth applies; a checkpoint with other weights takes effect (in-flight streams run on to their
+// end); a wrong shape, a missing tensor, another geometry or a missing directory is a 400 naming
+// the problem and the old weights keep serving identically; the original restores the original
+// greedy text and logprobs exactly.
+test('update_weights_from_disk', async () => {
+  const s = await startServer(['--api-key', 'sekrit']);
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-update-'));
+  try {
+    const client = new OpenAI({ baseURL: `${s.url}/v1`, apiKey: 'sekrit', maxRetries: 0, timeout: 60000 });
+    const auth = { authorization: 'Bearer sekrit' };
+    const update = (body, headers = auth) => raw(s.url, '/update_weights_from_disk', JSON.stringify(body), headers);
+    const probe = async () => {
+      const r = await client.completions.create({ model: MODEL, prompt: PROMPT, max_tokens: 12, temperature: 0, logprobs: 5,
+                                                  ignore_eos: true });
+      return JSON.stringify([r.choices[0].text, r.choices[0].logprobs]);
+    };
+    const config = fs.readFileSync(path.join(args.model, 'config.json'), 'utf8');
+    const original = readSafetensors(path.join(args.model, 'model.safetensors'));
+    const edited = (edit) => {
+      const t = Object.fromEntries(Object.entries(original).map(([k, v]) => [k, { ...v, shape: [...v.shape], bytes: Buffer.from(v.bytes) }]));
+      edit(t);
+      return t;
+    };
+    // lm_head negated (the sign bit of every bf16): the greedy text must change.
+    const negated = writeModelDir(path.join(tmp, 'negated'), edited((t) => {
+      const b = t['lm_head.weight'].bytes;
+      for (let i = 1; i < b.length; i += 2) b[i] ^= 0x80;
+    }), config);
+    const misshapen = writeModelDir(path.join(tmp, 'misshapen'), edited((t) => { t['lm_head.weight'].shape = [256, 128]; }), config);
+    const missing = writeModelDir(path.join(tmp, 'missing'), edited((t) => { delete t['model.layers.2.self_attn.k_norm.weight']; }), config);
+    const otherGeometry = writeModelDir(path.join(tmp, 'geometry'), edited(() => {}),
+                                        config.replace(/"hidden_size": 64/, '"hidden_size": 128'));
+    assert.notEqual(fs.readFileSync(path.join(otherGeometry, 'config.json'), 'utf8'), config);
+
+    const before = await probe();
+    let r = await update({ model_path: negated }, {});
+    assert.equal(r.status, 401);
+    assert.equal(r.json.success, false);
+    assert.equal(r.json.error.code, 'invalid_api_key');
+    assert.equal(await probe(), before);
+
+    // An update while a stream is running: the stream finishes, with every token.
+    const running = collectStream(await client.completions.create({
+      model: MODEL, prompt: PROMPT, max_tokens: 150, stream: true, ignore_eos: true, stream_options: { include_usage: true } }));
+    r = await update({ model_path: negated });
+    assert.equal(r.status, 200, r.text);
+    assert.equal(r.json.success, true);
+    assert.match(r.json.message, /update/i);
+    assert.equal(typeof r.json.num_paused_requests, 'number');
+    const streamed = await running;
+    assert.equal(streamed.finish, 'length');
+    assert.equal(streamed.usage.completion_tokens, 150);
+    const changed = await probe();
+    assert.notEqual(changed, before);
+
+    for (const [body, needle] of [[{ model_path: misshapen }, 'lm_head.weight'],
+                                  [{ model_path: missing }, 'model.layers.2.self_attn.k_norm.weight'],
+                                  [{ model_path: otherGeometry }, 'hidden_size'],
+                                  [{ model_path: path.join(tmp, 'nothing-here') }, 'does not exist']]) {
+      r = await update(body);
+      assert.equal(r.status, 400, `${body.model_path}: ${r.text}`);
+      assert.equal(r.json.success, false);
+      assert.equal(r.json.error.type, 'invalid_request_error');
+      assert.equal(r.json.error.param, 'model_path');
+      assert.ok(r.json.message.includes(needle), `'${needle}' in: ${r.json.message}`);
+      assert.equal(r.json.error.message, r.json.message);
+      assert.equal(await probe(), changed, 'a refused checkpoint changed what is served');
+    }
+    r = await update({});
+    assert.equal(r.status, 400);
+    assert.equal(r.json.error.param, 'model_path');
+    r = await update({ model_path: negated, load_format: 'dummy' });
+    assert.equal(r.status, 400);
+    assert.equal(r.json.error.param, 'load_format');
+    assert.equal((await fetch(`${s.url}/update_weights_from_disk`, { headers: auth })).status, 405);
+
+    r = await update({ model_path: args.model });
+    assert.equal(r.status, 200, r.text);
+    assert.equal(await probe(), before, 'the original checkpoint restores the original output exactly');
+    assert.equal((await metrics(s.url)).moebius_weight_updates_total, 2);
+  } finally {
+    await stopServer(s);
+    fs.rmSync(tmp, { recursive: true, force: true });
   }
 });
 
