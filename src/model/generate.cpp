@@ -224,6 +224,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.max_seqs = 1;
     co.graph_batches = {1};
     co.progress = o.on_progress;
+    co.autotune = o.autotune;
     std::unique_ptr<Qwen3MoeCuda> model;
     if (o.load_format == "dummy") {
       MOEBIUS_ASSIGN_OR_RETURN(moe::KernelFormat kf, moe::kernel_format_for(experts.value_or(WeightFormat::kBF16)));

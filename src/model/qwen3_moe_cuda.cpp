@@ -22,6 +22,7 @@
 #include "model/qwen3_moe_cpu.h"
 #include "moe/moe_layer_cuda.h"
 #include "runtime/dense_gemm.h"
+#include "tune/moe_layer_set.h"
 
 namespace moebius::model {
 
@@ -33,8 +34,7 @@ struct Qwen3MoeCuda::Layer {
   __nv_bfloat16* wqkv = nullptr;  // [(nh + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
   __nv_bfloat16* wo = nullptr;    // [H, nh hd]
   bool is_moe = false;
-  std::unique_ptr<moe::MoeLayerCuda> moe_decode;   // capacity moe_decode_capacity_
-  std::unique_ptr<moe::MoeLayerCuda> moe_prefill;  // capacity max_tokens (same weights); null if equal
+  tune::MoeLayerSet moe;  // one MoeLayerCuda per capacity bucket, same weights (moe_layers_)
   __nv_bfloat16* gate_up = nullptr;  // [2 I, H]: gate_proj then up_proj
   __nv_bfloat16* down = nullptr;     // [H, I]
 };
@@ -121,6 +121,14 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
     if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
       return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
   moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();
+  tune::MoeLayerFactoryOptions mo;
+  mo.max_decode_batch = moe_decode_capacity_;
+  mo.prefill_chunk = o.max_tokens;
+  mo.autotune = o.autotune;
+  mo.tuner.cache_dir = o.tune_cache_dir;
+  auto factory = tune::MoeLayerFactory::create(mo);
+  if (!factory.ok()) return std::move(factory).error().with_context("MoE layers (--no-autotune skips the tuning)");
+  moe_layers_ = std::move(factory).value();
 
   const int hd = c.head_dim;
   if (hd != 16 && hd != 64 && hd != 128)
@@ -266,24 +274,11 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   staging_ = st.as<uint8_t>();
   std::memset(staging_, 0, arena_bytes_);
   buffers_.push_back(std::move(st));
-  for (const Layer& L : layers_) {
-    if (L.moe_decode) plan_.workspace += L.moe_decode->workspace_bytes();
-    if (L.moe_prefill) plan_.workspace += L.moe_prefill->workspace_bytes();
-  }
+  plan_.workspace += moe_layers_->workspace_bytes();  // shared by the layers [TAG_MOE_WORKSPACE_POOL]
   plan_.expert_format = moe::kernel_format_name(experts_format_);
   CUDA_CHECK(cudaDeviceSynchronize());
   return Ok{};
 }
-
-namespace {
-
-moe::MoeCudaOptions moe_options(int capacity) {
-  moe::MoeCudaOptions o;
-  o.capacity = capacity;
-  return o;
-}
-
-}  // namespace
 
 Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir, const Qwen3MoeCudaOptions& options) {
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig c, load_qwen3_moe_config(dir));
@@ -332,13 +327,10 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
     MOEBIUS_TRY(m->upload_bf16(qkv, L.wqkv));
     MOEBIUS_TRY(m->upload_bf16(w.o_proj, L.wo));
     if (w.is_moe) {
-      auto d = moe::MoeLayerCuda::create(w.moe, moe_options(m->moe_decode_capacity_));
+      auto d = m->moe_layers_->make(w.moe);
       if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe_decode = std::move(d).value();
-      m->plan_.experts += L.moe_decode->weight_bytes();
-      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
-        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
-      }
+      L.moe = std::move(d).value();
+      m->plan_.experts += L.moe.weight_bytes();
     } else {
       std::vector<float> gu;
       gu.reserve(w.gate_proj.size() + w.up_proj.size());
@@ -381,14 +373,10 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
     if (L.is_moe) {
       const cpu::MoeShape shape{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
-      auto d = moe::MoeLayerCuda::create_dummy(shape, experts, options.experts_group_size,
-                                               moe_options(m->moe_decode_capacity_), seed++);
+      auto d = m->moe_layers_->make_dummy(shape, experts, options.experts_group_size, seed++);
       if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe_decode = std::move(d).value();
-      m->plan_.experts += L.moe_decode->weight_bytes();
-      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
-        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
-      }
+      L.moe = std::move(d).value();
+      m->plan_.experts += L.moe.weight_bytes();
     } else {
       const int64_t I = c.intermediate_size;
       kernels::launch_fill_random_bf16(L.gate_up, static_cast<size_t>(2 * I * H), scale_for(H), seed++, s);
@@ -415,7 +403,7 @@ uint64_t Qwen3MoeCuda::decode_weight_bytes() const {
     bytes += 4 * (2 * H + 2 * hd) + 2 * (static_cast<uint64_t>(qkv_dim_) * H + H * q_dim);
     if (L.is_moe) {
       bytes += 2 * static_cast<uint64_t>(c.num_experts) * H;
-      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe_decode->expert_bytes();
+      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe.expert_bytes();
     } else {
       bytes += 2 * 3 * static_cast<uint64_t>(c.intermediate_size) * H;
     }
@@ -461,8 +449,7 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
     kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
     if (L.is_moe) {
-      moe::MoeLayerCuda& moe = rows <= moe_decode_capacity_ || !L.moe_prefill ? *L.moe_decode : *L.moe_prefill;
-      moe.forward(h_, num_tokens, y_, s);
+      L.moe.for_tokens(rows).forward(h_, num_tokens, y_, s);  // the smallest bucket >= rows
     } else {
       const int I = static_cast<int>(c.intermediate_size);
       gemm_->linear(h_, H, L.gate_up, rows, 2 * I, H, mlp_, 2 * I, s);
