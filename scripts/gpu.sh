@@ -13,8 +13,10 @@
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
 #   4. the CPU MoE benchmark on a small geometry;
 #   5. the CUDA MoE layer and attention benchmarks;
-#   6. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
-#   7. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
+#   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
+#      warm rerun that must tune nothing;
+#   7. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
+#   8. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
 #      nvfp4 weights and the real tokenizer (needs $MOEBIUS_QWEN3_TOKENIZER_DIR).
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
 set -uo pipefail
@@ -23,6 +25,9 @@ BUILD=${1:-build/release}
 OUT=${OUT:-/tmp/moebius-out}
 mkdir -p "$OUT"
 export MOEBIUS_TEST_DATA_DIR="$PWD/tests/data"
+# The MoE tuning cache of every command below (tune, generate, serve, bench generate): fresh per run.
+export MOEBIUS_CACHE_DIR=/tmp/moebius-tune-cache
+rm -rf "$MOEBIUS_CACHE_DIR"
 
 # A `moebius serve` a step started in the background (SERVE_PID): stop_serve stops it (SIGTERM,
 # SIGKILL after 30 s). The traps make sure no server outlives the script, whatever path it takes.
@@ -78,6 +83,22 @@ bench_cuda() {
   done
 }
 step bench-moe-cuda bench_cuda
+
+# The MoE autotuner: every capacity bucket of a serving setup (decode graph batches up to 64, 2048-
+# token prefill chunks), tuned into the empty cache; the table gives the winner and the heuristic's
+# configuration with their us per forward. Then the same commands warm: zero tuning runs.
+tune_moe() {
+  for fmt in nvfp4 int4; do
+    "$BUILD/moebius" tune --geometry qwen3-30b-a3b --format $fmt || return 1
+  done
+  for fmt in nvfp4 int4; do
+    "$BUILD/moebius" tune --geometry qwen3-30b-a3b --format $fmt >/tmp/moebius-tune-warm.log || return 1
+    cat /tmp/moebius-tune-warm.log
+    grep -q '^tuning runs: 0 ' /tmp/moebius-tune-warm.log || { echo "the warm rerun tuned again ($fmt)"; return 1; }
+  done
+  echo "warm reruns (nvfp4, int4): 0 tuning runs"
+}
+step tune-moe tune_moe
 # Hardware counters for the decode kernels (MOEBIUS_NCU=1): where the T=1 time goes. ncu works on
 # the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone. The full
 # set includes the per-instruction warp-state samples; tools/ncu_hot_sass.py prints the hottest
@@ -218,6 +239,7 @@ PY
 [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && python3 -c "import transformers" 2>/dev/null && step chat-template-ref chat_template_ref
 cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
+cat "$OUT/tune-moe.log"
 cat "$OUT/bench-attention.log"
 cat "$OUT/probes.log"
 [ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"

@@ -58,6 +58,7 @@ struct BenchGenerateOptions {
   int group_size = 128;
   uint64_t seed = 1;
   double hbm_bytes_per_s = 4.57e12;
+  bool no_autotune = false;
 };
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -90,6 +91,7 @@ Status run(const BenchGenerateOptions& o) {
   co.max_seqs = 1;
   co.graph_batches = {1};
   co.seed = o.seed;
+  co.autotune = !o.no_autotune;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
@@ -210,6 +212,7 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--decode-steps", o->decode_steps, "timed decode steps per context")->capture_default_str();
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
+  cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

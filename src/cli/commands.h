@@ -18,5 +18,7 @@ void register_generate(CLI::App& app);  // `moebius generate`: sample text from 
 void register_eval(CLI::App& app);
 // `moebius serve`: the OpenAI-compatible server (serve.cpp).
 void register_serve(CLI::App& app);
+// `moebius tune`: tune the CUDA MoE kernels per capacity bucket into the per-GPU cache (tune.cpp).
+void register_tune(CLI::App& app);
 
 }  // namespace moebius::cli

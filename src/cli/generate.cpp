@@ -29,6 +29,7 @@ struct GenerateCliOptions {
   float temperature = 1.0f;
   int top_k = 0;
   float top_p = 1.0f;
+  bool no_autotune = false;
   CLI::Option* prompt_opt = nullptr;
   CLI::Option* prompt_ids_opt = nullptr;
   CLI::Option* temperature_opt = nullptr;
@@ -48,6 +49,7 @@ Status run(GenerateCliOptions& o) {
   if (o.temperature_opt->count() > 0) g.temperature = o.temperature;
   if (o.top_k_opt->count() > 0) g.top_k = o.top_k;
   if (o.top_p_opt->count() > 0) g.top_p = o.top_p;
+  g.autotune = !o.no_autotune;
 
   const std::string tok_path = (std::filesystem::path(g.model_dir) / "tokenizer.json").string();
   std::error_code ec;
@@ -113,6 +115,8 @@ void register_generate(CLI::App& app) {
                   "auto (read the checkpoint) or dummy (cuda: random weights of config.json's geometry)")
       ->capture_default_str();
   cmd->add_option("--prefill-chunk", o->gen.prefill_chunk, "cuda: prompt tokens per forward")->capture_default_str();
+  cmd->add_flag("--no-autotune", o->no_autotune,
+                "cuda: run the MoE kernels' heuristic configurations; no tuning, no tuning cache");
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

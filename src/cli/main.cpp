@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   moebius::cli::register_generate(app);
   moebius::cli::register_eval(app);
   moebius::cli::register_serve(app);
+  moebius::cli::register_tune(app);
 
   try {
     app.parse(argc, argv);

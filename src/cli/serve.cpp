@@ -45,6 +45,7 @@ struct ServeOptions {
   int max_queue = 256;
   size_t max_body_bytes = 4u << 20;
   int max_connections = 1024;
+  bool no_autotune = false;
 };
 
 // tokenizer_config.json's eos_token ("<|im_end|>" or {"content": ...}) as an id, when there is one.
@@ -90,6 +91,7 @@ Status run(ServeOptions& o) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
+  o.runner.autotune = !o.no_autotune;
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
   log_info("{}", runner->describe());
 
@@ -187,6 +189,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-queue", o->max_queue, "waiting requests before answering 429")->capture_default_str();
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 past it)")->capture_default_str();
   cmd->add_option("--max-connections", o->max_connections, "open connections (503 past it)")->capture_default_str();
+  cmd->add_flag("--no-autotune", o->no_autotune,
+                "cuda: run the MoE kernels' heuristic configurations; no tuning, no tuning cache");
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

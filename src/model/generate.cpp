@@ -225,6 +225,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.max_seqs = 1;
     co.graph_batches = {1};
     co.progress = o.on_progress;
+    co.autotune = o.autotune;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (o.on_report) o.on_report(format_memory_plan(model->memory_plan()));
     return generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);

@@ -38,6 +38,7 @@ struct GenerateOptions {
   // geometry with neutral expert scales, for benchmarks.
   std::string load_format = "auto";
   int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
+  bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
   // Called while loading (done, total layers) and with the memory plan text before generation
   // (cuda); either may be empty.
   std::function<void(int done, int total)> on_progress;

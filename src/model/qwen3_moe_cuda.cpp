@@ -23,6 +23,7 @@
 #include "model/qwen3_moe_cpu.h"
 #include "moe/moe_layer_cuda.h"
 #include "runtime/dense_gemm.h"
+#include "tune/moe_layer_set.h"
 
 namespace moebius::model {
 
@@ -34,8 +35,7 @@ struct Qwen3MoeCuda::Layer {
   __nv_bfloat16* wqkv = nullptr;  // [(nh + 2 nkv) hd, H]: q_proj, k_proj, v_proj stacked
   __nv_bfloat16* wo = nullptr;    // [H, nh hd]
   bool is_moe = false;
-  std::unique_ptr<moe::MoeLayerCuda> moe_decode;   // capacity moe_decode_capacity_
-  std::unique_ptr<moe::MoeLayerCuda> moe_prefill;  // capacity max_tokens (same weights); null if equal
+  tune::MoeLayerSet moe;  // one MoeLayerCuda per capacity bucket, same weights (moe_layers_)
   __nv_bfloat16* gate_up = nullptr;  // [2 I, H]: gate_proj then up_proj
   __nv_bfloat16* down = nullptr;     // [H, I]
 };
@@ -124,6 +124,14 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
     if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
       return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
   moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();
+  tune::MoeLayerFactoryOptions mo;
+  mo.max_decode_batch = moe_decode_capacity_;
+  mo.prefill_chunk = o.max_tokens;
+  mo.autotune = o.autotune;
+  mo.tuner.cache_dir = o.tune_cache_dir;
+  auto factory = tune::MoeLayerFactory::create(mo);
+  if (!factory.ok()) return std::move(factory).error().with_context("MoE layers (--no-autotune skips the tuning)");
+  moe_layers_ = std::move(factory).value();
 
   const int hd = c.head_dim;
   if (hd != 16 && hd != 64 && hd != 128)
@@ -269,24 +277,11 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   staging_ = st.as<uint8_t>();
   std::memset(staging_, 0, arena_bytes_);
   buffers_.push_back(std::move(st));
-  for (const Layer& L : layers_) {
-    if (L.moe_decode) plan_.workspace += L.moe_decode->workspace_bytes();
-    if (L.moe_prefill) plan_.workspace += L.moe_prefill->workspace_bytes();
-  }
+  plan_.workspace += moe_layers_->workspace_bytes();  // shared by the layers [TAG_MOE_WORKSPACE_POOL]
   plan_.expert_format = moe::kernel_format_name(experts_format_);
   CUDA_CHECK(cudaDeviceSynchronize());
   return Ok{};
 }
-
-namespace {
-
-moe::MoeCudaOptions moe_options(int capacity) {
-  moe::MoeCudaOptions o;
-  o.capacity = capacity;
-  return o;
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Staging: a checkpoint read and converted on the host into the device buffers' bytes
@@ -409,13 +404,10 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
     Layer& L = m->layers_[static_cast<size_t>(l)];
     m->upload_dense(w, L);
     if (w.moe) {
-      auto d = moe::MoeLayerCuda::create(*w.moe, moe_options(m->moe_decode_capacity_));
+      auto d = m->moe_layers_->make(*w.moe);
       if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe_decode = std::move(d).value();
-      m->plan_.experts += L.moe_decode->weight_bytes();
-      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
-        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
-      }
+      L.moe = std::move(d).value();
+      m->plan_.experts += L.moe.weight_bytes();
     }
     if (m->opt_.progress) m->opt_.progress(l + 2, total);
   }
@@ -453,7 +445,7 @@ Result<std::unique_ptr<Qwen3MoeStagedWeights>> Qwen3MoeCuda::stage_weights(const
     const Layer& L = layers_[static_cast<size_t>(l)];
     MOEBIUS_ASSERT(s.moe.has_value() == L.is_moe);  // the configs are identical
     if (s.moe) {
-      if (auto st = L.moe_decode->check_compatible(*s.moe); !st.ok())
+      if (auto st = L.moe.primary().check_compatible(*s.moe); !st.ok())
         return std::move(st).error().with_context(fmt::format("layer {}", l)).in_file(dir);
     }
     w->layers.push_back(std::move(s));
@@ -470,7 +462,7 @@ void Qwen3MoeCuda::commit_weights(const Qwen3MoeStagedWeights& w) {
     Layer& L = layers_[l];
     upload_dense(w.layers[l], L);
     if (L.is_moe) {
-      const Status st = L.moe_decode->update_weights(*w.layers[l].moe);  // moe_prefill shares these weights
+      const Status st = L.moe.primary().update_weights(*w.layers[l].moe);  // the other buckets share these weights
       MOEBIUS_ASSERT(st.ok(), "layer {}: a staged MoE layer no longer fits: {}", l, st.error().what());
     }
   }
@@ -517,14 +509,10 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
     if (L.is_moe) {
       const cpu::MoeShape shape{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
-      auto d = moe::MoeLayerCuda::create_dummy(shape, experts, options.experts_group_size,
-                                               moe_options(m->moe_decode_capacity_), seed++);
+      auto d = m->moe_layers_->make_dummy(shape, experts, options.experts_group_size, seed++);
       if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe_decode = std::move(d).value();
-      m->plan_.experts += L.moe_decode->weight_bytes();
-      if (m->opt_.max_tokens > m->moe_decode_capacity_) {
-        MOEBIUS_ASSIGN_OR_RETURN(L.moe_prefill, L.moe_decode->share_weights(moe_options(m->opt_.max_tokens)));
-      }
+      L.moe = std::move(d).value();
+      m->plan_.experts += L.moe.weight_bytes();
     } else {
       const int64_t I = c.intermediate_size;
       kernels::launch_fill_random_bf16(L.gate_up, static_cast<size_t>(2 * I * H), scale_for(H), seed++, s);
@@ -551,7 +539,7 @@ uint64_t Qwen3MoeCuda::decode_weight_bytes() const {
     bytes += 4 * (2 * H + 2 * hd) + 2 * (static_cast<uint64_t>(qkv_dim_) * H + H * q_dim);
     if (L.is_moe) {
       bytes += 2 * static_cast<uint64_t>(c.num_experts) * H;
-      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe_decode->expert_bytes();
+      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe.expert_bytes();
     } else {
       bytes += 2 * 3 * static_cast<uint64_t>(c.intermediate_size) * H;
     }
@@ -597,8 +585,7 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
     kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
     if (L.is_moe) {
-      moe::MoeLayerCuda& moe = rows <= moe_decode_capacity_ || !L.moe_prefill ? *L.moe_decode : *L.moe_prefill;
-      moe.forward(h_, num_tokens, y_, s);
+      L.moe.for_tokens(rows).forward(h_, num_tokens, y_, s);  // the smallest bucket >= rows
     } else {
       const int I = static_cast<int>(c.intermediate_size);
       gemm_->linear(h_, H, L.gate_up, rows, 2 * I, H, mlp_, 2 * I, s);

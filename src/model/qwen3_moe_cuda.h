@@ -31,9 +31,10 @@
 // sequences up to max_context; everything else (prefill, chunked prefill, mixed batches) runs
 // eagerly through the prefill attention kernel. [TAG_ATTN_GRAPH_BUCKET] [TAG_MOE_GRAPH_CAPACITY]
 //
-// MoE layers: two MoeLayerCuda per layer over the same device weights (share_weights): one with
-// capacity max(graph_batches) for decode (fused small-batch routing) and one with capacity
-// max_tokens for prefill.
+// MoE layers: per layer, one MoeLayerCuda per capacity bucket (powers of two up to
+// max(graph_batches), plus max_tokens) over the same device weights, each bucket's layers sharing
+// one workspace, made by tune::MoeLayerFactory (src/tune/moe_layer_set.h) with the autotuner's
+// configurations when options.autotune is set, the heuristic's otherwise.
 #pragma once
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -62,6 +63,9 @@ class MoeLayerCuda;
 namespace moebius::runtime {
 class DenseGemm;
 }
+namespace moebius::tune {
+class MoeLayerFactory;
+}
 
 namespace moebius::model {
 
@@ -81,6 +85,10 @@ struct Qwen3MoeCudaOptions {
   // Called after each loaded layer (done, total) and once more at the end; may be empty.
   std::function<void(int done, int total)> progress;
   uint64_t seed = 1;  // create_dummy's weights
+  // Tune the MoE layers' kernel configurations per capacity bucket (src/tune), cached per GPU in
+  // tune_cache_dir ("" = $MOEBIUS_CACHE_DIR or ~/.cache/moebius); false runs the heuristic.
+  bool autotune = false;
+  std::string tune_cache_dir;
 };
 
 // Device bytes by kind, for the plan printed before generation.
@@ -214,6 +222,7 @@ class Qwen3MoeCuda {
   int moe_decode_capacity_ = 1;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<runtime::DenseGemm> gemm_;
+  std::unique_ptr<tune::MoeLayerFactory> moe_layers_;
   std::vector<Buffer> buffers_;  // every device and pinned allocation
   std::vector<Layer> layers_;
   std::vector<Graph> graphs_;    // one per graph batch size, captured on first use

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <string>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "kernels/cuda_check.h"
@@ -183,38 +186,44 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   if (grid_tiles_ > 65535 || max_padded_ >= (int64_t{1} << 30))
     return Error::format("capacity {} is too large for one MoE launch", cap);
 
-  auto alloc = [this](size_t bytes) -> Result<uint8_t*> {
-    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, bytes == 0 ? 16 : bytes));
-    uint8_t* p = b.as<uint8_t>();
-    workspace_bytes_ += b.size();
-    buffers_.push_back(std::move(b));
-    return p;
+  // One block carved into 256-byte aligned pieces; the pieces' sizes are its layout, and layers
+  // with the same layout share the block through opt.workspace_pool [TAG_MOE_WORKSPACE_POOL].
+  size_t total = 0;
+  std::string layout = fmt::format("moe H={} I={}:", H, shape_.intermediate);
+  std::vector<std::function<void(uint8_t*)>> place;
+  auto take = [&](auto*& ptr, size_t count) {
+    using T = std::remove_reference_t<decltype(*ptr)>;
+    const size_t off = total, bytes = sizeof(T) * std::max<size_t>(count, 1);
+    total += (bytes + 255) / 256 * 256;
+    layout += fmt::format(" {}", bytes);
+    place.push_back([&ptr, off](uint8_t* base) { ptr = reinterpret_cast<T*>(base + off); });
   };
-#define MOEBIUS_ALLOC(ptr, type, count)                                      \
-  do {                                                                       \
-    MOEBIUS_ASSIGN_OR_RETURN(uint8_t* p_, alloc(sizeof(type) * (count)));    \
-    ptr = reinterpret_cast<type*>(p_);                                       \
-  } while (0)
   tc_router_ = cap >= kTensorCoreRouterMinTokens && router_packed_ != nullptr;
   if (tc_router_) {
     router_grid_tiles_ = (cap + kRouterBlockM - 1) / kRouterBlockM;
-    MOEBIUS_ALLOC(router_pair_ids_, int32_t, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
-    MOEBIUS_ALLOC(router_tile_expert_, int32_t, router_grid_tiles_);
+    take(router_pair_ids_, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
+    take(router_tile_expert_, static_cast<size_t>(router_grid_tiles_));
   }
-  MOEBIUS_ALLOC(logits_, float, static_cast<size_t>(cap) * E);
-  MOEBIUS_ALLOC(topk_ids_, int32_t, static_cast<size_t>(cap) * k);
-  MOEBIUS_ALLOC(topk_weights_, float, static_cast<size_t>(cap) * k);
-  MOEBIUS_ALLOC(expert_offsets_, int32_t, E + 1);
-  MOEBIUS_ALLOC(sorted_pair_ids_, int32_t, static_cast<size_t>(cap) * k);
-  MOEBIUS_ALLOC(padded_offsets_, int32_t, E + 1);
-  MOEBIUS_ALLOC(padded_pair_ids_, int32_t, max_padded_);
-  MOEBIUS_ALLOC(tile_expert_, int32_t, max_tiles_);
-  MOEBIUS_ALLOC(num_tiles_, int32_t, 1);
-  MOEBIUS_ALLOC(h_, __nv_bfloat16, static_cast<size_t>(max_padded_) * h_stride_);
-  MOEBIUS_ALLOC(y_, float, static_cast<size_t>(cap) * k * H);
-#undef MOEBIUS_ALLOC
-  // h columns past I are never written; keep them finite so a future reader cannot meet NaN.
-  CUDA_CHECK(cudaMemset(h_, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(max_padded_) * h_stride_));
+  take(logits_, static_cast<size_t>(cap) * E);
+  take(topk_ids_, static_cast<size_t>(cap) * k);
+  take(topk_weights_, static_cast<size_t>(cap) * k);
+  take(expert_offsets_, static_cast<size_t>(E) + 1);
+  take(sorted_pair_ids_, static_cast<size_t>(cap) * k);
+  take(padded_offsets_, static_cast<size_t>(E) + 1);
+  take(padded_pair_ids_, static_cast<size_t>(max_padded_));
+  take(tile_expert_, static_cast<size_t>(max_tiles_));
+  take(num_tiles_, 1);
+  take(h_, static_cast<size_t>(max_padded_) * h_stride_);  // zeroed: columns past I are never written
+  take(y_, static_cast<size_t>(cap) * k * H);
+  if (opt.workspace_pool) {
+    MOEBIUS_ASSIGN_OR_RETURN(workspace_, opt.workspace_pool->acquire(layout, total));
+  } else {
+    DeviceZeroAllocator a;
+    MOEBIUS_ASSIGN_OR_RETURN(void* p, a.allocate(total));
+    workspace_ = std::make_shared<const MoeWorkspacePool::Block>(p, total, a);
+  }
+  workspace_bytes_ = total;
+  for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
 }

@@ -20,6 +20,7 @@
 #include "kernels/moe_gemm.cuh"
 #include "kernels/moe_route.cuh"
 #include "moe/expert_layout.h"
+#include "moe/moe_workspace_pool.h"
 
 namespace moebius::moe {
 
@@ -62,6 +63,9 @@ struct MoeCudaOptions {
   // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
   // it (kernels::moe_route_small_supported); false forces the three separate kernels.
   bool fuse_routing = true;
+  // Layers given the same pool share one workspace when their layouts match (one geometry and
+  // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
+  std::shared_ptr<MoeWorkspacePool> workspace_pool;
 };
 
 class MoeLayerCuda {
@@ -109,6 +113,9 @@ class MoeLayerCuda {
   const cpu::MoeShape& shape() const { return shape_; }
   KernelFormat format() const { return format_; }
   int capacity() const { return opt_.capacity; }
+  const MoeCudaOptions& options() const { return opt_; }
+  int group_size() const { return dims13_.group_size; }  // int formats: K elements per scale
+  const kernels::MoeActivationParams& activation() const { return act_; }
   int block_m() const { return block_m_; }
   // The path the GEMM stages run (kDecode or kPrefill; kAuto is resolved at creation).
   MoeGemmPath gemm_path() const { return path_; }
@@ -152,7 +159,7 @@ class MoeLayerCuda {
   int64_t max_padded_ = 0, max_tiles_ = 0, grid_tiles_ = 0;
 
   std::shared_ptr<std::vector<Buffer>> weights_;  // experts, tables, router: shared by share_weights()
-  std::vector<Buffer> buffers_;  // this layer's workspace
+  std::shared_ptr<const MoeWorkspacePool::Block> workspace_;  // this layer's, or shared through the pool
   size_t workspace_bytes_ = 0;
   uint8_t* w13_ = nullptr;       // [E][w13 weight bytes]
   uint8_t* s13_ = nullptr;       // [E][w13 scale bytes]

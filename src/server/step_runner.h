@@ -79,6 +79,7 @@ struct RunnerOptions {
   int block_size = 16;
   int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
   std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
+  bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
 };
 
 // Loads the model for `options.backend`. Errors name the offending flag.

@@ -82,6 +82,7 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   co.block_size = o.block_size;
   co.num_blocks = o.num_blocks;
   co.graph_batches = o.graph_batches;
+  co.autotune = o.autotune;
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));

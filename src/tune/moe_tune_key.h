@@ -1,0 +1,62 @@
+// What the MoE autotuner keys its cache on, and what it stores (host code; the tuner itself is
+// moe_autotuner.h).
+//
+// Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
+// cache key, e.g.
+//   moe.v1 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v1" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+// changes, so old winners are ignored rather than misread.
+//
+// Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
+// routing), with the measured time of the winner and of the heuristic's choice.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace moebius::tune {
+
+inline constexpr int kMoeTuneKeyVersion = 1;
+
+struct MoeTuneKey {
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  int num_experts = 0;       // E
+  int top_k = 0;             // k
+  std::string format;        // kernel_format_name: bf16, nvfp4, int4, int2
+  int group_size = 0;        // int formats' K elements per scale; 0 otherwise
+  std::string activation;    // silu, silu_clamped(7), gptoss(7,1.702)
+  std::string combine;       // store, atomic
+  int bucket = 0;            // capacity bucket (tokens)
+
+  std::string str() const;
+  bool operator==(const MoeTuneKey&) const = default;
+};
+
+// A configuration of the MoE layer's knobs, as the layer resolved it (never "auto").
+struct MoeTuneConfig {
+  std::string gemm_path;  // moe_gemm_path_name: decode, prefill, ...
+  int block_m = 0;
+  bool fuse_routing = false;
+
+  std::string str() const;  // "decode bm=8 fused"
+  bool operator==(const MoeTuneConfig&) const = default;
+};
+
+struct MoeTuneChoice {
+  MoeTuneConfig winner;
+  MoeTuneConfig heuristic;
+  double winner_us = 0;     // per forward at the bucket's token count
+  double heuristic_us = 0;
+  int candidates = 0;       // configurations timed
+
+  nlohmann::json to_json() const;
+  // Validates every field; an error names the first bad one.
+  static Result<MoeTuneChoice> from_json(const nlohmann::json& j);
+};
+
+}  // namespace moebius::tune
