@@ -24,10 +24,15 @@
 //       16w+g+8, columns 8j+2t and 8j+2t+1 for j < N/8: exactly the mma.sync accumulator layout
 //       per n8 block, so the epilogue is the mma.sync prefill kernel's.
 //
-// Block: 384 threads = 2 consumer warpgroups + 1 producer warpgroup, 256 weight rows x block_m
-// tokens, all of K; one block per SM. setmaxnreg moves registers from the producer (40 per
-// thread) to the consumers (232): a block of 12 warps starts at 168 each, because the register
-// file is split between the 4 SM sub-partitions and each holds 3 of the 12 warps.
+// Work item: 256 weight rows x block_m tokens (one tile), all of K. Persistent grid: one block of
+// 384 threads per SM (2 consumer warpgroups + 1 producer warpgroup) walks work items
+// blockIdx.x, + gridDim.x, ... of tiles x row blocks (row block fastest, so the SMs share a few
+// tiles' activations and experts' weights in L2; dead tiles skipped). The producer runs ahead
+// across items: the next item's first stages load during the current item's last stages and
+// epilogue, so neither the pipeline fill nor the epilogue's stores leave the ring idle.
+// setmaxnreg moves registers from the producer (56 per thread) to the consumers (224): a block of
+// 12 warps starts at 168 each, because the register file is split between the 4 SM
+// sub-partitions and each holds 3 of the 12 warps.
 //   Consumer warpgroup c (warps 4c..4c+3) owns two m64 row groups, rows 128c..128c+127 of the
 //   block: per 16-deep k-step it dequantizes 2 A fragments per thread (each weight exactly once
 //   per block) and issues 2 wgmma (m64nNk16) on the same B. Why 256 rows: L2 -> SM traffic per
@@ -47,7 +52,10 @@
 // into the A double buffer, wgmma.fence, 2 wgmma, commit, wait_group 1. The wait keeps one
 // wgmma group in flight while the next step dequantizes, and guarantees the group that read the
 // other A buffer has finished before it is rewritten; it also means the previous stage is fully
-// consumed after the first step of a stage, where the empty barrier is released.
+// consumed after the first step of a stage, where the empty barrier is released (an item's last
+// stage: after its final wait_group 0, before the epilogue). Per-tile metadata (pair ids, row
+// pointers, N) is double-buffered by item between producer and consumers, with its own pair of
+// mbarriers.
 // Shared memory per stage: [activations: 64-k panels of BN rows x 128 B][weights: 16 tiles x
 // chunks x 512 B][nvfp4 scales: 16 x 64 B], rounded up to 1 KiB; the ring base is 1 KiB aligned.
 // Activation panels are the wgmma K-major 128-byte-swizzle layout: token row r at r * 128 B,
@@ -66,6 +74,8 @@
 // spills, no stack).
 #include "kernels/moe_gemm_wgmma.cuh"
 
+#include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "kernels/cuda_check.h"
@@ -90,9 +100,11 @@ constexpr int kProducerThreads = 128;                 // 1 warpgroup
 constexpr int kThreads = kConsumerWarps * 32 + kProducerThreads;
 // setmaxnreg: the register file is split per SM sub-partition (16K registers, warps assigned
 // round-robin), so 12 warps get 168 registers each at launch; the producer warpgroup gives most
-// of its back (it needs few) and the consumers take them: 40 + 2 x 232 = 504 <= 3 x 168.
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+// of its back (it needs few) and the consumers take them: 56 + 2 x 224 = 504 <= 3 x 168. (Measured
+// with ptxas -v: the consumers fit in 184 without spills or wgmma serialization, the producer
+// spills at 40.)
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
 static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168 && kConsumerRegs % 8 == 0 && kProducerRegs % 8 == 0,
               "setmaxnreg counts must fit the launch allocation and be multiples of 8");
 constexpr int kMF = 2;                                // m64 row groups per consumer warpgroup
@@ -251,64 +263,136 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a
   else wgmma_m64n128k16(d, a, desc, scale_d);
 }
 
+// ---- work items and per-tile metadata ---------------------------------------------------------
+
+// The persistent schedule: block b takes work items w = b, b + gridDim.x, ... of grid_tiles x row
+// blocks, row block fastest (the blocks running at one time share a few tiles' activations and
+// experts' weights in L2). Items of tiles whose tile_expert is -1 are skipped
+// [TAG_MOE_GRAPH_CAPACITY]; producer and consumers walk the same sequence.
+struct WorkItem {
+  int tile, row_tile0, expert;
+};
+
+__device__ __forceinline__ bool load_item(const GemmKernelArgs& args, int w, int row_blocks, WorkItem& item) {
+  item.tile = w / row_blocks;
+  item.row_tile0 = (w % row_blocks) * kBlockRowTiles;
+  item.expert = args.tiles.tile_expert[item.tile];
+  return item.expert >= 0;
+}
+
+// What the producer learns of a tile and the consumers need, double-buffered by item parity:
+// filled by the producer after meta_empty, published by meta_full (128 arrivals), released by the
+// consumers after their epilogue (meta_empty, 8 arrivals).
+template <int BN>
+struct TileMeta {
+  int32_t pair_ids[BN];
+  const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
+  int half;                           // 1: N = BN / 2 (no live token in the tile's second half)
+};
+
+// OR of `v` over the 128 producer threads (named barrier 1; barrier 0 is __syncthreads').
+__device__ __forceinline__ bool producer_any(bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 q, %1, 0;\n"
+      "bar.red.or.pred p, 1, %2, q;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(v)), "n"(kProducerThreads)
+      : "memory");
+  return r != 0;
+}
+
 // ---- producer warpgroup ------------------------------------------------------------------------
 
-// Copies every k-stage of the block's weights, scales and gathered activations (the first `rows`
-// token rows of the tile: the consumers read no others) into the ring. Producer thread p copies
+// For each of the block's work items: the tile's metadata, then every k-stage of the item's
+// weights, scales and gathered activations (the first BN or BN / 2 token rows: the consumers read
+// no others) into the ring, whose position carries over from item to item, so the next item's
+// first stages load during the current item's last stages and epilogue. Producer thread p copies
 // 16-byte lane slice p % 32 of weight chunks (so each chunk lands verbatim), and piece
 // p % pieces of every (128 / pieces)-th activation row.
-template <MoeWeightFormat F, int BN>
-__device__ __forceinline__ void produce(const GemmKernelArgs& args, const ExpertMatrixPtrs& ptrs, uint8_t* ring,
-                                        const __nv_bfloat16* const* act_rows, uint32_t full0, uint32_t empty0,
-                                        int row_tile0, int n_stages, int rows) {
+template <MoeWeightFormat F, int BN, Epilogue EPI>
+__device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* ring, TileMeta<BN>* meta, uint32_t full0,
+                                        uint32_t empty0, uint32_t meta_full0, uint32_t meta_empty0, int row_blocks,
+                                        int n_stages) {
   using L = WgLayout<F, BN>;
   const int p = threadIdx.x - kConsumerWarps * 32;  // 0..127
   const int lane = p & 31, pw = p >> 5;
   const MoeGemmDims& d = args.dims;
-  const uint8_t* wglobal = static_cast<const uint8_t*>(ptrs.weight);
   constexpr int kRowsPerPass = kProducerThreads / L::kRowPieces;
   const int q = p % L::kRowPieces;  // this thread's piece column of every row it copies
   const int panel = q / 8, piece = q % 8;
-  int slot = 0;
+  int slot = 0, g = 0;  // ring position and stages issued, over all items
   uint32_t phase = 0;
-  for (int ks = 0; ks < n_stages; ++ks) {
-    // Slot reuse: wait until the consumers released the stage that last used it.
-    if (ks >= L::kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
-    uint8_t* base = ring + slot * L::kBytes;
-    // Weights: [16 tiles][chunks][512 B]; the stage's chunks of a tile are contiguous in global.
-    // Chunk i = tile * chunks + c is copied by the 32 threads of producer warp i % 4.
-#pragma unroll 4
-    for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
-      const int tl = i / L::kChunks, c = i % L::kChunks;
-      const int rt = row_tile0 + tl, chunk = ks * L::kChunks + c;
-      const bool ok = rt < d.row_tiles && chunk < d.chunks;
-      const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
-      cp_async16(smem_u32(base + L::kActs + (i * 32 + lane) * 16), ok ? src : wglobal, ok ? 16 : 0);
+  int it = 0;
+  const int items = args.tiles.grid_tiles * row_blocks;
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    WorkItem item;
+    if (!load_item(args, w, row_blocks, item)) continue;
+    const int b = it & 1;
+    TileMeta<BN>& m = meta[b];
+    if (it >= 2) mbar_wait(meta_empty0 + 8 * b, ((it >> 1) + 1) & 1);  // item it - 2 is done with it
+    bool upper = false;
+    if (p < BN) {
+      const int pos = item.tile * BN + p;
+      const int pair = args.tiles.padded_pair_ids[pos];
+      m.pair_ids[p] = pair;
+      const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
+      m.act_rows[p] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+      upper = p >= BN / 2 && pair >= 0;
     }
-    if constexpr (F == MoeWeightFormat::kNvFp4) {  // [16 tiles][64 B]: the stage's one chunk
-      if (p < kBlockRowTiles * 4) {
-        const int rt = row_tile0 + p / 4;
-        const bool ok = rt < d.row_tiles;
-        const uint8_t* src =
-            static_cast<const uint8_t*>(ptrs.scales) + (static_cast<int64_t>(rt) * d.chunks + ks) * 64 + (p % 4) * 16;
-        cp_async16(smem_u32(base + L::kActs + L::kWeights + p * 16), ok ? src : wglobal, ok ? 16 : 0);
+    // The barrier also orders every producer thread's act_rows writes before the copies below.
+    const bool any_upper = producer_any(upper);
+    const bool half = BN == 128 && !any_upper;
+    if (p == 0) m.half = half;
+    mbar_arrive(meta_full0 + 8 * b);
+    ++it;
+
+    const ExpertMatrixPtrs ptrs = args.experts[item.expert];
+    const uint8_t* wglobal = static_cast<const uint8_t*>(ptrs.weight);
+    const int rows = half ? BN / 2 : BN;
+    for (int ks = 0; ks < n_stages; ++ks, ++g) {
+      // Slot reuse: wait until the consumers released the stage that last used it.
+      if (g >= L::kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
+      uint8_t* base = ring + slot * L::kBytes;
+      // Weights: [16 tiles][chunks][512 B]; the stage's chunks of a tile are contiguous in
+      // global memory. Chunk i = tile * chunks + c is copied by the 32 threads of warp i % 4.
+#pragma unroll 4
+      for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
+        const int tl = i / L::kChunks, c = i % L::kChunks;
+        const int rt = item.row_tile0 + tl, chunk = ks * L::kChunks + c;
+        const bool ok = rt < d.row_tiles && chunk < d.chunks;
+        const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
+        cp_async16(smem_u32(base + L::kActs + (i * 32 + lane) * 16), ok ? src : wglobal, ok ? 16 : 0);
       }
-    }
-    // Activations: row r, piece q (k = ks*KS + 8q .. +7) at panel q/8, row r, piece (q%8) ^ (r&7).
-    const int k = ks * L::KS + q * 8;
-    const int k_bytes = max(0, min(16, 2 * (d.k - k)));
-    uint8_t* acts = base + panel * (BN * 128);
+      if constexpr (F == MoeWeightFormat::kNvFp4) {  // [16 tiles][64 B]: the stage's one chunk
+        if (p < kBlockRowTiles * 4) {
+          const int rt = item.row_tile0 + p / 4;
+          const bool ok = rt < d.row_tiles;
+          const uint8_t* src = static_cast<const uint8_t*>(ptrs.scales) +
+                               (static_cast<int64_t>(rt) * d.chunks + ks) * 64 + (p % 4) * 16;
+          cp_async16(smem_u32(base + L::kActs + L::kWeights + p * 16), ok ? src : wglobal, ok ? 16 : 0);
+        }
+      }
+      // Activations: row r, piece q (k = ks*KS + 8q .. +7) at panel q/8, row r, piece (q%8) ^ (r&7).
+      const int k = ks * L::KS + q * 8;
+      const int k_bytes = max(0, min(16, 2 * (d.k - k)));
+      uint8_t* acts = base + panel * (BN * 128);
 #pragma unroll 4
-    for (int r = p / L::kRowPieces; r < rows; r += kRowsPerPass) {
-      const __nv_bfloat16* row = act_rows[r];
-      const int bytes = row == nullptr ? 0 : k_bytes;
-      cp_async16(smem_u32(acts + r * 128 + ((piece ^ (r & 7)) * 16)),
-                 bytes > 0 ? static_cast<const void*>(row + k) : static_cast<const void*>(wglobal), bytes);
-    }
-    cp_async_mbar_arrive_noinc(full0 + 8 * slot);
-    if (++slot == L::kStages) {
-      slot = 0;
-      phase ^= 1;
+      for (int r = p / L::kRowPieces; r < rows; r += kRowsPerPass) {
+        const __nv_bfloat16* row = m.act_rows[r];
+        const int bytes = row == nullptr ? 0 : k_bytes;
+        cp_async16(smem_u32(acts + r * 128 + ((piece ^ (r & 7)) * 16)),
+                   bytes > 0 ? static_cast<const void*>(row + k) : static_cast<const void*>(wglobal), bytes);
+      }
+      cp_async_mbar_arrive_noinc(full0 + 8 * slot);
+      if (++slot == L::kStages) {
+        slot = 0;
+        phase ^= 1;
+      }
     }
   }
   cp_async_wait_all();  // nothing of this warpgroup stays in flight when it exits
@@ -316,12 +400,13 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, const Expert
 
 // ---- consumer warpgroups -----------------------------------------------------------------------
 
-// The mainloop and epilogue of one block for wgmma width N (BN, or BN / 2 when only the first half
-// of the tile's rows are live).
+// The mainloop and epilogue of one work item for wgmma width N (BN, or BN / 2 when only the first
+// half of the tile's rows are live). slot / phase: the ring position, carried from item to item.
 template <MoeWeightFormat F, int BN, int N, Epilogue EPI>
-__device__ __forceinline__ void consume(const GemmKernelArgs& args, const ExpertMatrixPtrs& ptrs,
-                                        const uint8_t* ring, const uint16_t* e4m3_lut, const int32_t* pair_ids,
-                                        uint32_t full0, uint32_t empty0, int tile, int row_tile0, int n_stages) {
+__device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const ExpertMatrixPtrs& ptrs,
+                                             const uint8_t* ring, const uint16_t* e4m3_lut, const int32_t* pair_ids,
+                                             uint32_t full0, uint32_t empty0, int tile, int row_tile0, int n_stages,
+                                             int& slot, uint32_t& phase) {
   using L = WgLayout<F, BN>;
   constexpr bool kInt = kIsInt<F>;
   constexpr int ND = N / 2;  // accumulators per thread and m64
@@ -391,8 +476,7 @@ __device__ __forceinline__ void consume(const GemmKernelArgs& args, const Expert
   uint32_t a[2][kMF][4];  // A fragments, double-buffered by k-step parity
   uint4 w[kMF];
   uint2 nv_sc[kMF];
-  int slot = 0, prev_slot = 0;
-  uint32_t phase = 0;
+  int prev_slot = 0;
   for (int ks = 0; ks < n_stages; ++ks) {
     mbar_wait(full0 + 8 * slot, phase);
     __syncwarp();
@@ -436,8 +520,8 @@ __device__ __forceinline__ void consume(const GemmKernelArgs& args, const Expert
         else fence_regs(acc[mf]);
       }
       if constexpr (s == 0) {
-        // Every wgmma of the previous stage has completed (only this step's group may be pending):
-        // release its slot to the producer.
+        // Every wgmma of the item's previous stage has completed (only this step's group may be
+        // pending): release its slot to the producer.
         if (ks > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
         __syncwarp();
       }
@@ -467,6 +551,10 @@ __device__ __forceinline__ void consume(const GemmKernelArgs& args, const Expert
     fence_regs(acc[mf]);
     if constexpr (kInt) fence_regs(grp[mf]);
   }
+  // The item's last stage is consumed: release it now, so the producer refills it with the next
+  // item's data during this epilogue.
+  if (lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
+  __syncwarp();
   if constexpr (kInt) {
     if (gstep != 0) flush_group();  // K ended inside a group
   }
@@ -517,65 +605,85 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
   using L = WgLayout<F, BN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ uint16_t e4m3_lut[256];
-  __shared__ int32_t pair_ids[BN];
-  __shared__ const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
+  __shared__ TileMeta<BN> meta[2];
   __shared__ __align__(8) uint64_t full_bar[L::kStages];
   __shared__ __align__(8) uint64_t empty_bar[L::kStages];
+  __shared__ __align__(8) uint64_t meta_full_bar[2];
+  __shared__ __align__(8) uint64_t meta_empty_bar[2];
 
   const int tid = threadIdx.x;
   if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);  // reads nothing upstream
   pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage); pdl.cuh
   pdl_launch_dependents();
-  const int tile = blockIdx.y;
-  const int expert = args.tiles.tile_expert[tile];
-  if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
-
-  bool upper_live = false;  // a live token in the tile's second half
-  if (tid < BN) {
-    const int pos = tile * BN + tid;
-    const int pair = args.tiles.padded_pair_ids[pos];
-    pair_ids[tid] = pair;
-    const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
-    act_rows[tid] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
-    upper_live = tid >= BN / 2 && pair >= 0;
-  }
   const uint32_t full0 = smem_u32(&full_bar[0]), empty0 = smem_u32(&empty_bar[0]);
+  const uint32_t meta_full0 = smem_u32(&meta_full_bar[0]), meta_empty0 = smem_u32(&meta_empty_bar[0]);
   if (tid == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(full0 + 8 * s, kProducerThreads);   // one cp.async arrival per producer thread
-      mbar_init(empty0 + 8 * s, kConsumerWarps);    // one arrival per consumer warp
+      mbar_init(full0 + 8 * s, kProducerThreads);  // one cp.async arrival per producer thread
+      mbar_init(empty0 + 8 * s, kConsumerWarps);   // one arrival per consumer warp
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(meta_full0 + 8 * b, kProducerThreads);
+      mbar_init(meta_empty0 + 8 * b, kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  // The consumers run N = BN / 2 when no live token sits in the tile's second half (BN = 128 only:
-  // the last, at most half-full tile of an expert); the producer then copies only the first half.
-  // The barrier also publishes pair_ids, act_rows, the mbarrier initialization and the e4m3 table.
-  const bool any_upper = __syncthreads_or(upper_live);
-  const bool half = BN == 128 && !any_upper;
+  __syncthreads();  // the barriers and the e4m3 table
 
   uint8_t* ring = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const ExpertMatrixPtrs ptrs = args.experts[expert];
-  const int row_tile0 = blockIdx.x * kBlockRowTiles;
+  const int row_blocks = (args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles;
   const int n_stages = (args.dims.chunks + L::kChunks - 1) / L::kChunks;
 
   if (tid >= kConsumerWarps * 32) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    produce<F, BN>(args, ptrs, ring, act_rows, full0, empty0, row_tile0, n_stages, half ? BN / 2 : BN);
+    produce<F, BN, EPI>(args, ring, meta, full0, empty0, meta_full0, meta_empty0, row_blocks, n_stages);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  if constexpr (BN == 128) {
-    if (half) {  // block-uniform
-      consume<F, BN, 64, EPI>(args, ptrs, ring, e4m3_lut, pair_ids, full0, empty0, tile, row_tile0, n_stages);
-      return;
+  const int lane = tid & 31;
+  int slot = 0, it = 0;
+  uint32_t phase = 0;
+  const int items = args.tiles.grid_tiles * row_blocks;
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    WorkItem item;
+    if (!load_item(args, w, row_blocks, item)) continue;
+    const int b = it & 1;
+    mbar_wait(meta_full0 + 8 * b, (it >> 1) & 1);
+    __syncwarp();
+    const TileMeta<BN>& m = meta[b];
+    const ExpertMatrixPtrs ptrs = args.experts[item.expert];
+    bool done = false;
+    if constexpr (BN == 128) {
+      if (m.half) {  // block-uniform
+        consume_item<F, BN, 64, EPI>(args, ptrs, ring, e4m3_lut, m.pair_ids, full0, empty0, item.tile,
+                                     item.row_tile0, n_stages, slot, phase);
+        done = true;
+      }
     }
+    if (!done)
+      consume_item<F, BN, BN, EPI>(args, ptrs, ring, e4m3_lut, m.pair_ids, full0, empty0, item.tile, item.row_tile0,
+                                   n_stages, slot, phase);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(meta_empty0 + 8 * b);  // this warp's epilogue read the metadata
+    ++it;
   }
-  consume<F, BN, BN, EPI>(args, ptrs, ring, e4m3_lut, pair_ids, full0, empty0, tile, row_tile0, n_stages);
 #else
   // Not an sm_90a device pass: never launched (moe_gemm_wgmma_available() is false there).
   (void)args;
   __trap();
 #endif
+}
+
+std::atomic<int> g_grid_cap{0};  // moe_gemm_wgmma_set_grid_cap
+
+// Streaming multiprocessors of the current device (the persistent grid), cached per device.
+int sm_count() {
+  static int cached[64] = {};
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cached[dev];
 }
 
 template <MoeWeightFormat F, int BN, Epilogue EPI>
@@ -584,8 +692,13 @@ void launch_kernel(const GemmKernelArgs& args, cudaStream_t stream) {
   auto* kernel = &moe_gemm_wgmma_kernel<F, BN, EPI>;
   // Above 48 KiB a block needs the opt-in; not a stream operation, so legal during capture.
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal));
-  const dim3 grid((args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles, args.tiles.grid_tiles);
-  launch_pdl(kernel, grid, dim3(kThreads), L::kTotal, stream, args);
+  // Persistent: one block per SM (its shared memory and registers allow no second), each walking
+  // its share of the work items; fewer blocks when there are fewer items.
+  const int64_t items = static_cast<int64_t>(args.tiles.grid_tiles) *
+                        ((args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles);
+  const int cap = g_grid_cap.load(std::memory_order_relaxed);
+  const int blocks = static_cast<int>(std::min<int64_t>(items, cap > 0 ? cap : sm_count()));
+  launch_pdl(kernel, dim3(blocks), dim3(kThreads), L::kTotal, stream, args);
 }
 
 // The instantiated configurations, as the mma.sync prefill kernel: 64-token tiles for every
@@ -627,6 +740,8 @@ bool moe_gemm_wgmma_compiled() {
   return false;
 #endif
 }
+
+void moe_gemm_wgmma_set_grid_cap(int blocks) { g_grid_cap.store(blocks > 0 ? blocks : 0, std::memory_order_relaxed); }
 
 bool moe_gemm_wgmma_available() {
   if (!moe_gemm_wgmma_compiled()) return false;

@@ -17,8 +17,9 @@
 // multiple of 8 elements); the launchers assert it. The MoE layer checks x before it calls and
 // runs GEMM1 on the mma.sync prefill kernel otherwise (GEMM2 reads the layer's own h, always
 // aligned).
-// [TAG_MOE_GRAPH_CAPACITY] Grid = (ceil(row_tiles / 16), tiles.grid_tiles) from host values; a
-// block whose tile_expert is -1 exits at once; nothing syncs the host.
+// [TAG_MOE_GRAPH_CAPACITY] Persistent grid: min(#SMs, tiles.grid_tiles * ceil(row_tiles / 16))
+// blocks from host values, each walking its share of (tile, row block) work items and skipping
+// tiles whose tile_expert is -1; nothing syncs the host.
 // Availability: the kernels exist only in builds whose MOEBIUS_CUDA_ARCHS contains 90a and run
 // only on compute capability 9.0 devices (H100/H200); moe_gemm_wgmma_available() says whether
 // both hold. In other builds the launchers abort.
@@ -51,6 +52,11 @@ inline bool moe_gemm_wgmma_supports(MoeWeightFormat format, int block_m) {
 inline bool moe_gemm_wgmma_rows_aligned(const void* p, int stride) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0 && stride % 8 == 0;
 }
+
+// Tests and experiments: caps the persistent grid at `blocks` blocks (0, the default: one per
+// SM). Results do not depend on it (each output element is one thread's fixed-order sum); the
+// tests use a small cap to run many work items per block.
+void moe_gemm_wgmma_set_grid_cap(int blocks);
 
 // Arguments as launch_moe_gemm_prefill_gate_up: x [T, x_stride] bf16 (16-byte aligned rows),
 // h [max_padded, h_stride] bf16.
