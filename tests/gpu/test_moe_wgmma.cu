@@ -7,7 +7,8 @@
 //      fails loudly and names the element. Outputs are poisoned, and so are the inputs the kernel
 //      must never read (activation columns past K, h rows of padding slots): a read of them
 //      turns a result into NaN. Tiles with their live rows at the end (not the align's prefix)
-//      and -1 tiles past the live ones ([TAG_MOE_GRAPH_CAPACITY]) are included.
+//      and -1 tiles past the live ones ([TAG_MOE_GRAPH_CAPACITY]) are included, and each GEMM
+//      is rerun on a 2- or 3-block persistent grid (many work items per block), bit-identical.
 //   2. Layer level (MoeWgmmaLayer*): MoeLayerCuda forced onto MoeGemmPath::kPrefillWgmma against
 //      the CPU oracle (normalised MSE, as test_moe_layer.cu), for every format, B in {1, 3, 64,
 //      256, 1000, 4096}, E in {8, 128}, top-k in {1, 2, 8}, odd shapes, skewed routing and all
@@ -311,12 +312,15 @@ void run_kernel_case(const KernelCase& c, PackedExperts& P, int64_t T, int bm, b
     }
     EXPECT_EQ(bad, 0u) << label << " GEMM1: " << bad << " bad of " << checked << "; first: " << first;
   }
-  // Rerun: bit-identical.
+  // Rerun on a 2-block persistent grid (many work items per block: the ring and the metadata
+  // buffers carry over from item to item): bit-identical.
   dh.poison(0xFF, stream);
+  kernels::moe_gemm_wgmma_set_grid_cap(2);
   kernels::launch_moe_gemm_wgmma_gate_up(kf, P.table13.data(), P.dims13, tiles, dx.data(), static_cast<int>(x_stride),
                                         act, dh.data(), static_cast<int>(h_stride), stream);
+  kernels::moe_gemm_wgmma_set_grid_cap(0);
   stream.sync();
-  EXPECT_EQ(0, std::memcmp(h.data(), dh.download().data(), h.size() * 2)) << label << " GEMM1 rerun differs";
+  EXPECT_EQ(0, std::memcmp(h.data(), dh.download().data(), h.size() * 2)) << label << " GEMM1 rerun (2 blocks) differs";
 
   // ---- GEMM2 input: fresh h with NaN in padding rows and in columns >= I (never read).
   std::vector<uint16_t> h2(static_cast<size_t>(padded * h_stride), kBf16Poison);
@@ -370,11 +374,13 @@ void run_kernel_case(const KernelCase& c, PackedExperts& P, int64_t T, int bm, b
     EXPECT_EQ(bad, 0u) << label << " GEMM2 kStore: first: " << first;
   }
   dy.poison(0xFF, stream);
+  kernels::moe_gemm_wgmma_set_grid_cap(3);
   kernels::launch_moe_gemm_wgmma_down(kf, P.table2.data(), P.dims2, tiles, dh.data(), static_cast<int>(h_stride),
                                      kernels::MoeCombineMode::kStore, dy.data(), static_cast<int>(y_stride), nullptr,
                                      nullptr, 0, stream);
+  kernels::moe_gemm_wgmma_set_grid_cap(0);
   stream.sync();
-  EXPECT_EQ(0, std::memcmp(y.data(), dy.download().data(), y.size() * 4)) << label << " GEMM2 rerun differs";
+  EXPECT_EQ(0, std::memcmp(y.data(), dy.download().data(), y.size() * 4)) << label << " GEMM2 rerun (3 blocks) differs";
 
   // ---- kAtomic: out [T, H] bf16, zeroed, += bf16(w * y) per pair.
   std::vector<float> wts(static_cast<size_t>(T * k));
@@ -599,6 +605,11 @@ TEST(MoeWgmmaLayerDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
       const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
       const std::string label = std::string(weight_format_name(f)) + " " + path_label(**layer) + " T=" + std::to_string(T);
       EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2)) << "store mode must be bit-identical (" << label << ")";
+      // The same on a 5-block persistent grid: the schedule does not change a bit.
+      kernels::moe_gemm_wgmma_set_grid_cap(5);
+      const LayerRun few = run_gpu(**layer, x, T);
+      kernels::moe_gemm_wgmma_set_grid_cap(0);
+      EXPECT_EQ(0, std::memcmp(a.out.data(), few.out.data(), a.out.size() * 2)) << "5-block grid differs (" << label << ")";
       expect_matches_oracle(L, x, T, a.ids, a.weights, a.out, "store " + label);
       opt.combine = kernels::MoeCombineMode::kAtomic;
       auto atomic = MoeLayerCuda::create(L, opt);
