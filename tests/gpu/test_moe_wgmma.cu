@@ -410,7 +410,8 @@ void run_kernel_case(const KernelCase& c, PackedExperts& P, int64_t T, int bm, b
           b += wts[p] * yabs[p * H + n];
         }
         const double got = bf16_bits_to_float(reinterpret_cast<const uint16_t*>(out.data())[t * H + n]);
-        if (!(std::fabs(got - s) <= std::ldexp(a, -6) + 4e-4 * b + 1e-30) && bad++ == 0)
+        // bf16(w * y) and k bf16 atomic adds, each rounding by <= 2^-9 of its partial sum.
+        if (!(std::fabs(got - s) <= std::ldexp(a, -9) * (2 * k + 1) + 4e-4 * b + 1e-30) && bad++ == 0)
           first = "token " + std::to_string(t) + " n " + std::to_string(n) + ": got " + std::to_string(got) +
                   " want " + std::to_string(s);
       }
@@ -604,18 +605,20 @@ TEST(MoeWgmmaLayerDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
       ASSERT_TRUE(layer.ok());
       const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
       const std::string label = std::string(weight_format_name(f)) + " " + path_label(**layer) + " T=" + std::to_string(T);
+      const std::vector<float> ref = oracle_out(L, x, T, a.ids, a.weights);
       EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2)) << "store mode must be bit-identical (" << label << ")";
       // The same on a 5-block persistent grid: the schedule does not change a bit.
       kernels::moe_gemm_wgmma_set_grid_cap(5);
       const LayerRun few = run_gpu(**layer, x, T);
       kernels::moe_gemm_wgmma_set_grid_cap(0);
       EXPECT_EQ(0, std::memcmp(a.out.data(), few.out.data(), a.out.size() * 2)) << "5-block grid differs (" << label << ")";
-      expect_matches_oracle(L, x, T, a.ids, a.weights, a.out, "store " + label);
+      expect_close_to(ref, a.out, "store " + label);
       opt.combine = kernels::MoeCombineMode::kAtomic;
       auto atomic = MoeLayerCuda::create(L, opt);
       ASSERT_TRUE(atomic.ok());
       const LayerRun c = run_gpu(**atomic, x, T);
-      expect_matches_oracle(L, x, T, a.ids, a.weights, c.out, "atomic combine " + label);
+      ASSERT_EQ(c.ids, a.ids);  // the router does not depend on the combine mode
+      expect_close_to(ref, c.out, "atomic combine " + label);
     }
   }
 }
