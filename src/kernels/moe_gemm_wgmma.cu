@@ -404,7 +404,7 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
 // half of the tile's rows are live). slot / phase: the ring position, carried from item to item.
 template <MoeWeightFormat F, int BN, int N, Epilogue EPI>
 __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const ExpertMatrixPtrs& ptrs,
-                                             const uint8_t* ring, const uint16_t* e4m3_lut, const int32_t* pair_ids,
+                                             const uint8_t* ring, const uint32_t* e4m3_lut, const int32_t* pair_ids,
                                              uint32_t full0, uint32_t empty0, int tile, int row_tile0, int n_stages,
                                              int& slot, uint32_t& phase) {
   using L = WgLayout<F, BN>;
@@ -604,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
 #ifdef MOEBIUS_WGMMA_DEVICE
   using L = WgLayout<F, BN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  __shared__ uint16_t e4m3_lut[256];
+  __shared__ uint32_t e4m3_lut[256];  // bf16x2 block-scale multipliers (moe_dequant.cuh)
   __shared__ TileMeta<BN> meta[2];
   __shared__ __align__(8) uint64_t full_bar[L::kStages];
   __shared__ __align__(8) uint64_t empty_bar[L::kStages];
