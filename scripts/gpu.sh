@@ -77,10 +77,15 @@ bench_cuda() {
     "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt --tokens 1,8,64,256,1024,4096 || return 1
   done
   "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-235b-a22b --format nvfp4 --tokens 1,8,64,1024 || return 1
-  # Where the prefill path starts to pay: both paths forced at the sizes around the switch.
-  for p in decode prefill; do
+  # Where the prefill paths start to pay: each path forced at the sizes around the switch.
+  for p in decode prefill wgmma; do
     "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 128,256,512 --gemm-path $p || return 1
   done
+  # The prefill GEMMs at large T: mma.sync against wgmma (sm_90a), and wgmma's tile width.
+  for p in prefill wgmma; do
+    "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 1024,4096 --gemm-path $p || return 1
+  done
+  "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 4096 --gemm-path wgmma --block-m 64 || return 1
 }
 step bench-moe-cuda bench_cuda
 

@@ -31,6 +31,7 @@ struct BenchMoeOptions {
   int iters = 0;  // 0: the backend default (cpu 3 runs, cuda 30 graph replays)
   std::string combine = "fp32";
   std::string gemm_path = "auto";
+  int block_m = 0;
   uint64_t seed = 1;
 };
 
@@ -64,11 +65,13 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     c.iters = o.iters > 0 ? o.iters : 30;
     c.atomic_combine = o.combine == "atomic";
     c.gemm_path = o.gemm_path;
+    c.block_m = o.block_m;
     c.seed = o.seed;
     return run_bench_moe_cuda(c);
   }
   if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
   if (o.gemm_path != "auto") return Error("the CPU backend has one expert path").in_field("--gemm-path");
+  if (o.block_m != 0) return Error("the CPU backend has no GEMM tiles").in_field("--block-m");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
   if (o.iters < 0) return Error("must be at least 1 (or 0 for the default)").in_field("--iters");
   const int iters = o.iters > 0 ? o.iters : 3;
@@ -142,7 +145,12 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--combine", opts->combine, "fp32 (deterministic) or atomic (in-kernel bf16 atomics, cuda only)")
       ->capture_default_str();
   cmd->add_option("--gemm-path", opts->gemm_path,
-                  "expert GEMM kernels: auto (by tokens per expert), decode or prefill (cuda only)")
+                  "expert GEMM kernels: auto (by tokens per expert), decode, prefill (mma.sync) or wgmma "
+                  "(sm_90a; cuda only)")
+      ->capture_default_str();
+  cmd->add_option("--block-m", opts->block_m,
+                  "tokens per GEMM tile (cuda only): 0 = the layer's choice; decode 8/16/32/64, prefill and "
+                  "wgmma 64, or 128 for bf16/nvfp4")
       ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);

@@ -49,7 +49,8 @@ Result<moe::MoeGemmPath> parse_gemm_path(const std::string& s) {
   if (s == "auto") return moe::MoeGemmPath::kAuto;
   if (s == "decode") return moe::MoeGemmPath::kDecode;
   if (s == "prefill") return moe::MoeGemmPath::kPrefill;
-  return Error::format("expected auto, decode or prefill, not '{}'", s).in_field("--gemm-path");
+  if (s == "wgmma") return moe::MoeGemmPath::kPrefillWgmma;
+  return Error::format("expected auto, decode, prefill or wgmma, not '{}'", s).in_field("--gemm-path");
 }
 
 }  // namespace
@@ -81,6 +82,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     opt.capacity = static_cast<int>(T);
     opt.combine = o.atomic_combine ? kernels::MoeCombineMode::kAtomic : kernels::MoeCombineMode::kStore;
     opt.gemm_path = gemm_path;
+    opt.block_m = o.block_m;
     // Size the weight-set rotation from the expected touched bytes.
     const double expect_touched = g.num_experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.num_experts,
                                                                   static_cast<double>(T)));

@@ -16,7 +16,8 @@ struct BenchMoeCudaOptions {
   int group_size = 128;
   int iters = 50;
   bool atomic_combine = false;
-  std::string gemm_path = "auto";  // auto, decode or prefill (moe::MoeGemmPath)
+  std::string gemm_path = "auto";  // auto, decode, prefill or wgmma (moe::MoeGemmPath)
+  int block_m = 0;                 // tokens per GEMM tile; 0 = the layer's choice
   uint64_t seed = 1;
   // Physical floors measured on the H200 here (docs/PERF.md).
   double hbm_bytes_per_s = 4.57e12;

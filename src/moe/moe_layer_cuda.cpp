@@ -13,6 +13,7 @@
 #include "kernels/fill.cuh"
 #include "kernels/moe_combine.cuh"
 #include "kernels/moe_gemm_prefill.cuh"
+#include "kernels/moe_gemm_wgmma.cuh"
 
 namespace moebius::moe {
 
@@ -61,6 +62,15 @@ int pick_prefill_block_m(KernelFormat format, int capacity, int top_k, int num_e
   return format == KernelFormat::kBF16 && avg >= 128 ? 128 : 64;
 }
 
+// wgmma: 128-token tiles for bf16 and nvfp4 once the expected tokens per expert reach 128 (L2
+// intensity, and a wider wgmma); an expert's last tile runs at N = 64 when it is at most half
+// full, which halves the padding cost of the wider tile. The int formats keep 64 (their group
+// accumulators). Unmeasured first guess; the autotuner issue replaces it.
+int pick_wgmma_block_m(KernelFormat format, int capacity, int top_k, int num_experts) {
+  const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
+  return (format == KernelFormat::kBF16 || format == KernelFormat::kNvFp4) && avg >= 128 ? 128 : 64;
+}
+
 }  // namespace
 
 const char* moe_gemm_path_name(MoeGemmPath p) {
@@ -68,6 +78,7 @@ const char* moe_gemm_path_name(MoeGemmPath p) {
     case MoeGemmPath::kAuto: return "auto";
     case MoeGemmPath::kDecode: return "decode";
     case MoeGemmPath::kPrefill: return "prefill";
+    case MoeGemmPath::kPrefillWgmma: return "wgmma";
   }
   return "?";
 }
@@ -158,18 +169,31 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   const int E = shape_.num_experts, k = shape_.top_k, cap = opt.capacity;
   const int64_t H = shape_.hidden;
   const kernels::MoeWeightFormat kf = to_kernel(format_);
+  // The prefill regime runs on wgmma where this build and the device allow it (sm_90a).
+  const MoeGemmPath prefill_path =
+      kernels::moe_gemm_wgmma_available() ? MoeGemmPath::kPrefillWgmma : MoeGemmPath::kPrefill;
   switch (opt.gemm_path) {
     case MoeGemmPath::kDecode: path_ = MoeGemmPath::kDecode; break;
     case MoeGemmPath::kPrefill: path_ = MoeGemmPath::kPrefill; break;
+    case MoeGemmPath::kPrefillWgmma:
+      if (!kernels::moe_gemm_wgmma_available())
+        return Error("the wgmma GEMM path needs a build with 90a in MOEBIUS_CUDA_ARCHS and a compute capability 9.0 "
+                     "GPU (H100/H200)");
+      path_ = MoeGemmPath::kPrefillWgmma;
+      break;
     case MoeGemmPath::kAuto:
       if (opt.block_m != 0 && opt.block_m != 64)  // a block_m only one path runs decides it
-        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? MoeGemmPath::kPrefill : MoeGemmPath::kDecode;
+        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? prefill_path : MoeGemmPath::kDecode;
       else
-        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? MoeGemmPath::kPrefill
-                                                                           : MoeGemmPath::kDecode;
+        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? prefill_path : MoeGemmPath::kDecode;
       break;
   }
-  if (path_ == MoeGemmPath::kPrefill) {
+  if (path_ == MoeGemmPath::kPrefillWgmma) {
+    block_m_ = opt.block_m ? opt.block_m : pick_wgmma_block_m(format_, cap, k, E);
+    if (!kernels::moe_gemm_wgmma_supports(kf, block_m_))
+      return Error::format("the wgmma GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
+                           block_m_, kernel_format_name(format_));
+  } else if (path_ == MoeGemmPath::kPrefill) {
     block_m_ = opt.block_m ? opt.block_m : pick_prefill_block_m(format_, cap, k, E);
     if (!kernels::moe_gemm_prefill_supports(kf, block_m_))
       return Error::format("the prefill GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
@@ -467,10 +491,19 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.max_tile_rows = std::min(block_m_, cap);
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
-  const bool prefill = path_ == MoeGemmPath::kPrefill;
-  // Both paths take the same arguments; pick the launcher pair once.
-  auto* gate_up = prefill ? &kernels::launch_moe_gemm_prefill_gate_up : &kernels::launch_moe_gemm_gate_up;
-  auto* down = prefill ? &kernels::launch_moe_gemm_prefill_down : &kernels::launch_moe_gemm_down;
+  // All paths take the same arguments; pick the launcher pair once.
+  auto* gate_up = &kernels::launch_moe_gemm_gate_up;
+  auto* down = &kernels::launch_moe_gemm_down;
+  if (path_ == MoeGemmPath::kPrefill) {
+    gate_up = &kernels::launch_moe_gemm_prefill_gate_up;
+    down = &kernels::launch_moe_gemm_prefill_down;
+  } else if (path_ == MoeGemmPath::kPrefillWgmma) {
+    // wgmma gathers x with 16-byte copies; x is the caller's, so a forward with unaligned rows
+    // runs GEMM1 on the mma.sync prefill kernel, which takes the same tiles (same block_m set).
+    gate_up = kernels::moe_gemm_wgmma_rows_aligned(x, H) ? &kernels::launch_moe_gemm_wgmma_gate_up
+                                                         : &kernels::launch_moe_gemm_prefill_gate_up;
+    down = &kernels::launch_moe_gemm_wgmma_down;
+  }
   switch (stage) {
     case MoeStage::kRouteFused:
       MOEBIUS_ASSERT(fused_routing_);

@@ -33,10 +33,14 @@ const char* moe_stage_name(MoeStage s);
 
 // Which expert GEMM kernels a layer runs. kDecode: moe_gemm.cuh (swap-AB, one 16-row weight tile
 // per block, streams weights; for few tokens per expert). kPrefill: moe_gemm_prefill.cuh (256 x
-// block_m block tiles over a cp.async pipeline; for many tokens per expert). kAuto picks from the
-// expected tokens per expert at full capacity (see kPrefillMinTokensPerExpert). Both read the
-// same packed weights; results agree to the bf16 rounding of h.
-enum class MoeGemmPath : uint8_t { kAuto, kDecode, kPrefill };
+// block_m block tiles on mma.sync over a cp.async pipeline; for many tokens per expert).
+// kPrefillWgmma: moe_gemm_wgmma.cuh (the same tiles on Hopper wgmma; needs a build with 90a in
+// MOEBIUS_CUDA_ARCHS and a compute capability 9.0 GPU; GEMM1 runs on the mma.sync prefill kernel
+// for a forward whose x rows are not 16-byte aligned). kAuto picks decode or prefill from the
+// expected tokens per expert at full capacity (see kPrefillMinTokensPerExpert), and for prefill
+// kPrefillWgmma where it is available, else kPrefill. All read the same packed weights; results
+// agree to the bf16 rounding of h.
+enum class MoeGemmPath : uint8_t { kAuto, kDecode, kPrefill, kPrefillWgmma };
 const char* moe_gemm_path_name(MoeGemmPath p);
 
 // kAuto takes the prefill kernels when capacity * k / E (the average tokens per expert at full
@@ -57,7 +61,7 @@ struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
   kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
   // Tokens per GEMM tile; 0 = pick from capacity * k / E and the path. Decode: 8, 16, 32, 64.
-  // Prefill: 64, or 128 for bf16 and nvfp4.
+  // Prefill (both kernels): 64, or 128 for bf16 and nvfp4.
   int block_m = 0;
   MoeGemmPath gemm_path = MoeGemmPath::kAuto;
   // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
@@ -117,7 +121,7 @@ class MoeLayerCuda {
   int group_size() const { return dims13_.group_size; }  // int formats: K elements per scale
   const kernels::MoeActivationParams& activation() const { return act_; }
   int block_m() const { return block_m_; }
-  // The path the GEMM stages run (kDecode or kPrefill; kAuto is resolved at creation).
+  // The path the GEMM stages run (kDecode, kPrefill or kPrefillWgmma; kAuto is resolved at creation).
   MoeGemmPath gemm_path() const { return path_; }
   // Routing of the last forward, [capacity, k] (device).
   const int32_t* topk_ids() const { return topk_ids_; }

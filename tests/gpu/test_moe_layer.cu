@@ -10,132 +10,18 @@
 
 #include "core/dtype.h"
 #include "cpu/moe_layer.h"
+#include "gpu/moe_layer_test_util.h"
 #include "moe/moe_layer_cuda.h"
 
 namespace moebius::moe {
 namespace {
 
-using testing::CudaStream;
-using testing::DeviceBuffer;
-
-struct Geometry {
-  int64_t H, I;
-  int E, k;
-};
-
-float round_bf16(float v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
-
-cpu::MoeLayerReference make_layer(WeightFormat f, const Geometry& g, int group, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  cpu::MoeLayerReference L;
-  L.shape = {g.H, g.I, g.E, g.k};
-  L.router.num_experts = g.E;
-  L.router.top_k = g.k;
-  L.router_weight.resize(static_cast<size_t>(g.E * g.H));
-  std::normal_distribution<float> rd(0.0f, 1.0f / std::sqrt(static_cast<float>(g.H)));
-  for (auto& v : L.router_weight) v = round_bf16(rd(rng));  // the GPU router reads bf16
-  auto mat = [&](int64_t rows, int64_t cols) {
-    std::normal_distribution<float> d(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
-    std::vector<float> w(static_cast<size_t>(rows * cols));
-    for (auto& v : w) v = d(rng);
-    auto m = quantize(f, w.data(), rows, cols, f == WeightFormat::kNvFp4 ? 16 : group);
-    EXPECT_TRUE(m.ok()) << m.error().what();
-    return std::move(m).value();
-  };
-  for (int e = 0; e < g.E; ++e) L.experts.push_back({mat(g.I, g.H), mat(g.I, g.H), mat(g.H, g.I)});
-  return L;
-}
-
-std::vector<uint16_t> random_x(int64_t T, int64_t H, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<uint16_t> x(static_cast<size_t>(T * H));
-  for (auto& v : x) v = float_to_bf16_bits(d(rng));
-  return x;
-}
-
-std::vector<float> to_float(const std::vector<uint16_t>& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_bits_to_float(b[i]);
-  return f;
-}
-
-// Normalised MSE bound: the GPU output is bf16 (relative rounding 2^-9, NMSE ~ 1e-6) and its
-// accumulation order differs from the double-precision oracle; h is bf16 on both sides.
-constexpr double kNmseBound = 5e-5;
-
-struct LayerRun {
-  std::vector<uint16_t> out;    // [T, H] bf16
-  std::vector<int32_t> ids;     // [T, k]
-  std::vector<float> weights;   // [T, k]
-};
-
-LayerRun run_gpu(MoeLayerCuda& layer, const std::vector<uint16_t>& x, int64_t T, const int32_t* ids_in = nullptr,
-                 const float* w_in = nullptr) {
-  const auto& s = layer.shape();
-  const int cap = layer.capacity();
-  CudaStream stream;
-  DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * s.hidden), dout(static_cast<size_t>(cap) * s.hidden);
-  DeviceBuffer<int32_t> dn(1), dids(static_cast<size_t>(cap) * s.top_k);
-  DeviceBuffer<float> dw(static_cast<size_t>(cap) * s.top_k);
-  dx.upload(x);
-  const int32_t n = static_cast<int32_t>(T);
-  CUDA_CHECK(cudaMemcpy(dn.data(), &n, 4, cudaMemcpyHostToDevice));
-  dout.poison(0xFF, stream);
-  if (ids_in) {
-    CUDA_CHECK(cudaMemcpy(dids.data(), ids_in, 4 * T * s.top_k, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dw.data(), w_in, 4 * T * s.top_k, cudaMemcpyHostToDevice));
-    layer.forward_routed(dx.data(), dn.data(), dids.data(), dw.data(), dout.data(), stream);
-  } else {
-    layer.forward(dx.data(), dn.data(), dout.data(), stream);
-  }
-  stream.sync();
-  LayerRun r;
-  r.out.resize(static_cast<size_t>(T * s.hidden));
-  CUDA_CHECK(cudaMemcpy(r.out.data(), dout.data(), r.out.size() * 2, cudaMemcpyDeviceToHost));
-  EXPECT_TRUE(dout.guards_intact());
-  if (!ids_in) {
-    r.ids.resize(static_cast<size_t>(T * s.top_k));
-    r.weights.resize(r.ids.size());
-    CUDA_CHECK(cudaMemcpy(r.ids.data(), layer.topk_ids(), 4 * r.ids.size(), cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(r.weights.data(), layer.topk_weights(), 4 * r.ids.size(), cudaMemcpyDeviceToHost));
-  }
-  return r;
-}
-
-// The oracle's output on a given routing, [T, H] fp32.
-std::vector<float> oracle_out(const cpu::MoeLayerReference& L, const std::vector<uint16_t>& x, int64_t T,
-                              const std::vector<int32_t>& ids, const std::vector<float>& w) {
-  const auto xf = to_float(x);
-  std::vector<float> ref(static_cast<size_t>(T * L.shape.hidden));
-  EXPECT_TRUE(cpu::moe_experts_reference(L.shape, L.experts, L.options, xf.data(), T, ids.data(), w.data(), ref.data()).ok());
-  return ref;
-}
-
-// Compares a GPU output with an oracle output; prints the NMSE.
-void expect_close_to(const std::vector<float>& ref, const std::vector<uint16_t>& gpu_out, const std::string& what) {
-  const auto got = to_float(gpu_out);
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) ASSERT_FALSE(std::isnan(got[i])) << what << ": unwritten output " << i;
-  const double e = testing::nmse(got.data(), ref.data(), got.size());
-  EXPECT_LT(e, kNmseBound) << what;
-  std::printf("  %-48s nmse %.2e\n", what.c_str(), e);
-}
-
-// Compares a GPU output with the oracle run on the same routing; prints the NMSE.
-void expect_matches_oracle(const cpu::MoeLayerReference& L, const std::vector<uint16_t>& x, int64_t T,
-                           const std::vector<int32_t>& ids, const std::vector<float>& w,
-                           const std::vector<uint16_t>& gpu_out, const std::string& what) {
-  expect_close_to(oracle_out(L, x, T, ids, w), gpu_out, what);
-}
+using namespace moe_test;
 
 // Both expert GEMM paths are checked at every size: the decode kernel (moe_gemm.cuh) and the
 // prefill kernel (moe_gemm_prefill.cuh), forced, whatever the automatic choice would be.
+// (The wgmma prefill kernels have their own tests: test_moe_wgmma.cu.)
 constexpr MoeGemmPath kPaths[] = {MoeGemmPath::kDecode, MoeGemmPath::kPrefill};
-
-std::string path_label(const MoeLayerCuda& layer) {
-  return std::string(moe_gemm_path_name(layer.gemm_path())) + " bm=" + std::to_string(layer.block_m());
-}
 
 struct LayerCase {
   const char* name;
@@ -280,8 +166,9 @@ TEST(MoeLayerGpuDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
   }
 }
 
-// The automatic choice takes the prefill kernels for many tokens per expert, with 128-token
-// tiles for bf16; explicit 128-token tiles also run nvfp4, and are refused for the int formats.
+// The automatic choice takes the prefill kernels for many tokens per expert (wgmma where the
+// build and the device have it), with 128-token tiles for bf16 (and nvfp4 on wgmma); explicit
+// 128-token tiles also run nvfp4, and are refused for the int formats.
 TEST(MoeLayerGpuPath, AutoChoiceAndPrefillTiles128) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{256, 128, 128, 8};
@@ -291,8 +178,10 @@ TEST(MoeLayerGpuPath, AutoChoiceAndPrefillTiles128) {
     opt.capacity = 4096;  // 256 tokens per expert
     auto big = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(big.ok());
-    EXPECT_EQ((*big)->gemm_path(), MoeGemmPath::kPrefill);
-    EXPECT_EQ((*big)->block_m(), f == WeightFormat::kBF16 ? 128 : 64);
+    EXPECT_EQ((*big)->gemm_path(), auto_prefill_path());
+    const bool tiles128 =
+        f == WeightFormat::kBF16 || (f == WeightFormat::kNvFp4 && auto_prefill_path() == MoeGemmPath::kPrefillWgmma);
+    EXPECT_EQ((*big)->block_m(), tiles128 ? 128 : 64);
     opt.capacity = 64;  // 4 tokens per expert
     auto small = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(small.ok());
@@ -324,7 +213,8 @@ TEST(MoeLayerGpuGraph, OneCaptureServesEveryTokenCount) {
     int cap;
     std::vector<int32_t> tokens;
   };
-  // capacity 1024 is 64 tokens per expert: kAuto takes the prefill kernels there.
+  // capacity 1024 is 64 tokens per expert: kAuto takes the prefill kernels there (wgmma where
+  // available).
   for (const GraphCase& gc : {GraphCase{MoeGemmPath::kDecode, 256, {1, 77, 256, 5}},
                               GraphCase{MoeGemmPath::kPrefill, 256, {1, 77, 256, 5}},
                               GraphCase{MoeGemmPath::kAuto, 1024, {1024, 3, 500, 64}}}) {
@@ -334,7 +224,7 @@ TEST(MoeLayerGpuGraph, OneCaptureServesEveryTokenCount) {
     opt.gemm_path = gc.path;
     auto layer = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(layer.ok());
-    if (gc.path == MoeGemmPath::kAuto) EXPECT_EQ((*layer)->gemm_path(), MoeGemmPath::kPrefill);
+    if (gc.path == MoeGemmPath::kAuto) EXPECT_EQ((*layer)->gemm_path(), auto_prefill_path());
     CudaStream stream;
     DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * g.H), dout(static_cast<size_t>(cap) * g.H);
     DeviceBuffer<int32_t> dn(1);

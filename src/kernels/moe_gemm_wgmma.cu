@@ -1,0 +1,799 @@
+// Grouped expert GEMMs for prefill on Hopper: wgmma.mma_async (sm_90a) with the weights as the A
+// operand, dequantized in registers, and the gathered tokens as the B operand in shared memory.
+//
+// Why wgmma: mma.sync caps Hopper at about two thirds of its dense bf16 peak (the mma.sync prefill
+// kernel, moe_gemm_prefill.cu, reaches ~185-200 TFLOP/s of 791). wgmma issues one 64 x N x 16
+// product per warpgroup instruction, asynchronously, and reads B straight from shared memory, so
+// the issue slots stay free for the dequantization.
+//
+// Shapes (Qwen3-30B-A3B at T = 4096: H=2048, I=768, E=128, k=8, ~256 tokens per expert):
+//   GEMM1: rows = 2*I = 1536 (96 row tiles, gate/up interleaved by 8), K = H = 2048
+//   GEMM2: rows = H = 2048 (128 row tiles), K = I = 768
+//
+// "Swap AB" as the other expert GEMMs: D[weight rows, tokens] = W[rows, K] * X[tokens, K]^T.
+//   A = weights, 64 rows x 16 k per wgmma, from REGISTERS. The register fragment of a warp's 16
+//       rows in wgmma .m64nNk16 (PTX ISA, "Register Fragments", matrix A: warp w of the warpgroup
+//       holds rows 16w..16w+15, lane 4g+t holds (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+//       (g+8, 2t+8..)) is the mma.sync m16n8k16 A fragment, so the [TAG_EXPERT_TILE_LAYOUT] lane
+//       slices and dequant_step() (moe_dequant.cuh) feed it unchanged: a warp's 16-row tile is one
+//       expert-layout row tile.
+//   B = tokens, N x 16 k, K-major, from SHARED MEMORY through a matrix descriptor, 128-byte
+//       swizzle (below). N = block_m (64 or 128), or 64 for a 128-token tile whose live rows all
+//       sit in its first half (the last, partial tile of an expert: padding costs half as much).
+//   D = fp32 accumulators, N/2 per thread and m64: thread (warp w, lane 4g+t) holds rows 16w+g and
+//       16w+g+8, columns 8j+2t and 8j+2t+1 for j < N/8: exactly the mma.sync accumulator layout
+//       per n8 block, so the epilogue is the mma.sync prefill kernel's.
+//
+// Work item: 256 weight rows x block_m tokens (one tile), all of K. Persistent grid: one block of
+// 384 threads per SM (2 consumer warpgroups + 1 producer warpgroup) walks work items
+// blockIdx.x, + gridDim.x, ... of tiles x row blocks (row block fastest, so the SMs share a few
+// tiles' activations and experts' weights in L2; dead tiles skipped). The producer runs ahead
+// across items: the next item's first stages load during the current item's last stages and
+// epilogue, so neither the pipeline fill nor the epilogue's stores leave the ring idle.
+// setmaxnreg moves registers from the producer (56 per thread) to the consumers (224): a block of
+// 12 warps starts at 168 each, because the register file is split between the 4 SM
+// sub-partitions and each holds 3 of the 12 warps.
+//   Consumer warpgroup c (warps 4c..4c+3) owns two m64 row groups, rows 128c..128c+127 of the
+//   block: per 16-deep k-step it dequantizes 2 A fragments per thread (each weight exactly once
+//   per block) and issues 2 wgmma (m64nNk16) on the same B. Why 256 rows: L2 -> SM traffic per
+//   flop is (256 * K * weight bytes + N * K * 2) / (2 * 256 * N * K); for nvfp4 at N = 128 that
+//   is 1 byte per ~160 flops, which keeps the L2 well below its bandwidth at the tensor peak;
+//   and 256 divides 2*I and H of every Qwen3/DeepSeek MoE.
+//   The producer warpgroup only copies: weight chunks (verbatim, 16 B per lane: the lane
+//   slices), nvfp4 block scales, and the activation rows gathered through padded_pair_ids, all
+//   with 16-byte cp.async (pair -1 and k >= K zero-filled by the copy, src-size < 16). TMA cannot
+//   gather rows, and cp.async keeps one copy path for every format.
+// Pipeline: S stages in a shared-memory ring (S = 4 for bf16 at N = 128, up to 8), each one
+// k-slice of 64 (int2: 128, one chunk) of the weights, scales and activations. Two mbarriers
+// per stage: full (128 arrivals: each producer thread's cp.async.mbarrier.arrive.noinc, which
+// fires when that thread's copies have landed) and empty (8 arrivals: one per consumer warp once the
+// wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
+// are generic-proxy writes, wgmma reads through the async proxy), then per k-step: dequantize
+// into the A double buffer, wgmma.fence, 2 wgmma, commit, wait_group 1. The wait keeps one
+// wgmma group in flight while the next step dequantizes, and guarantees the group that read the
+// other A buffer has finished before it is rewritten; it also means the previous stage is fully
+// consumed after the first step of a stage, where the empty barrier is released (an item's last
+// stage: after its final wait_group 0, before the epilogue). Per-tile metadata (pair ids, row
+// pointers, N) is double-buffered by item between producer and consumers, with its own pair of
+// mbarriers.
+// Shared memory per stage: [activations: 64-k panels of BN rows x 128 B][weights: 16 tiles x
+// chunks x 512 B][nvfp4 scales: 16 x 64 B], rounded up to 1 KiB; the ring base is 1 KiB aligned.
+// Activation panels are the wgmma K-major 128-byte-swizzle layout: token row r at r * 128 B,
+// its 16-byte piece q (k 8q..8q+7 of the panel) stored at piece q ^ (r & 7); 8-row groups are
+// 1024 B apart (descriptor stride byte offset 1024; leading byte offset unused for swizzled
+// K-major), and k-step s of a panel starts at +32 s bytes (the hardware applies the XOR on the
+// address bits, which is why every panel starts on a 1 KiB boundary: matrix base offset 0).
+// Dequant and scales as the mma.sync kernels (moe_dequant.cuh): int4/int2 exact integers, the fp16
+// group scale applied to a per-group fp32 accumulator set (wgmma scale-d = 0 starts a group; at
+// the group end wait_group 0, then acc += grp * scale: exact, and the reason the int formats run
+// at block_m 64: 2 x 32 + 2 x 32 fp32 per thread at N = 64); nvfp4 block scale folded into the bf16
+// weight (x 2^64), global scale x 2^62 on the final sums; bf16 as is.
+// Determinism: each output element is one thread's accumulator over K in a fixed order (the
+// hardware's fixed reduction order inside a wgmma); no split-K, no atomics in kStore mode.
+// Resources (nvcc 13.0, sm_90a, -Xptxas -v): see docs/MOE_KERNELS.md (registers per instance, no
+// spills, no stack).
+#include "kernels/moe_gemm_wgmma.cuh"
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include "kernels/cuda_check.h"
+#include "kernels/moe_dequant.cuh"
+#include "kernels/pdl.cuh"
+
+// The device code is compiled only in the sm_90a device pass (wgmma needs the "a" feature set);
+// other device passes of a multi-architecture build get a stub that traps, which the launchers
+// never reach (moe_gemm_wgmma_available()).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOEBIUS_WGMMA_DEVICE 1
+#endif
+
+namespace moebius::kernels {
+
+namespace {
+
+using namespace moe_detail;
+
+constexpr int kConsumerWarps = 8;                     // 2 warpgroups
+constexpr int kProducerThreads = 128;                 // 1 warpgroup
+constexpr int kThreads = kConsumerWarps * 32 + kProducerThreads;
+// setmaxnreg: the register file is split per SM sub-partition (16K registers, warps assigned
+// round-robin), so 12 warps get 168 registers each at launch; the producer warpgroup gives most
+// of its back (it needs few) and the consumers take them: 56 + 2 x 224 = 504 <= 3 x 168. (Measured
+// with ptxas -v: the consumers fit in 184 without spills or wgmma serialization, the producer
+// spills at 40.)
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168 && kConsumerRegs % 8 == 0 && kProducerRegs % 8 == 0,
+              "setmaxnreg counts must fit the launch allocation and be multiples of 8");
+constexpr int kMF = 2;                                // m64 row groups per consumer warpgroup
+constexpr int kBlockRowTiles = 2 * kMF * 4;           // 16 row tiles = 256 weight rows
+constexpr int kChunkBytes = 512;
+constexpr int kMaxStages = 8;
+
+// K per stage: one 64-k panel of activations (int2: a 128-k chunk, two panels).
+template <MoeWeightFormat F>
+constexpr int kStageK = kChunkK<F> > 64 ? kChunkK<F> : 64;
+
+template <MoeWeightFormat F, int BN>
+struct WgLayout {
+  static constexpr int KS = kStageK<F>;
+  static constexpr int kChunks = KS / kChunkK<F>;      // weight chunks per stage
+  static constexpr int kSteps = KS / 16;               // wgmma k-steps per stage
+  static constexpr int kPanels = KS / 64;              // 64-k activation panels per stage
+  static constexpr int kRowPieces = KS / 8;            // 16-byte pieces per activation row
+  static constexpr int kActs = kPanels * BN * 128;     // [panel][BN rows][128 B]
+  static constexpr int kWeights = kBlockRowTiles * kChunks * kChunkBytes;  // [16 tiles][chunks][512 B]
+  static constexpr int kScales = F == MoeWeightFormat::kNvFp4 ? kBlockRowTiles * 64 : 0;
+  static constexpr int kBytes = (kActs + kWeights + kScales + 1023) / 1024 * 1024;
+  static constexpr int kStages = (200 * 1024) / kBytes < kMaxStages ? (200 * 1024) / kBytes : kMaxStages;
+  static constexpr int kTotal = kStages * kBytes + 1024;  // + slack to align the ring to 1 KiB
+  static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
+  static_assert(kActs % 1024 == 0, "activation panels must keep 1 KiB alignment");
+  static_assert(kSteps % 2 == 0, "the A double buffer alternates by step parity");
+  static_assert(kProducerThreads % kRowPieces == 0, "activation copy split");
+};
+
+#ifdef MOEBIUS_WGMMA_DEVICE
+
+// ---- mbarrier, proxy fence and wgmma wrappers (PTX ISA 8.x, sm_90a) ---------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.b32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
+      "}\n" ::"r"(bar)
+      : "memory");
+}
+
+// Arrives on the barrier when every cp.async this thread issued before has completed; the
+// barrier's expected count includes this arrival (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Orders generic-proxy shared-memory writes (the cp.async copies) before async-proxy reads
+// (wgmma's B operand).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Pins a register value at this point of the instruction stream for the compiler: it may not move
+// the register's writes below, or its reads above, this point. Needed around wgmma because the
+// compiler does not know the asynchronous instruction reads A and reads/writes D after it issues.
+__device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fence_reg(r[i]);
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: start
+// address (bits 0-13, >> 4), leading byte offset (16-29; unused by swizzled K-major layouts,
+// set to 1), stride byte offset (32-45) = 1024 B between 8-row groups, base offset 0 (49-51; the
+// pattern starts on a 1 KiB boundary), swizzle mode 1 = 128 B (62-63).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// d[32] += A[64 x 16] (registers) * B[16 x 64] (shared memory, descriptor); scale_d = 0: d = A * B.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d)
+      : "memory");
+}
+
+// d[64] += A[64 x 16] (registers) * B[16 x 128] (shared memory, descriptor); scale_d = 0: d = A * B.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc,
+                                                 int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d)
+      : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+  if constexpr (N == 64) wgmma_m64n64k16(d, a, desc, scale_d);
+  else wgmma_m64n128k16(d, a, desc, scale_d);
+}
+
+// ---- work items and per-tile metadata ---------------------------------------------------------
+
+// The persistent schedule: block b takes work items w = b, b + gridDim.x, ... of grid_tiles x row
+// blocks, row block fastest (the blocks running at one time share a few tiles' activations and
+// experts' weights in L2). Items of tiles whose tile_expert is -1 are skipped
+// [TAG_MOE_GRAPH_CAPACITY]; producer and consumers walk the same sequence.
+struct WorkItem {
+  int tile, row_tile0, expert;
+};
+
+__device__ __forceinline__ bool load_item(const GemmKernelArgs& args, int w, int row_blocks, WorkItem& item) {
+  item.tile = w / row_blocks;
+  item.row_tile0 = (w % row_blocks) * kBlockRowTiles;
+  item.expert = args.tiles.tile_expert[item.tile];
+  return item.expert >= 0;
+}
+
+// What the producer learns of a tile and the consumers need, double-buffered by item parity:
+// filled by the producer after meta_empty, published by meta_full (128 arrivals), released by the
+// consumers after their epilogue (meta_empty, 8 arrivals).
+template <int BN>
+struct TileMeta {
+  int32_t pair_ids[BN];
+  const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
+  int half;                           // 1: N = BN / 2 (no live token in the tile's second half)
+};
+
+// OR of `v` over the 128 producer threads (named barrier 1; barrier 0 is __syncthreads').
+__device__ __forceinline__ bool producer_any(bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 q, %1, 0;\n"
+      "bar.red.or.pred p, 1, %2, q;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(v)), "n"(kProducerThreads)
+      : "memory");
+  return r != 0;
+}
+
+// ---- producer warpgroup ------------------------------------------------------------------------
+
+// For each of the block's work items: the tile's metadata, then every k-stage of the item's
+// weights, scales and gathered activations (the first BN or BN / 2 token rows: the consumers read
+// no others) into the ring, whose position carries over from item to item, so the next item's
+// first stages load during the current item's last stages and epilogue. Producer thread p copies
+// 16-byte lane slice p % 32 of weight chunks (so each chunk lands verbatim), and piece
+// p % pieces of every (128 / pieces)-th activation row.
+template <MoeWeightFormat F, int BN, Epilogue EPI>
+__device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* ring, TileMeta<BN>* meta, uint32_t full0,
+                                        uint32_t empty0, uint32_t meta_full0, uint32_t meta_empty0, int row_blocks,
+                                        int n_stages) {
+  using L = WgLayout<F, BN>;
+  const int p = threadIdx.x - kConsumerWarps * 32;  // 0..127
+  const int lane = p & 31, pw = p >> 5;
+  const MoeGemmDims& d = args.dims;
+  constexpr int kRowsPerPass = kProducerThreads / L::kRowPieces;
+  const int q = p % L::kRowPieces;  // this thread's piece column of every row it copies
+  const int panel = q / 8, piece = q % 8;
+  int slot = 0, g = 0;  // ring position and stages issued, over all items
+  uint32_t phase = 0;
+  int it = 0;
+  const int items = args.tiles.grid_tiles * row_blocks;
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    WorkItem item;
+    if (!load_item(args, w, row_blocks, item)) continue;
+    const int b = it & 1;
+    TileMeta<BN>& m = meta[b];
+    if (it >= 2) mbar_wait(meta_empty0 + 8 * b, ((it >> 1) + 1) & 1);  // item it - 2 is done with it
+    bool upper = false;
+    if (p < BN) {
+      const int pos = item.tile * BN + p;
+      const int pair = args.tiles.padded_pair_ids[pos];
+      m.pair_ids[p] = pair;
+      const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
+      m.act_rows[p] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+      upper = p >= BN / 2 && pair >= 0;
+    }
+    // The barrier also orders every producer thread's act_rows writes before the copies below.
+    const bool any_upper = producer_any(upper);
+    const bool half = BN == 128 && !any_upper;
+    if (p == 0) m.half = half;
+    mbar_arrive(meta_full0 + 8 * b);
+    ++it;
+
+    const ExpertMatrixPtrs ptrs = args.experts[item.expert];
+    const uint8_t* wglobal = static_cast<const uint8_t*>(ptrs.weight);
+    const int rows = half ? BN / 2 : BN;
+    for (int ks = 0; ks < n_stages; ++ks, ++g) {
+      // Slot reuse: wait until the consumers released the stage that last used it.
+      if (g >= L::kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
+      uint8_t* base = ring + slot * L::kBytes;
+      // Weights: [16 tiles][chunks][512 B]; the stage's chunks of a tile are contiguous in
+      // global memory. Chunk i = tile * chunks + c is copied by the 32 threads of warp i % 4.
+#pragma unroll 4
+      for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
+        const int tl = i / L::kChunks, c = i % L::kChunks;
+        const int rt = item.row_tile0 + tl, chunk = ks * L::kChunks + c;
+        const bool ok = rt < d.row_tiles && chunk < d.chunks;
+        const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
+        cp_async16(smem_u32(base + L::kActs + (i * 32 + lane) * 16), ok ? src : wglobal, ok ? 16 : 0);
+      }
+      if constexpr (F == MoeWeightFormat::kNvFp4) {  // [16 tiles][64 B]: the stage's one chunk
+        if (p < kBlockRowTiles * 4) {
+          const int rt = item.row_tile0 + p / 4;
+          const bool ok = rt < d.row_tiles;
+          const uint8_t* src = static_cast<const uint8_t*>(ptrs.scales) +
+                               (static_cast<int64_t>(rt) * d.chunks + ks) * 64 + (p % 4) * 16;
+          cp_async16(smem_u32(base + L::kActs + L::kWeights + p * 16), ok ? src : wglobal, ok ? 16 : 0);
+        }
+      }
+      // Activations: row r, piece q (k = ks*KS + 8q .. +7) at panel q/8, row r, piece (q%8) ^ (r&7).
+      const int k = ks * L::KS + q * 8;
+      const int k_bytes = max(0, min(16, 2 * (d.k - k)));
+      uint8_t* acts = base + panel * (BN * 128);
+#pragma unroll 4
+      for (int r = p / L::kRowPieces; r < rows; r += kRowsPerPass) {
+        const __nv_bfloat16* row = m.act_rows[r];
+        const int bytes = row == nullptr ? 0 : k_bytes;
+        cp_async16(smem_u32(acts + r * 128 + ((piece ^ (r & 7)) * 16)),
+                   bytes > 0 ? static_cast<const void*>(row + k) : static_cast<const void*>(wglobal), bytes);
+      }
+      cp_async_mbar_arrive_noinc(full0 + 8 * slot);
+      if (++slot == L::kStages) {
+        slot = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  cp_async_wait_all();  // nothing of this warpgroup stays in flight when it exits
+}
+
+// ---- consumer warpgroups -----------------------------------------------------------------------
+
+// The mainloop and epilogue of one work item for wgmma width N (BN, or BN / 2 when only the first
+// half of the tile's rows are live). slot / phase: the ring position, carried from item to item.
+template <MoeWeightFormat F, int BN, int N, Epilogue EPI>
+__device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const ExpertMatrixPtrs& ptrs,
+                                             const uint8_t* ring, const uint32_t* e4m3_lut, const int32_t* pair_ids,
+                                             uint32_t full0, uint32_t empty0, int tile, int row_tile0, int n_stages,
+                                             int& slot, uint32_t& phase) {
+  using L = WgLayout<F, BN>;
+  constexpr bool kInt = kIsInt<F>;
+  constexpr int ND = N / 2;  // accumulators per thread and m64
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const MoeGemmDims& d = args.dims;
+
+  // This warp's 16-row tile in each of its warpgroup's two m64 row groups.
+  int tl[kMF], my_rt[kMF];
+  bool my_ok[kMF];
+#pragma unroll
+  for (int mf = 0; mf < kMF; ++mf) {
+    tl[mf] = (wg * kMF + mf) * 4 + wq;
+    my_rt[mf] = row_tile0 + tl[mf];
+    my_ok[mf] = my_rt[mf] < d.row_tiles;
+  }
+
+  float acc[kMF][ND];
+  float grp[kMF][kInt ? ND : 1];  // int formats: the current group's unscaled sums
+#pragma unroll
+  for (int mf = 0; mf < kMF; ++mf) {
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[mf][i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (kInt ? ND : 1); ++i) grp[mf][i] = 0.0f;
+  }
+
+  // Int formats: fp16 group scales of rows g and g+8 of each tile, loaded a group ahead.
+  float sc_lo[kMF] = {}, sc_hi[kMF] = {};
+  int group = 0, gstep = 0;
+  const int group_steps = kInt ? d.group_size / 16 : 1;
+  auto load_group_scales = [&](int q) {
+#pragma unroll
+    for (int mf = 0; mf < kMF; ++mf) {
+      if (my_ok[mf] && q < d.groups) {
+        const __half* s =
+            static_cast<const __half*>(ptrs.scales) + (static_cast<int64_t>(my_rt[mf]) * d.groups + q) * 16;
+        sc_lo[mf] = __half2float(__ldg(s + g));
+        sc_hi[mf] = __half2float(__ldg(s + g + 8));
+      }
+    }
+  };
+  // acc += grp * scale, after wait_group 0 (the group's wgmma have written grp).
+  auto flush_group = [&]() {
+#pragma unroll
+    for (int mf = 0; mf < kMF; ++mf) {
+      fence_regs(grp[mf]);
+#pragma unroll
+      for (int j = 0; j < ND / 4; ++j) {
+        acc[mf][4 * j + 0] += grp[mf][4 * j + 0] * sc_lo[mf];
+        acc[mf][4 * j + 1] += grp[mf][4 * j + 1] * sc_lo[mf];
+        acc[mf][4 * j + 2] += grp[mf][4 * j + 2] * sc_hi[mf];
+        acc[mf][4 * j + 3] += grp[mf][4 * j + 3] * sc_hi[mf];
+      }
+      fence_regs(grp[mf]);
+    }
+  };
+  if constexpr (kInt) load_group_scales(0);
+
+#pragma unroll
+  for (int mf = 0; mf < kMF; ++mf) {
+    fence_regs(acc[mf]);
+    if constexpr (kInt) fence_regs(grp[mf]);
+  }
+
+  uint32_t a[2][kMF][4];  // A fragments, double-buffered by k-step parity
+  uint4 w[kMF];
+  uint2 nv_sc[kMF];
+  int prev_slot = 0;
+  for (int ks = 0; ks < n_stages; ++ks) {
+    mbar_wait(full0 + 8 * slot, phase);
+    __syncwarp();
+    fence_proxy_async_smem();
+    const uint8_t* base = ring + slot * L::kBytes;
+    const uint32_t acts = smem_u32(base);
+
+    auto do_step = [&](auto step_tag) {
+      constexpr int s = decltype(step_tag)::value;
+      constexpr int c = s / kSteps<F>, S = s % kSteps<F>, buf = s & 1;
+      if constexpr (S == 0) {
+#pragma unroll
+        for (int mf = 0; mf < kMF; ++mf) {
+          w[mf] = *reinterpret_cast<const uint4*>(base + L::kActs + (tl[mf] * L::kChunks + c) * kChunkBytes + lane * 16);
+          if constexpr (F == MoeWeightFormat::kNvFp4)
+            nv_sc[mf] = *reinterpret_cast<const uint2*>(base + L::kActs + L::kWeights + tl[mf] * 64 + g * 8);
+        }
+      }
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        uint32_t nv[2] = {0, 0};
+        if constexpr (F == MoeWeightFormat::kNvFp4) nvfp4_step_scale<S>(e4m3_lut, nv_sc[mf], nv);
+        dequant_step<F, S>(w[mf], nv, a[buf][mf]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) fence_reg(a[buf][mf][j]);
+      }
+      // k-step s: panel s / 4, bytes 32 (s % 4) into each 128-byte row.
+      const uint64_t desc = sw128_desc(acts + (s / 4) * (BN * 128) + (s % 4) * 32);
+      const int scale_d = kInt ? (gstep != 0) : 1;
+      wgmma_fence();
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        if constexpr (kInt) wgmma_bf16<N>(grp[mf], a[buf][mf], desc, scale_d);
+        else wgmma_bf16<N>(acc[mf], a[buf][mf], desc, scale_d);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        if constexpr (kInt) fence_regs(grp[mf]);
+        else fence_regs(acc[mf]);
+      }
+      if constexpr (s == 0) {
+        // Every wgmma of the item's previous stage has completed (only this step's group may be
+        // pending): release its slot to the producer.
+        if (ks > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
+        __syncwarp();
+      }
+      if constexpr (kInt) {
+        if (++gstep == group_steps) {  // the group ends with this k-step (block-uniform)
+          wgmma_wait<0>();
+          flush_group();
+          gstep = 0;
+          ++group;
+          load_group_scales(group);
+        }
+      }
+    };
+    [&]<int... s>(std::integer_sequence<int, s...>) {
+      (do_step(std::integral_constant<int, s>{}), ...);
+    }(std::make_integer_sequence<int, L::kSteps>{});
+
+    prev_slot = slot;
+    if (++slot == L::kStages) {
+      slot = 0;
+      phase ^= 1;
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int mf = 0; mf < kMF; ++mf) {
+    fence_regs(acc[mf]);
+    if constexpr (kInt) fence_regs(grp[mf]);
+  }
+  // The item's last stage is consumed: release it now, so the producer refills it with the next
+  // item's data during this epilogue.
+  if (lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
+  __syncwarp();
+  if constexpr (kInt) {
+    if (gstep != 0) flush_group();  // K ended inside a group
+  }
+
+  // Epilogue: acc[mf][4j + {0,1}] = row g, tokens 8j+2t, 8j+2t+1; acc[mf][4j + {2,3}] = row g+8,
+  // same tokens; rows of tile my_rt[mf].
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
+#pragma unroll
+  for (int mf = 0; mf < kMF; ++mf) {
+    if (!my_ok[mf]) continue;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int r = j * 8 + 2 * t + jj;
+        const int pair = pair_ids[r];
+        if (pair < 0) continue;
+        const int pos = tile * BN + r;
+        const float c_lo = acc[mf][4 * j + jj] * gs_lo, c_hi = acc[mf][4 * j + 2 + jj] * gs_hi;
+        if constexpr (EPI == Epilogue::kGateUp) {
+          const int i = my_rt[mf] * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate index i
+          if (i < d.n_out)
+            args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c_lo, c_hi));
+        } else {
+          const int n_lo = my_rt[mf] * 16 + g, n_hi = n_lo + 8;
+          if constexpr (EPI == Epilogue::kDownStore) {
+            float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+            if (n_lo < d.n_out) yrow[n_lo] = c_lo;
+            if (n_hi < d.n_out) yrow[n_hi] = c_hi;
+          } else {
+            const float wt = args.topk_weights[pair];
+            __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
+            if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(wt * c_lo));
+            if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(wt * c_hi));
+          }
+        }
+      }
+    }
+  }
+}
+
+#endif  // MOEBIUS_WGMMA_DEVICE
+
+template <MoeWeightFormat F, int BN, Epilogue EPI>
+__global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmKernelArgs args) {
+#ifdef MOEBIUS_WGMMA_DEVICE
+  using L = WgLayout<F, BN>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ uint32_t e4m3_lut[256];  // bf16x2 block-scale multipliers (moe_dequant.cuh)
+  __shared__ TileMeta<BN> meta[2];
+  __shared__ __align__(8) uint64_t full_bar[L::kStages];
+  __shared__ __align__(8) uint64_t empty_bar[L::kStages];
+  __shared__ __align__(8) uint64_t meta_full_bar[2];
+  __shared__ __align__(8) uint64_t meta_empty_bar[2];
+
+  const int tid = threadIdx.x;
+  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);  // reads nothing upstream
+  pdl_wait();  // tile_expert / pair ids (align) and the activations (previous stage); pdl.cuh
+  pdl_launch_dependents();
+  const uint32_t full0 = smem_u32(&full_bar[0]), empty0 = smem_u32(&empty_bar[0]);
+  const uint32_t meta_full0 = smem_u32(&meta_full_bar[0]), meta_empty0 = smem_u32(&meta_empty_bar[0]);
+  if (tid == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      mbar_init(full0 + 8 * s, kProducerThreads);  // one cp.async arrival per producer thread
+      mbar_init(empty0 + 8 * s, kConsumerWarps);   // one arrival per consumer warp
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(meta_full0 + 8 * b, kProducerThreads);
+      mbar_init(meta_empty0 + 8 * b, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the barriers and the e4m3 table
+
+  uint8_t* ring = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int row_blocks = (args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles;
+  const int n_stages = (args.dims.chunks + L::kChunks - 1) / L::kChunks;
+
+  if (tid >= kConsumerWarps * 32) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    produce<F, BN, EPI>(args, ring, meta, full0, empty0, meta_full0, meta_empty0, row_blocks, n_stages);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int lane = tid & 31;
+  int slot = 0, it = 0;
+  uint32_t phase = 0;
+  const int items = args.tiles.grid_tiles * row_blocks;
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+    WorkItem item;
+    if (!load_item(args, w, row_blocks, item)) continue;
+    const int b = it & 1;
+    mbar_wait(meta_full0 + 8 * b, (it >> 1) & 1);
+    __syncwarp();
+    const TileMeta<BN>& m = meta[b];
+    const ExpertMatrixPtrs ptrs = args.experts[item.expert];
+    bool done = false;
+    if constexpr (BN == 128) {
+      if (m.half) {  // block-uniform
+        consume_item<F, BN, 64, EPI>(args, ptrs, ring, e4m3_lut, m.pair_ids, full0, empty0, item.tile,
+                                     item.row_tile0, n_stages, slot, phase);
+        done = true;
+      }
+    }
+    if (!done)
+      consume_item<F, BN, BN, EPI>(args, ptrs, ring, e4m3_lut, m.pair_ids, full0, empty0, item.tile, item.row_tile0,
+                                   n_stages, slot, phase);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(meta_empty0 + 8 * b);  // this warp's epilogue read the metadata
+    ++it;
+  }
+#else
+  // Not an sm_90a device pass: never launched (moe_gemm_wgmma_available() is false there).
+  (void)args;
+  __trap();
+#endif
+}
+
+std::atomic<int> g_grid_cap{0};  // moe_gemm_wgmma_set_grid_cap
+
+// Streaming multiprocessors of the current device (the persistent grid), cached per device.
+int sm_count() {
+  static int cached[64] = {};
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cached[dev];
+}
+
+template <MoeWeightFormat F, int BN, Epilogue EPI>
+void launch_kernel(const GemmKernelArgs& args, cudaStream_t stream) {
+  using L = WgLayout<F, BN>;
+  auto* kernel = &moe_gemm_wgmma_kernel<F, BN, EPI>;
+  // Above 48 KiB a block needs the opt-in; not a stream operation, so legal during capture.
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal));
+  // Persistent: one block per SM (its shared memory and registers allow no second), each walking
+  // its share of the work items; fewer blocks when there are fewer items.
+  const int64_t items = static_cast<int64_t>(args.tiles.grid_tiles) *
+                        ((args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles);
+  const int cap = g_grid_cap.load(std::memory_order_relaxed);
+  const int blocks = static_cast<int>(std::min<int64_t>(items, cap > 0 ? cap : sm_count()));
+  launch_pdl(kernel, dim3(blocks), dim3(kThreads), L::kTotal, stream, args);
+}
+
+// The instantiated configurations, as the mma.sync prefill kernel: 64-token tiles for every
+// format; 128 for bf16 (its weights are 4x the bytes per flop of nvfp4, so it needs the wider
+// tile for L2 intensity) and nvfp4. The int formats keep the group accumulator set and stay at 64.
+template <Epilogue EPI>
+void launch_format(MoeWeightFormat format, const GemmKernelArgs& args, cudaStream_t stream) {
+  const int bm = args.tiles.block_m;
+  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_compiled(), "wgmma GEMM: this build has no sm_90a kernels (MOEBIUS_CUDA_ARCHS)");
+  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_supports(format, bm), "wgmma GEMM: block_m must be 64, or 128 for bf16 and nvfp4");
+  switch (format) {
+    case MoeWeightFormat::kBF16:
+      if (bm == 128) return launch_kernel<MoeWeightFormat::kBF16, 128, EPI>(args, stream);
+      return launch_kernel<MoeWeightFormat::kBF16, 64, EPI>(args, stream);
+    case MoeWeightFormat::kNvFp4:
+      if (bm == 128) return launch_kernel<MoeWeightFormat::kNvFp4, 128, EPI>(args, stream);
+      return launch_kernel<MoeWeightFormat::kNvFp4, 64, EPI>(args, stream);
+    case MoeWeightFormat::kInt4:
+      return launch_kernel<MoeWeightFormat::kInt4, 64, EPI>(args, stream);
+    case MoeWeightFormat::kInt2:
+      return launch_kernel<MoeWeightFormat::kInt2, 64, EPI>(args, stream);
+  }
+}
+
+void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& tiles) {
+  MOEBIUS_LAUNCH_ASSERT(d.row_tiles >= 0 && d.k > 0 && d.chunks > 0 && d.n_out > 0, "bad GEMM dims");
+  MOEBIUS_LAUNCH_ASSERT(tiles.top_k >= 1 && tiles.grid_tiles <= 65535, "grid_tiles must fit grid.y");
+  if (format == MoeWeightFormat::kInt4 || format == MoeWeightFormat::kInt2)
+    MOEBIUS_LAUNCH_ASSERT(d.group_size > 0 && d.group_size % 16 == 0 && d.groups > 0,
+                          "int formats need a group size that is a multiple of 16");
+}
+
+}  // namespace
+
+bool moe_gemm_wgmma_compiled() {
+#ifdef MOEBIUS_HAS_WGMMA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void moe_gemm_wgmma_set_grid_cap(int blocks) { g_grid_cap.store(blocks > 0 ? blocks : 0, std::memory_order_relaxed); }
+
+bool moe_gemm_wgmma_available() {
+  if (!moe_gemm_wgmma_compiled()) return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
+}
+
+void launch_moe_gemm_wgmma_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                                   const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,
+                                   const MoeActivationParams& act, __nv_bfloat16* h, int h_stride,
+                                   cudaStream_t stream) {
+  check_dims(format, dims, tiles);
+  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_rows_aligned(x, x_stride),
+                        "wgmma GEMM1: x rows must be 16-byte aligned (use launch_moe_gemm_prefill_gate_up)");
+  if (tiles.grid_tiles == 0 || dims.row_tiles == 0) return;
+  GemmKernelArgs a{};
+  a.experts = experts;
+  a.dims = dims;
+  a.tiles = tiles;
+  a.act_in = x;
+  a.in_stride = x_stride;
+  a.act = act;
+  a.h_out = h;
+  a.h_stride = h_stride;
+  launch_format<Epilogue::kGateUp>(format, a, stream);
+}
+
+void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
+                                const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
+                                float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
+                                int out_stride, cudaStream_t stream) {
+  check_dims(format, dims, tiles);
+  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_rows_aligned(h, h_stride), "wgmma GEMM2: h rows must be 16-byte aligned");
+  if (tiles.grid_tiles == 0 || dims.row_tiles == 0) return;
+  GemmKernelArgs a{};
+  a.experts = experts;
+  a.dims = dims;
+  a.tiles = tiles;
+  a.act_in = h;
+  a.in_stride = h_stride;
+  a.y = y;
+  a.y_stride = y_stride;
+  a.topk_weights = topk_weights;
+  a.out = out;
+  a.out_stride = out_stride;
+  if (mode == MoeCombineMode::kStore) launch_format<Epilogue::kDownStore>(format, a, stream);
+  else launch_format<Epilogue::kDownAtomic>(format, a, stream);
+}
+
+}  // namespace moebius::kernels
