@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
+#include "kernels/moe_gemm_wgmma.cuh"
 
 namespace moebius::tune {
 
@@ -26,10 +27,16 @@ struct PathCandidates {
   std::vector<int> block_m;
 };
 const std::vector<PathCandidates>& tuned_paths() {
-  static const std::vector<PathCandidates> paths = {
-      {moe::MoeGemmPath::kDecode, {8, 16, 32, 64}},
-      {moe::MoeGemmPath::kPrefill, {64, 128}},
-  };
+  static const std::vector<PathCandidates> paths = [] {
+    std::vector<PathCandidates> p = {
+        {moe::MoeGemmPath::kDecode, {8, 16, 32, 64}},
+        {moe::MoeGemmPath::kPrefill, {64, 128}},
+    };
+    // The Hopper wgmma kernels where this build and GPU run them (a layer refuses the path
+    // otherwise; block_m 128 only for bf16 and nvfp4, which the layer checks).
+    if (kernels::moe_gemm_wgmma_available()) p.push_back({moe::MoeGemmPath::kPrefillWgmma, {64, 128}});
+    return p;
+  }();
   return paths;
 }
 
