@@ -60,6 +60,13 @@ ldd "$BUILD/moebius" "$BUILD/tests/moebius_gpu_tests" 2>&1 | sort -u | tee "$OUT
 
 [ -x "$BUILD/tests/moebius_tests" ] && step cpu-tests "$BUILD/tests/moebius_tests" --gtest_brief=1
 [ -x "$BUILD/tests/moebius_cuda_host_tests" ] && step cuda-header-parity "$BUILD/tests/moebius_cuda_host_tests" --gtest_brief=1
+# The wgmma prefill kernels first, alone and under a timeout: a fault in their mbarrier protocol
+# would hang rather than fail. If they do not pass, everything after runs on the mma.sync prefill
+# kernels (MOEBIUS_DISABLE_WGMMA=1) and this row says FAIL.
+if [ -x "$BUILD/tests/moebius_gpu_tests" ]; then
+  step wgmma-kernel-tests timeout 240 "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='MoeWgmma/MoeWgmmaKernel.*' || export MOEBIUS_DISABLE_WGMMA=1
+fi
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
 probes() {  # the dev/cuda hardware probes that answer open questions in docs/PERF.md
   for p in probe_pdl_graph probe_decode_stream probe_route_decode; do

@@ -76,6 +76,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <utility>
 
 #include "kernels/cuda_check.h"
@@ -745,6 +746,10 @@ void moe_gemm_wgmma_set_grid_cap(int blocks) { g_grid_cap.store(blocks > 0 ? blo
 
 bool moe_gemm_wgmma_available() {
   if (!moe_gemm_wgmma_compiled()) return false;
+  // MOEBIUS_DISABLE_WGMMA=1 (any value but "" and "0") takes the mma.sync prefill kernels instead:
+  // for comparisons, and a way out on a driver or GPU where the wgmma path misbehaves.
+  if (const char* v = std::getenv("MOEBIUS_DISABLE_WGMMA"); v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0'))
+    return false;
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {

@@ -781,19 +781,46 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
   __syncthreads();
   MOEBIUS_ROUTE_PHASE_STAMP(4);
-  // Phase 2b: rank every eligible (token, expert) entry; entries ranked below k win that slot.
-  for (int item = tid; item < T * E; item += kSmallThreads) {
-    const int t = item / E, e = item - t * E;
-    const float v = s_key[t][e];
-    if (v != v) continue;  // not eligible
-    int beaten_by = 0;
-    for (int o = 0; o < E; ++o) {
-      const float w = s_key[t][o];  // same t across the warp for E >= 32: a broadcast
-      beaten_by += (w > v) | ((w == v) & (o < e));
-    }
-    if (beaten_by < k) {
-      s_win_id[t][beaten_by] = e;
-      s_win_w[t][beaten_by] = s_weight[t][e];
+  // Phase 2b: rank every eligible (token, expert) entry by counting the entries that beat it;
+  // entries ranked below k win that slot. kParts consecutive lanes share an entry, part p counting
+  // the keys o = p (mod kParts) with kParts independent partial counts: one thread walking all E
+  // keys was a chain of dependent shared-memory loads (1.7 us at T = 1, 6 us at T = 8; the
+  // probe's phase stamps). The trip count is uniform over the block, so the shuffles that add the
+  // parts see every lane.
+  {
+    constexpr int kParts = 4;
+    const int items = T * E * kParts;
+    for (int base = 0; base < items; base += kSmallThreads) {
+      const int item = base + tid;
+      const bool live = item < items;
+      const int entry = live ? item / kParts : 0, part = item % kParts;
+      const int t = entry / E, e = entry - t * E;
+      const float v = s_key[t][e];
+      const bool ok = live && v == v;  // NaN: not eligible
+      int c[4] = {0, 0, 0, 0};
+      if (ok) {
+        const float* keys = s_key[t];
+        int o = part;
+        for (; o + 3 * kParts < E; o += 4 * kParts) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int oo = o + u * kParts;
+            const float w = keys[oo];
+            c[u] += (w > v) | ((w == v) & (oo < e));
+          }
+        }
+        for (; o < E; o += kParts) {
+          const float w = keys[o];
+          c[0] += (w > v) | ((w == v) & (o < e));
+        }
+      }
+      int beaten_by = c[0] + c[1] + c[2] + c[3];
+      beaten_by += __shfl_xor_sync(kFullMask, beaten_by, 1);
+      beaten_by += __shfl_xor_sync(kFullMask, beaten_by, 2);
+      if (ok && part == 0 && beaten_by < k) {
+        s_win_id[t][beaten_by] = e;
+        s_win_w[t][beaten_by] = s_weight[t][e];
+      }
     }
   }
   __syncthreads();
@@ -811,6 +838,52 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
   // Phase 3: align the n = T*k pairs (same outputs as moe_align_count + moe_align_scatter).
   const int n = T * k;
+  if (n <= 32) {
+    // Decode: one pair per lane. Warp w computes the offsets of experts e = w*32 + lane (e <= E)
+    // from the n ids with shuffles, so no block barrier follows the one below (the block-wide
+    // histogram, scan and rank took ~2.4 us at T = 1 in barriers and serial passes).
+    __syncthreads();  // s_ids (2c)
+    MOEBIUS_ROUTE_PHASE_STAMP(6);
+    if (warp * 32 <= E) {  // uniform over the warp
+      const bool live = lane < n;
+      const int id = live ? s_ids[lane] : -1 - lane;  // dead lanes: distinct negative ids
+      const unsigned same = __match_any_sync(kFullMask, id);
+      const int cnt = __popc(same);
+      const int rank_in_expert = __popc(same & ((1u << lane) - 1u));  // same id at lower p
+      const bool leader = live && rank_in_expert == 0;
+      const int padded_cnt = (cnt + block_m - 1) / block_m * block_m;
+      const int e = warp * 32 + lane;
+      int off_e = 0, poff_e = 0, off_p = 0, poff_p = 0, padded_total = 0;
+      for (int q = 0; q < n; ++q) {
+        const int idq = __shfl_sync(kFullMask, id, q);
+        const int pcq = __shfl_sync(kFullMask, leader ? padded_cnt : 0, q);  // counted once per expert
+        off_e += idq < e;
+        poff_e += idq < e ? pcq : 0;
+        off_p += idq < id;
+        poff_p += idq < id ? pcq : 0;
+        padded_total += pcq;
+      }
+      if (e <= E) {
+        expert_offsets[e] = off_e;
+        padded_offsets[e] = poff_e;
+        if (e == E) *num_tiles = poff_e / block_m;
+      }
+      if (warp == 0 && live) {
+        sorted_pair_ids[off_p + rank_in_expert] = lane;
+        padded_pair_ids[poff_p + rank_in_expert] = lane;
+        if (leader) {
+          for (int r = poff_p + cnt; r < poff_p + padded_cnt; ++r) padded_pair_ids[r] = -1;  // tile tail
+          for (int i = 0; i < padded_cnt / block_m; ++i) tile_expert[poff_p / block_m + i] = id;
+        }
+      }
+      // [TAG_MOE_GRAPH_CAPACITY] tiles past the live ones
+      for (int j = e; j < max_tiles; j += 32 * (E / 32 + 1))
+        if (j * block_m >= padded_total) tile_expert[j] = -1;
+    }
+    MOEBIUS_ROUTE_PHASE_STAMP(7);
+    MOEBIUS_ROUTE_PHASE_STAMP(8);
+    return;
+  }
   for (int i = tid; i < E; i += kSmallThreads) s_count[i] = 0;
   __syncthreads();
   for (int p = tid; p < n; p += kSmallThreads) atomicAdd(&s_count[s_ids[p]], 1);
