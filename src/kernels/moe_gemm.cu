@@ -85,18 +85,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
   // Prologue that needs nothing from the previous kernel: with PDL it runs while that kernel drains.
   if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
-  // GEMM1: the expert pointer table in shared memory (see MoeTiles::num_experts).
-  constexpr int kTableMax = EPI == Epilogue::kGateUp ? 256 : 1;
-  static_assert(sizeof(ExpertMatrixPtrs) % 8 == 0 && alignof(ExpertMatrixPtrs) <= 8, "copied in 8-byte words");
-  constexpr int kTableWords = sizeof(ExpertMatrixPtrs) / 8;
-  __shared__ uint2 s_table_words[kTableMax * kTableWords];  // raw storage: the struct has initializers
-  const ExpertMatrixPtrs* s_table = reinterpret_cast<const ExpertMatrixPtrs*>(s_table_words);
-  const bool table_in_smem = EPI == Epilogue::kGateUp && args.tiles.num_experts > 0 && args.tiles.num_experts <= kTableMax;
-  if (table_in_smem) {
-    const uint2* src = reinterpret_cast<const uint2*>(args.experts);
-    for (int i = threadIdx.x; i < args.tiles.num_experts * kTableWords; i += kThreads) s_table_words[i] = src[i];
-    __syncthreads();
-  }
 
   // This warp's contiguous chunk range.
   const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
@@ -131,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   auto start_tile = [&]() -> bool {
     const int expert = args.tiles.tile_expert[tile];
     if (expert < 0) return false;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles (uniform over the block)
-    ptrs = table_in_smem ? s_table[expert] : args.experts[expert];
+    ptrs = args.experts[expert];
     wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(row_tile) * d.chunks * 32 + lane;
     // The first weights go out before the activations are staged, so the two latencies overlap.
     load_batch(c_begin);

@@ -56,11 +56,6 @@ struct MoeTiles {
   // most once. 0 means block_m. The decode GEMM stages only these rows of activations in shared
   // memory (capacity 1 decode: 1 row, not 8).
   int max_tile_rows = 0;
-  // Entries of the expert pointer table (E), or 0 if unknown. With 1..256 the decode GEMM1 copies
-  // the table into shared memory BEFORE waiting on the previous kernel, taking one dependent L2
-  // round trip off its critical path (tile_expert -> table -> weights). So nothing may write the
-  // table in the kernel right before GEMM1; residency changes write it between forwards.
-  int num_experts = 0;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

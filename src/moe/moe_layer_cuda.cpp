@@ -248,7 +248,7 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   }
   workspace_bytes_ = total;
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
-  fused_routing_ = opt.fuse_routing && kernels::moe_route_small_supported(cap, route_);
+  fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
 }
 
@@ -487,7 +487,6 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.block_m = block_m_;
   tiles.grid_tiles = static_cast<int>(grid_tiles_);
   tiles.top_k = k;
-  tiles.num_experts = shape_.num_experts;
   tiles.max_tile_rows = std::min(block_m_, cap);
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;

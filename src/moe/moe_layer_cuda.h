@@ -49,6 +49,13 @@ const char* moe_gemm_path_name(MoeGemmPath p);
 // vs prefill 393. The autotuner issue replaces this with crossovers per format and geometry.
 inline constexpr int kPrefillMinTokensPerExpert = 16;
 
+// The fused routing runs only up to this capacity: its router GEMV computes every token on the 8
+// blocks of one cluster, and from 8 tokens the three separate kernels (the GEMV over E/8 blocks)
+// are faster. Measured on the H200 (docs/PERF.md run I3, Qwen3-30B-A3B nvfp4, the autotuner's
+// table): fused wins at 1-4 tokens, separate at 8 (99.8 vs 106.7 us per layer) and 16 (147.6 vs
+// 175.1 us).
+inline constexpr int kFusedRoutingMaxTokens = 4;
+
 // The router logits run as a tensor-core GEMM (the prefill GEMM kernel on the router weight
 // packed as one bf16 "expert", every token its own pair) when the capacity is at least this;
 // below it the warp-per-expert GEMV (moe_route.cuh). Measured on the H200 (docs/PERF.md,
@@ -65,7 +72,8 @@ struct MoeCudaOptions {
   int block_m = 0;
   MoeGemmPath gemm_path = MoeGemmPath::kAuto;
   // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
-  // it (kernels::moe_route_small_supported); false forces the three separate kernels.
+  // it (capacity <= kFusedRoutingMaxTokens and kernels::moe_route_small_supported); false forces
+  // the three separate kernels.
   bool fuse_routing = true;
   // Layers given the same pool share one workspace when their layouts match (one geometry and
   // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
