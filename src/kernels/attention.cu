@@ -39,7 +39,11 @@
 //
 // Every kernel here is launched with programmatic dependent launch (pdl.cuh) and waits before its
 // first global read: the launch latency of the decode kernel hides under the rope kernel's tail,
-// and the merge's under the decode kernel's.
+// and the merge's under the decode kernel's. The decode and merge kernels trigger their dependents
+// BEFORE waiting ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this
+// kernel's completion whenever the trigger came, and it lets the o projection's GEMV launch and
+// stream its weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a
+// kernel only launches once every block of its predecessor is resident.
 #include "kernels/attention.cuh"
 
 #include <algorithm>
@@ -394,8 +398,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
   const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-  pdl_wait();  // q and the new K/V row come from the rope kernel
+  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the kernels after this one (the merge, then
+  // the o projection's GEMV) touch nothing but constants before their own wait, and the GEMV
+  // prefetches its weights into shared memory, so it should start while attention still runs.
   pdl_launch_dependents();
+  pdl_wait();  // q and the new K/V row come from the rope kernel
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const AttentionDims& d = args.dims;
   const int G = d.num_q_heads / d.num_kv_heads;
@@ -514,8 +521,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 template <int HD>
 __global__ void __launch_bounds__(HD) attention_merge_kernel(const DecodeArgs args) {
   const int head = blockIdx.x, s = blockIdx.y, c = threadIdx.x;
-  pdl_wait();  // the partials come from the decode kernel
-  pdl_launch_dependents();
+  pdl_launch_dependents();  // before the wait, as in the decode kernel: [TAG_PDL_EARLY_TRIGGER]
+  pdl_wait();               // the partials come from the decode kernel
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const int ctx = args.seq_lens[s];
   if (ctx <= args.partition) return;  // one split (or none): written directly

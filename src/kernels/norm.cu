@@ -12,8 +12,10 @@
 //    round trip on the critical path);
 //  - the weight is a constant: it is loaded into registers BEFORE pdl_wait(), so with programmatic
 //    dependent launch (pdl.cuh) those loads overlap the previous kernel's tail;
-//  - pdl_launch_dependents() right after the wait lets the next kernel (the QKV GEMV, which
-//    prefetches its weights; the MoE routing) launch while this one runs.
+//  - pdl_launch_dependents() comes even BEFORE the wait ([TAG_PDL_EARLY_TRIGGER], pdl.cuh): the
+//    next kernel (the QKV GEMV, which prefetches its weights; the MoE routing; the lm_head) then
+//    launches while the kernel before this one still runs, and its own wait still covers this
+//    kernel's completion.
 // Larger H takes the loop (a second pass re-reads x; the row is in L1/L2 by then).
 // Each thread owns chunks of 8 consecutive elements (one 16-byte load for bf16, two for fp32):
 // x (+ y) is formed, the residual written back and the sum of squares accumulated in fp32; a
@@ -89,8 +91,8 @@ __global__ void __launch_bounds__(kMaxThreads)
                     int H, float eps,
                     __nv_bfloat16* __restrict__ out) {  // [T, H]
   const int64_t row = static_cast<int64_t>(blockIdx.x) * H;
-  pdl_wait();  // x and y come from the previous kernels
-  pdl_launch_dependents();
+  pdl_launch_dependents();  // [TAG_PDL_EARLY_TRIGGER]
+  pdl_wait();               // x and y come from the previous kernels
   X* xr = x + row;
   float ss = 0.0f;
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
@@ -133,8 +135,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
     for (int i = 0; i < 8; ++i) wv[j][i] = c < H ? weight(w, c + i) : 0.0f;
   }
-  pdl_wait();  // x and y come from the previous kernels
-  pdl_launch_dependents();
+  pdl_launch_dependents();  // before the wait: [TAG_PDL_EARLY_TRIGGER] (see the top of the file)
+  pdl_wait();               // x and y come from the previous kernels
   X* xr = x + row;
   float v[kChunks][8];
   float ss = 0.0f;
