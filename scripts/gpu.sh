@@ -12,7 +12,7 @@
 #   2. the CUDA-header parity tests;
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
 #   4. the CPU MoE benchmark on a small geometry;
-#   5. the CUDA MoE layer and attention benchmarks;
+#   5. the CUDA MoE layer, attention and dense GEMV benchmarks;
 #   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
 #      warm rerun that must tune nothing;
 #   7. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
@@ -152,6 +152,10 @@ bench_attention() {
 }
 step bench-attention bench_attention
 
+# The dense decode projections (qkv, o, lm_head of Qwen3-30B-A3B) at 1, 4 and 16 tokens: our GEMV
+# kernel (back to back and isolated) against cuBLAS, us and % of the HBM rate (docs/DENSE_KERNELS.md).
+step bench-gemv "$BUILD/moebius" bench gemv --geometry qwen3-30b-a3b --tokens 1,4,16
+
 # The whole CUDA model: generate on the tiny fixture (greedy, prints the logits hash), then
 # Qwen3-30B-A3B with dummy NVFP4 experts: prefill tok/s and batch-1 decode tok/s at 1k and 10k
 # context against the bytes floor.
@@ -253,6 +257,7 @@ cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 cat "$OUT/bench-moe-cuda.log"
 cat "$OUT/tune-moe.log"
 cat "$OUT/bench-attention.log"
+cat "$OUT/bench-gemv.log"
 cat "$OUT/probes.log"
 [ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"
 cat "$OUT/generate-tiny-cuda.log"

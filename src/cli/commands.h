@@ -9,6 +9,8 @@ namespace moebius::cli {
 void register_bench_moe(CLI::App& bench);
 // `moebius bench attention`: time the CUDA paged attention kernels (bench_attention.cpp).
 void register_bench_attention(CLI::App& bench);
+// `moebius bench gemv`: the dense decode projections, our GEMV kernel vs cuBLAS (bench_gemv.cpp).
+void register_bench_gemv(CLI::App& bench);
 // `moebius bench generate`: the whole CUDA model, prefill and decode tok/s (bench_generate.cpp).
 void register_bench_generate(CLI::App& bench);
 // `moebius bench serve`: load-test an OpenAI-compatible server (bench_serve.cpp).

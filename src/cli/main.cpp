@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   moebius::cli::register_bench_moe(*bench);
   moebius::cli::register_bench_attention(*bench);
+  moebius::cli::register_bench_gemv(*bench);
   moebius::cli::register_bench_generate(*bench);
   moebius::cli::register_bench_serve(*bench);
   moebius::cli::register_generate(app);

@@ -32,9 +32,18 @@
 // their (max, sum, acc) states through shared memory at the end. A 16-key tile is one whole
 // cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
 // Shared memory: 4 warps x 4 stages x (K + V) 16 x hd bf16 + Q 16 x hd = 132 KiB at hd 128.
-// With one split per sequence the block writes bf16 directly; otherwise fp32 (acc, max, sum) per
-// split go to the workspace and attention_merge_kernel combines them: one block per (head, seq),
-// hd threads.
+// With one split per sequence (a single-split plan, or a live context <= the plan's partition)
+// the block writes bf16 directly; otherwise fp32 (acc, max, sum) per split go to the workspace and
+// attention_merge_kernel combines them: one block per (head, seq), hd threads, returning at once
+// for the sequences already written.
+//
+// Every kernel here is launched with programmatic dependent launch (pdl.cuh) and waits before its
+// first global read: the launch latency of the decode kernel hides under the rope kernel's tail,
+// and the merge's under the decode kernel's. The decode and merge kernels trigger their dependents
+// BEFORE waiting ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this
+// kernel's completion whenever the trigger came, and it lets the o projection's GEMV launch and
+// stream its weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a
+// kernel only launches once every block of its predecessor is resident.
 #include "kernels/attention.cuh"
 
 #include <algorithm>
@@ -42,6 +51,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/kv_cache.cuh"
+#include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -270,6 +280,8 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Prefi
   extern __shared__ __align__(128) uint8_t smem[];
   const int s = blockIdx.z, kvh = blockIdx.y;
   const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (last) row tiles first
+  pdl_wait();  // q and the new K/V rows come from the rope kernel
+  pdl_launch_dependents();
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const AttentionDims& d = args.dims;
   const int G = d.num_q_heads / d.num_kv_heads;
@@ -386,6 +398,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
   const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the kernels after this one (the merge, then
+  // the o projection's GEMV) touch nothing but constants before their own wait, and the GEMV
+  // prefetches its weights into shared memory, so it should start while attention still runs.
+  pdl_launch_dependents();
+  pdl_wait();  // q and the new K/V row come from the rope kernel
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const AttentionDims& d = args.dims;
   const int G = d.num_q_heads / d.num_kv_heads;
@@ -393,6 +410,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const int k_begin = split * args.partition;
   if (k_begin >= ctx) return;  // the merge reads only the splits that hold keys
   const int k_end = min(ctx, k_begin + args.partition);
+  // A sequence whose keys fit one split is finished here, in bf16, and the merge skips it: at short
+  // context a decode step then costs one kernel's latency, not two plus a workspace round trip.
+  const bool direct = !kSplit || ctx <= args.partition;
   const int n_tiles = (k_end - k_begin + kDecodeBN - 1) / kDecodeBN;
   const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -482,7 +502,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       O += s_o[(w * 16 + r) * HD + c] * f;
     }
     const int head = kvh * G + r;
-    if constexpr (kSplit) {
+    if (!direct) {
       const int64_t slot = (static_cast<int64_t>(s) * d.num_q_heads + head) * args.num_splits + split;
       args.ws_o[slot * HD + c] = O;
       if (c == 0) {
@@ -495,13 +515,17 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   }
 }
 
-// One block per (query head, sequence), hd threads: merges the splits that hold keys.
+// One block per (query head, sequence), hd threads: merges the splits that hold keys. Sequences
+// with one such split were written by the decode kernel. Launched with PDL: its launch overlaps
+// the decode kernel.
 template <int HD>
 __global__ void __launch_bounds__(HD) attention_merge_kernel(const DecodeArgs args) {
   const int head = blockIdx.x, s = blockIdx.y, c = threadIdx.x;
+  pdl_launch_dependents();  // before the wait, as in the decode kernel: [TAG_PDL_EARLY_TRIGGER]
+  pdl_wait();               // the partials come from the decode kernel
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const int ctx = args.seq_lens[s];
-  if (ctx <= 0) return;
+  if (ctx <= args.partition) return;  // one split (or none): written directly
   const int n = min((ctx + args.partition - 1) / args.partition, args.num_splits);
   const int64_t base = (static_cast<int64_t>(s) * args.dims.num_q_heads + head) * args.num_splits;
   float M = -INFINITY;
@@ -546,8 +570,7 @@ void launch_prefill_hd(const PrefillArgs& a, int max_q_len, cudaStream_t stream)
   constexpr int smem = prefill_smem_bytes<HD>();
   set_smem(attention_prefill_kernel<HD>, smem);
   const dim3 grid(static_cast<unsigned>(tiles), a.dims.num_kv_heads, a.max_num_seqs);
-  attention_prefill_kernel<HD><<<grid, kThreads, smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(attention_prefill_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
 }
 
 template <int HD>
@@ -556,15 +579,12 @@ void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.num_splits, a.dims.num_kv_heads, a.max_num_seqs);
   if (a.num_splits == 1) {
     set_smem(attention_decode_kernel<HD, false>, smem);
-    attention_decode_kernel<HD, false><<<grid, kThreads, smem, stream>>>(a);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(attention_decode_kernel<HD, false>, grid, dim3(kThreads), smem, stream, a);
     return;
   }
   set_smem(attention_decode_kernel<HD, true>, smem);
-  attention_decode_kernel<HD, true><<<grid, kThreads, smem, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
-  attention_merge_kernel<HD><<<dim3(a.dims.num_q_heads, a.max_num_seqs), HD, 0, stream>>>(a);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(attention_decode_kernel<HD, true>, grid, dim3(kThreads), smem, stream, a);
+  launch_pdl(attention_merge_kernel<HD>, dim3(a.dims.num_q_heads, a.max_num_seqs), dim3(HD), 0, stream, a);
 }
 
 }  // namespace

@@ -12,7 +12,9 @@
 //  - prefill: any q_len, including chunked prefill (a chunk appended to an existing context) and
 //    q_len 1; a mixed batch of prefill chunks and decodes may go through it whole.
 //  - decode: exactly one query token per sequence (row s of q), split-KV ("flash-decoding") so that
-//    a few long sequences still fill the GPU; a second small kernel merges the splits.
+//    a few long sequences still fill the GPU; a second small kernel merges the splits of the
+//    sequences longer than one split (shorter ones are written by the first kernel).
+// Both are launched with programmatic dependent launch (pdl.cuh) and read nothing before the wait.
 //
 // [TAG_ATTN_GRAPH_BUCKET] Nothing here syncs the host, and grids come from HOST maxima
 // (max_num_seqs, max_q_len, the decode plan's max_context), while the live counts come from

@@ -1,19 +1,35 @@
 // RMSNorm kernels; the launchers are declared in norm.cuh.
 //
 // One block per row: a row of H = 2048 (Qwen3-30B-A3B) is 4 KiB of bf16, too little to split
-// across blocks, and a decode step has few rows, so the grid is the row count. Each thread owns
-// chunks of 8 consecutive elements (one 16-byte load for bf16, two for fp32): pass 1 forms
-// x (+ y), writes the residual back and accumulates the sum of squares in fp32; a warp-shuffle
-// tree then a 32-entry shared-memory step reduce it; pass 2 re-reads x (the same thread wrote
-// those chunks, so its own stores are visible; the row is in L1/L2 by then) and writes the output.
+// across blocks, and a decode step has few rows, so the grid is the row count. At decode the
+// kernel is pure latency (one row: 8 KB of fp32 residual + 4 KB of bf16 input in, 8 + 4 KB out):
+// its time is the dependent chain load -> block reduction -> store. Splitting a row over blocks
+// would add a cross-block reduction (another global round trip) to that chain, so instead the
+// chain is made as short as it can be:
+//  - rows of H <= 8 * 256 * 4 = 8192 (every Qwen3) are held in registers, kChunks 16-byte chunks
+//    of 8 elements per thread: x and y are loaded once, the residual stored once, and the output
+//    formed from registers (the former second pass re-read x from L2 after storing it: a second
+//    round trip on the critical path);
+//  - the weight is a constant: it is loaded into registers BEFORE pdl_wait(), so with programmatic
+//    dependent launch (pdl.cuh) those loads overlap the previous kernel's tail;
+//  - pdl_launch_dependents() comes even BEFORE the wait ([TAG_PDL_EARLY_TRIGGER], pdl.cuh): the
+//    next kernel (the QKV GEMV, which prefetches its weights; the MoE routing; the lm_head) then
+//    launches while the kernel before this one still runs, and its own wait still covers this
+//    kernel's completion.
+// Larger H takes the loop (a second pass re-reads x; the row is in L1/L2 by then).
+// Each thread owns chunks of 8 consecutive elements (one 16-byte load for bf16, two for fp32):
+// x (+ y) is formed, the residual written back and the sum of squares accumulated in fp32; a
+// warp-shuffle tree then a 32-entry shared-memory step reduce it.
 // Math in fp32, in the CPU reference's order: inv = 1 / sqrt(ss / H + eps), out = (x * inv) * w.
 // The CPU reference sums squares in double; fp32 here differs by ~1e-7 relative in inv, far below
-// the bf16 output's rounding.
+// the bf16 output's rounding. A bf16 residual is rounded after the add and the norm reads the
+// rounded value, exactly as if it re-read the stored residual.
 #include "kernels/norm.cuh"
 
 #include <cstdint>
 
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -49,6 +65,8 @@ __device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
 // all from L1 after the first row.
 __device__ __forceinline__ float weight(const __nv_bfloat16* w, int i) { return __bfloat162float(w[i]); }
 __device__ __forceinline__ float weight(const float* w, int i) { return w[i]; }
+__device__ __forceinline__ float round_like(const __nv_bfloat16*, float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float round_like(const float*, float v) { return v; }
 
 // Sum over the block; every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
@@ -73,6 +91,8 @@ __global__ void __launch_bounds__(kMaxThreads)
                     int H, float eps,
                     __nv_bfloat16* __restrict__ out) {  // [T, H]
   const int64_t row = static_cast<int64_t>(blockIdx.x) * H;
+  pdl_launch_dependents();  // [TAG_PDL_EARLY_TRIGGER]
+  pdl_wait();               // x and y come from the previous kernels
   X* xr = x + row;
   float ss = 0.0f;
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
@@ -99,6 +119,54 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// Rows of at most kChunks * blockDim.x chunks, held in registers (see the top of the file).
+template <typename X, typename W, bool kAdd, int kChunks>
+__global__ void __launch_bounds__(kMaxThreads)
+    rms_norm_reg_kernel(X* __restrict__ x,                    // [T, H]
+                        const __nv_bfloat16* __restrict__ y,  // [T, H] (kAdd)
+                        const W* __restrict__ w,              // [H]
+                        int H, float eps,
+                        __nv_bfloat16* __restrict__ out) {  // [T, H]
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * H;
+  float wv[kChunks][8];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = (threadIdx.x + j * blockDim.x) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) wv[j][i] = c < H ? weight(w, c + i) : 0.0f;
+  }
+  pdl_launch_dependents();  // before the wait: [TAG_PDL_EARLY_TRIGGER] (see the top of the file)
+  pdl_wait();               // x and y come from the previous kernels
+  X* xr = x + row;
+  float v[kChunks][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = (threadIdx.x + j * blockDim.x) * 8;
+    if (c >= H) continue;
+    load8(xr + c, v[j]);
+    if constexpr (kAdd) {
+      float yv[8];
+      load8(y + row + c, yv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[j][i] = round_like(xr, v[j][i] + yv[i]);
+      store8(xr + c, v[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(v[j][i], v[j][i], ss);
+  }
+  const float inv = 1.0f / sqrtf(block_sum(ss) / static_cast<float>(H) + eps);
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = (threadIdx.x + j * blockDim.x) * 8;
+    if (c >= H) continue;
+    float o[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = v[j][i] * inv * wv[j][i];
+    store8(out + row + c, o);
+  }
+}
+
 template <typename X, typename W, bool kAdd>
 void launch(X* x, const __nv_bfloat16* y, const W* w, int T, int H, float eps, __nv_bfloat16* out,
             cudaStream_t stream) {
@@ -109,8 +177,15 @@ void launch(X* x, const __nv_bfloat16* y, const W* w, int T, int H, float eps, _
   if (T == 0) return;
   int threads = (H / 8 + 31) / 32 * 32;
   threads = threads > kMaxThreads ? kMaxThreads : threads;
-  rms_norm_kernel<X, W, kAdd><<<T, threads, 0, stream>>>(x, y, w, H, eps, out);
-  CUDA_CHECK_LAUNCH();
+  const int chunks = (H / 8 + threads - 1) / threads;  // per thread
+  const dim3 grid(T), block(threads);
+  switch (chunks) {
+    case 1: launch_pdl(rms_norm_reg_kernel<X, W, kAdd, 1>, grid, block, 0, stream, x, y, w, H, eps, out); break;
+    case 2: launch_pdl(rms_norm_reg_kernel<X, W, kAdd, 2>, grid, block, 0, stream, x, y, w, H, eps, out); break;
+    case 3:
+    case 4: launch_pdl(rms_norm_reg_kernel<X, W, kAdd, 4>, grid, block, 0, stream, x, y, w, H, eps, out); break;
+    default: launch_pdl(rms_norm_kernel<X, W, kAdd>, grid, block, 0, stream, x, y, w, H, eps, out); break;
+  }
 }
 
 }  // namespace

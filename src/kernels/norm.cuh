@@ -16,6 +16,11 @@
 // bucket of T rows normalises all T, padding rows included (their output is garbage and unused;
 // rows never mix).
 //
+// Launch: with the programmatic-dependent-launch attribute (pdl.cuh); the kernels wait for the
+// previous kernel before reading x and y and let the next one launch right after. [TAG_PDL_WEIGHTS]
+// The weight w is read BEFORE that wait (it is a constant): it must not be written by the kernels
+// just before on the stream.
+//
 // Types: X (input / residual) is __nv_bfloat16 or float, W (weight) is __nv_bfloat16 or float;
 // all four combinations are instantiated. Pointers are device pointers; x, y, out must be 16-byte
 // aligned and H a multiple of 8 (16-byte vector loads).

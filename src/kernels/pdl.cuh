@@ -10,7 +10,10 @@
 //      visible (griddepcontrol.wait). Before this point, reading their outputs is a race;
 //   3. pdl_launch_dependents(): allows the next kernel to be scheduled once every block of this
 //      one has reached here or exited. Placing it right after the wait is always safe: the next
-//      kernel waits for this one's completion in its own step 2 anyway.
+//      kernel waits for this one's completion in its own step 2 anyway. Placing it before the wait
+//      is safe too (the dependent's wait still covers this kernel's completion) and lets a
+//      dependent with a long prologue (a GEMV prefetching weights) start earlier; it only costs
+//      resident slots. Such places are tagged [TAG_PDL_EARLY_TRIGGER].
 // Completion is transitive: a kernel that passed its wait saw its predecessor complete, which had
 // itself seen its own predecessor complete, so kernel N+1 may read what kernel N-1 wrote.
 //

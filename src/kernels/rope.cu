@@ -10,11 +10,13 @@
 // each), so the rotation partner of every value is in the same lane and a head needs one
 // warp-shuffle sum of squares and no shared memory. Rows are 256 bytes at hd 128: the warp's
 // loads are fully coalesced. Compute is negligible; the kernel moves (nh + 2 nkv) * hd * 2 bytes
-// in and out per token.
+// in and out per token. Launched with programmatic dependent launch (pdl.cuh): the launch and
+// the block set-up overlap the GEMM's tail; everything is read after the wait.
 #include "kernels/rope.cuh"
 
 #include "kernels/cuda_check.h"
 #include "kernels/kv_cache.cuh"
+#include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -36,6 +38,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                            __nv_bfloat16* __restrict__ v_cache,  // [num_blocks, nkv, block_size, hd]
                            int nh, int nkv, int hd, int block_size, float eps) {
   __shared__ float s_cos[kMaxHeadDim / 2], s_sin[kMaxHeadDim / 2];
+  pdl_wait();  // q/k/v come from the QKV GEMM (positions and slots from the step's upload)
+  pdl_launch_dependents();
   const int t = blockIdx.x;
   const int half = hd / 2;
   const float pos = static_cast<float>(positions[t]);
@@ -129,10 +133,8 @@ void launch_qk_norm_rope_kv(__nv_bfloat16* q, int64_t q_stride, const __nv_bfloa
   if (T == 0) return;
   const dim3 grid(T, (nh + 2 * nkv + kWarps - 1) / kWarps);
   MOEBIUS_LAUNCH_ASSERT(grid.y <= 65535, "qk_norm_rope_kv: too many heads");
-  qk_norm_rope_kv_kernel<<<grid, kWarps * 32, 0, stream>>>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm,
-                                                        positions, inv_freq, slot_mapping, k_cache, v_cache, nh, nkv,
-                                                        hd, block_size, eps);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(qk_norm_rope_kv_kernel, grid, dim3(kWarps * 32), 0, stream, q, q_stride, k, k_stride, v, v_stride, q_norm,
+             k_norm, positions, inv_freq, slot_mapping, k_cache, v_cache, nh, nkv, hd, block_size, eps);
 }
 
 }  // namespace moebius::kernels

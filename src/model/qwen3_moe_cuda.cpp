@@ -594,8 +594,15 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     }
   }
   kernels::launch_add_rms_norm<float, float>(x_, y_, final_norm_, rows, H, eps, h_, s);
-  kernels::launch_gather_rows(h_, H, in(at_.logit_rows), logit_rows, H, h_last_, s);
-  gemm_->linear(h_last_, H, lm_head_, logit_rows, V, H, logits_, V, s);
+  if (decode) {
+    // A decode graph's logit rows are its rows in order (one token per sequence; padding rows'
+    // logits are computed and never read), so the lm_head reads h itself: one kernel less per
+    // token. [TAG_DECODE_GRAPH_LOGIT_ROWS]
+    gemm_->linear(h_, H, lm_head_, rows, V, H, logits_, V, s);
+  } else {
+    kernels::launch_gather_rows(h_, H, in(at_.logit_rows), logit_rows, H, h_last_, s);
+    gemm_->linear(h_last_, H, lm_head_, logit_rows, V, H, logits_, V, s);
+  }
 }
 
 Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
@@ -617,7 +624,8 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
       return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, in_batch.ids[static_cast<size_t>(t)],
                            c.vocab_size);
 
-  // A decode step whose logits are exactly one per sequence may run as a graph of B >= S rows.
+  // A decode step whose logits are exactly one per sequence may run as a graph of B >= S rows
+  // (its logit rows are then 0..S-1: [TAG_DECODE_GRAPH_LOGIT_ROWS]).
   int graph_index = -1;
   if (in_batch.is_decode() && T == S && R == S) {
     for (size_t g = 0; g < graphs_.size(); ++g)

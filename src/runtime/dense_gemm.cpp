@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/dense_gemv.cuh"
 
 namespace moebius::runtime {
 namespace {
@@ -46,10 +47,22 @@ DenseGemm::~DenseGemm() {
   if (handle_ != nullptr) (void)cublasDestroy(static_cast<cublasHandle_t>(handle_));
 }
 
+void DenseGemm::set_gemv_max_m(int m) { gemv_max_m_ = m < 0 ? 0 : (m > kernels::kDenseGemvMaxM ? kernels::kDenseGemvMaxM : m); }
+
+bool DenseGemm::uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int K) const {
+  return M >= 1 && M <= gemv_max_m_ && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w) % 16 == 0 && kernels::dense_gemv_supports(M, K);
+}
+
 void DenseGemm::gemm(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, void* y,
                      int64_t ldy, bool fp32_out, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(M >= 0 && N > 0 && K > 0 && ldx >= K && ldy >= N, "dense gemm: bad shape");
   if (M == 0) return;
+  if (uses_gemv(x, ldx, w, M, K)) {
+    if (fp32_out) kernels::launch_dense_gemv(x, ldx, w, M, N, K, static_cast<float*>(y), ldy, stream);
+    else kernels::launch_dense_gemv(x, ldx, w, M, N, K, static_cast<__nv_bfloat16*>(y), ldy, stream);
+    return;
+  }
   auto h = static_cast<cublasHandle_t>(handle_);
   CUBLAS_CHECK(cublasSetStream(h, stream));
   // Column-major view: Y^T [N, M] = W [N, K] (row-major [N, K] = column-major [K, N], transposed)

@@ -1,6 +1,13 @@
-// Dense BF16 GEMMs through cuBLAS (the attention projections, the dense MLP layers and lm_head of
-// the model runner): y[M, N] = x[M, K] * w[N, K]^T, bf16 inputs, fp32 accumulation, bf16 or fp32
-// output. cuBLAS stays here, out of src/kernels/ (whose launchers are our own kernels).
+// Dense BF16 GEMMs (the attention projections, the dense MLP layers and lm_head of the model
+// runner): y[M, N] = x[M, K] * w[N, K]^T, bf16 inputs, fp32 accumulation, bf16 or fp32 output.
+// cuBLAS stays here, out of src/kernels/ (whose launchers are our own kernels).
+//
+// Dispatch: M <= gemv_max_m() (default 16, the decode batches) goes to our weight-streaming kernel
+// kernels::launch_dense_gemv when it supports the shape (K a multiple of 8, 16-byte aligned x and
+// w, ldx a multiple of 8, x fitting in shared memory); everything else to cuBLAS. At decode the
+// projections are weight streams: cuBLAS ran Qwen3-30B-A3B's qkv at 11.4 us and o at 9.1 us
+// against floors of 4.6 and 3.7 (docs/PERF.md run E), and its kernels cannot overlap the previous
+// kernel (ours prefetch weights under programmatic dependent launch; docs/DENSE_KERNELS.md).
 //
 // Graph capture: the handle gets a fixed workspace at creation (cublasSetWorkspace), so no call
 // allocates, and every call sets the stream it is given; both are what cuBLAS asks of calls
@@ -41,11 +48,19 @@ class DenseGemm {
 
   size_t workspace_bytes() const { return workspace_.size(); }
 
+  // The largest M sent to the GEMV kernel (0: cuBLAS for everything; benchmarks compare the two).
+  // Values above kernels::kDenseGemvMaxM are clamped to it.
+  void set_gemv_max_m(int m);
+  int gemv_max_m() const { return gemv_max_m_; }
+  // Whether linear() with these arguments takes the GEMV kernel (tests check both paths are taken).
+  bool uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int K) const;
+
  private:
   DenseGemm() = default;
   void gemm(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, void* y, int64_t ldy,
             bool fp32_out, cudaStream_t stream);
   void* handle_ = nullptr;  // cublasHandle_t
+  int gemv_max_m_ = 16;     // kernels::kDenseGemvMaxM
   Buffer workspace_;
 };
 

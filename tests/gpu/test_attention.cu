@@ -307,6 +307,30 @@ TEST(AttentionGpuDecode, OneLongSequenceSplits) {
   run_decode(make_batch(kQwen3_30B, 16, {1, 1}, {3000, 45}, 83, /*q_scale=*/16.0f));
 }
 
+TEST(AttentionGpuDecode, ShortSequencesSkipTheMerge) {
+  MOEBIUS_REQUIRE_GPU();
+  // A split plan (64-key partitions over a 4096 context) with sequences on both sides of one
+  // partition: contexts <= 64 are written by the decode kernel itself and the merge must leave
+  // them alone; longer ones go through the (poisoned) workspace and the merge.
+  const std::vector<int> ctx = {1, 15, 63, 64, 65, 128, 129, 1000, 4096};
+  for (const Geometry& g : {kQwen3_30B, kTiny, kHd64G8}) {
+    SCOPED_TRACE(g.name);
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 87);
+    CudaStream stream;
+    DeviceBatch d(b);
+    const AttentionDecodePlan plan{b.max_seqs, 4096, 64, 64};
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
+    DeviceBuffer<uint8_t> ws(ws_bytes);
+    ws.poison(0xFF, stream);
+    d.out.poison(kPoison, stream);
+    kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
+                                     d.table.data(), d.dims(b), plan, ws.data(), d.out.data(), stream);
+    stream.sync();
+    expect_matches(b, d, "decode-s");
+    EXPECT_TRUE(ws.guards_intact());
+  }
+}
+
 TEST(AttentionGpuDecode, MatchesPrefillKernelOnDecodeRows) {
   MOEBIUS_REQUIRE_GPU();
   // The same batch of q_len-1 rows through both kernels (a mixed batch may go to prefill whole).

@@ -126,8 +126,10 @@ void check_norm(int T, int H, bool add, uint32_t seed) {
 
 TEST(NormGpu, RmsNormMatchesCpu) {
   MOEBIUS_REQUIRE_GPU();
-  // H: tiny fixture 64, Qwen3-30B-A3B 2048, Qwen3-235B-A22B 4096, and 8 / 2056 (odd chunk counts).
-  for (int H : {8, 64, 2048, 2056, 4096})
+  // H: tiny fixture 64, Qwen3-30B-A3B 2048, Qwen3-235B-A22B 4096, and 8 / 2056 (odd chunk counts);
+  // 6144 and 8192 (3 and 4 register chunks per thread), 8200 and 12288 (past the register path:
+  // the looping kernel).
+  for (int H : {8, 64, 2048, 2056, 4096, 6144, 8192, 8200, 12288})
     for (int T : {1, 7, 1000}) {
       const uint32_t seed = 7u * H + T;
       check_norm<__nv_bfloat16, __nv_bfloat16>(T, H, false, seed);
@@ -138,7 +140,7 @@ TEST(NormGpu, RmsNormMatchesCpu) {
 
 TEST(NormGpu, FusedResidualAddMatchesCpu) {
   MOEBIUS_REQUIRE_GPU();
-  for (int H : {64, 2048, 4096})
+  for (int H : {64, 2048, 2056, 4096, 6144, 12288})
     for (int T : {1, 7, 1000}) {
       const uint32_t seed = 11u * H + T;
       check_norm<float, __nv_bfloat16>(T, H, true, seed);  // fp32 residual: the CPU backend's math

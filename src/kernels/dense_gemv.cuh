@@ -1,0 +1,50 @@
+// Dense bf16 skinny GEMM ("GEMV") for decode: y[M, N] = x[M, K] W[N, K]^T with M = 1..16 tokens,
+// bf16 in, fp32 accumulation, bf16 or fp32 out. Launchers only (kernel in dense_gemv.cu; design
+// and numbers in docs/DENSE_KERNELS.md).
+//
+// Why a kernel of our own: at decode the dense projections are pure weight streams. One token
+// reads Qwen3-30B-A3B's qkv weight (5120 x 2048 bf16, 21 MB) and o weight (2048 x 4096, 16.8 MB)
+// once per layer and the lm_head (151936 x 2048, 622 MB) once per token: 4.6 + 3.7 + 136 us at the
+// H200's 4.57 TB/s. cuBLAS took 11.4 (split-K + reduce), 9.1 and far more than the floor for these
+// shapes (docs/PERF.md run E), and its kernels cannot start streaming weights before the previous
+// kernel ends. This kernel is programmatic-dependent-launch aware (pdl.cuh): the weights do not
+// depend on the previous kernel, so every block fills its shared-memory ring with weight bytes
+// BEFORE griddepcontrol.wait, and only the activations x (a few KB) are read after it.
+//
+// The CPU reference is cpu::linear_reference (src/cpu/linear.h). runtime::DenseGemm dispatches
+// here for small M and to cuBLAS otherwise.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moebius::kernels {
+
+// The largest token count the kernel takes (two n8 tiles of the m16n8k16 mma).
+inline constexpr int kDenseGemvMaxM = 16;
+
+// Dynamic shared memory one block needs for (M, K): the weight ring, the split-K reduction
+// buffers and x [M, K] staged (zero-padded, with a bank-conflict pad per row).
+size_t dense_gemv_smem_bytes(int M, int K);
+
+// True when launch_dense_gemv takes (M, K) on the current device: 1 <= M <= 16, K > 0 a multiple of
+// 8 (rows of 16-byte chunks) and dense_gemv_smem_bytes(M, K) within the opt-in shared-memory limit
+// (Qwen3-30B-A3B: every shape up to M = 16; Qwen3-235B-A22B's o_proj, K = 8192: M <= 8).
+bool dense_gemv_supports(int M, int K);
+
+// y[m * ldy + n] = sum_k x[m * ldx + k] * w[n * K + k]   for m < M, n < N; nothing else is written.
+//   x    [M, ldx] bf16, 16-byte aligned, ldx >= K and a multiple of 8 (the previous kernel's output)
+//   w    [N, K] bf16, 16-byte aligned (a PyTorch Linear weight; read once, evict-first). [TAG_PDL_WEIGHTS]
+//        Read BEFORE the PDL wait: it must not be written by the kernels just before on the stream.
+//   y    [M, ldy] OutT = __nv_bfloat16 (round to nearest) or float; ldy >= N; any alignment
+//   M    host, 0..16 (0: nothing is launched); N > 0; K per dense_gemv_supports
+// Launched with the PDL attribute; safe after any kernel (see pdl.cuh's protocol). Graph-capturable
+// (no allocation, no host synchronization). Deterministic: fixed summation order, no atomics.
+template <typename OutT>
+void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
+                       int64_t ldy, cudaStream_t stream);
+
+}  // namespace moebius::kernels

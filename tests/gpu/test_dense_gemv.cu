@@ -1,0 +1,342 @@
+// The dense skinny GEMM (src/kernels/dense_gemv.cu) against the CPU reference
+// cpu::linear_reference, on fresh random bf16 inputs with fixed seeds, for every M from 1 to 16,
+// and runtime::DenseGemm's dispatch (GEMV for M <= 16, cuBLAS above) for batches 1..64.
+// Outputs are poisoned (0xFF: NaN), entries past N in a row (ldy > N) and rows past M must keep
+// their poison, guard bands must hold.
+//
+// Tolerance (as for the cuBLAS wrapper in test_model_ops.cu): bf16 inputs are exact in fp32; the
+// kernel accumulates in fp32 (mma, 8 warps' partial sums added in a fixed order), the reference in
+// double: |err| <= 1e-4 * sum_k |x w| plus one bf16 ulp of the result for bf16 out; nmse <= 1e-8
+// (fp32 out) or 1e-5 (bf16 out).
+//
+// Shapes: Qwen3-30B-A3B H=2048, qkv 2048 -> 5120, o 4096 -> 2048, lm_head 2048 -> 151936 (full
+// vocab: 9496 row tiles, ~36 per block of the persistent grid); Qwen3-235B-A22B o 8192 -> 4096;
+// the tiny fixture H=64, qkv 128, V=512; odd N (1, 15, 17, 4097) and K (8, 24, 40, 264, 2056:
+// partial 32-wide columns and warps with nothing to do).
+#include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "cpu/linear.h"
+#include "cpu/norm.h"
+#include "kernels/dense_gemv.cuh"
+#include "kernels/norm.cuh"
+#include "runtime/dense_gemm.h"
+
+namespace moebius {
+namespace {
+
+using testing::bytes_are;
+using testing::CudaStream;
+using testing::DeviceBuffer;
+
+constexpr uint8_t kPoison = 0xFF;
+
+// bf16 values (as floats and as bits) uniform in [lo, hi); splitmix64, fast enough for the 311 M
+// entries of the full lm_head.
+struct HostBf16 {
+  std::vector<float> f;
+  std::vector<uint16_t> bits;
+};
+HostBf16 random_bf16(size_t n, float lo, float hi, uint64_t seed) {
+  HostBf16 r;
+  r.f.resize(n);
+  r.bits.resize(n);
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+    r.bits[i] = float_to_bf16_bits(lo + (hi - lo) * u);
+    r.f[i] = bf16_bits_to_float(r.bits[i]);
+  }
+  return r;
+}
+
+std::vector<float> abs_of(const std::vector<float>& v) {
+  std::vector<float> a(v.size());
+  for (size_t i = 0; i < v.size(); ++i) a[i] = std::fabs(v[i]);
+  return a;
+}
+
+float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+float to_float(float v) { return v; }
+
+// want[m, n] = x[m, :K] . w[n, :] and the bound's scale mag[m, n] = |x| . |w|, both [M, N].
+struct Reference {
+  std::vector<float> want, mag;
+};
+Reference reference(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w, int M, int N, int K) {
+  std::vector<float> xs(static_cast<size_t>(M) * K);
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < K; ++k) xs[static_cast<size_t>(m) * K + k] = x[static_cast<size_t>(m * ldx + k)];
+  Reference r;
+  r.want.resize(static_cast<size_t>(M) * N);
+  r.mag.resize(r.want.size());
+  cpu::linear_reference(xs.data(), w.data(), M, N, K, r.want.data());
+  cpu::linear_reference(abs_of(xs).data(), abs_of(w).data(), M, N, K, r.mag.data());
+  return r;
+}
+
+// y [cap_rows, ldy] downloaded; rows < M, columns < N checked against the reference; the rest must
+// be poison.
+template <typename OutT>
+void expect_output(const std::vector<OutT>& raw, int M, int N, int64_t ldy, const Reference& ref) {
+  const bool bf16_out = sizeof(OutT) == 2;
+  std::vector<float> got(static_cast<size_t>(M) * N);
+  size_t bad = 0, first = 0;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      const size_t i = static_cast<size_t>(m) * N + n;
+      got[i] = to_float(raw[static_cast<size_t>(m * ldy + n)]);
+      const double tol = 1e-4 * ref.mag[i] + (bf16_out ? std::fabs(ref.want[i]) / 128.0 : 0.0) + 1e-6;
+      if (!(std::fabs(got[i] - ref.want[i]) <= tol) && bad++ == 0) first = i;
+    }
+  EXPECT_EQ(bad, 0u) << "first at [" << first / N << ", " << first % N << "]: got " << got[first] << " want "
+                     << ref.want[first];
+  EXPECT_LE(testing::nmse(got.data(), ref.want.data(), got.size()), bf16_out ? 1e-5 : 1e-8);
+  for (int m = 0; m < M && ldy > N; ++m)
+    EXPECT_TRUE(bytes_are(raw.data() + m * ldy + N, static_cast<size_t>(ldy - N), kPoison)) << "row " << m << " past N";
+  const size_t live = static_cast<size_t>(M) * ldy;
+  EXPECT_TRUE(bytes_are(raw.data() + live, raw.size() - live, kPoison)) << "rows past M";
+}
+
+// One launch of the kernel on (M, N, K, ldx, ldy) with W given (so large weights are made once).
+template <typename OutT>
+void check_gemv(int M, int N, int K, int64_t ldx, int64_t ldy, const HostBf16& w, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "M=" << M << " N=" << N << " K=" << K << " ldx=" << ldx << " ldy=" << ldy
+                                    << (sizeof(OutT) == 2 ? " bf16" : " fp32"));
+  ASSERT_EQ(w.f.size(), static_cast<size_t>(N) * K);
+  ASSERT_TRUE(kernels::dense_gemv_supports(M, K));
+  constexpr int kSlack = 2;
+  const HostBf16 x = random_bf16(static_cast<size_t>(M) * ldx, -2.0f, 2.0f, seed);
+  CudaStream stream;
+  DeviceBuffer<uint16_t> d_x(x.bits.size()), d_w(w.bits.size());
+  d_x.upload(x.bits);
+  d_w.upload(w.bits);
+  DeviceBuffer<OutT> d_y(static_cast<size_t>(M + kSlack) * ldy);
+  d_y.poison(kPoison, stream);
+  kernels::launch_dense_gemv<OutT>(reinterpret_cast<const __nv_bfloat16*>(d_x.data()), ldx,
+                                   reinterpret_cast<const __nv_bfloat16*>(d_w.data()), M, N, K, d_y.data(), ldy,
+                                   stream);
+  stream.sync();
+  const std::vector<OutT> raw = d_y.download();
+  expect_output(raw, M, N, ldy, reference(x.f, ldx, w.f, M, N, K));
+  EXPECT_TRUE(d_y.guards_intact() && d_x.guards_intact());
+
+  // Run-to-run: the same inputs give the same bits (fixed reduction order, no atomics).
+  d_y.poison(kPoison, stream);
+  kernels::launch_dense_gemv<OutT>(reinterpret_cast<const __nv_bfloat16*>(d_x.data()), ldx,
+                                   reinterpret_cast<const __nv_bfloat16*>(d_w.data()), M, N, K, d_y.data(), ldy,
+                                   stream);
+  stream.sync();
+  const std::vector<OutT> again = d_y.download();
+  EXPECT_EQ(std::memcmp(again.data(), raw.data(), raw.size() * sizeof(OutT)), 0) << "rerun differs";
+}
+
+template <typename OutT>
+void check_gemv(int M, int N, int K, int64_t ldx, int64_t ldy, uint64_t seed) {
+  const HostBf16 w = random_bf16(static_cast<size_t>(N) * K, -0.1f, 0.1f, seed + 1000);
+  check_gemv<OutT>(M, N, K, ldx, ldy, w, seed);
+}
+
+TEST(DenseGemvGpu, Qwen3ProjectionsEveryM) {
+  MOEBIUS_REQUIRE_GPU();
+  // Qwen3-30B-A3B qkv (2048 -> 5120: 320 tiles, more than one per block on the persistent grid),
+  // every M from 1 to 16 (n8 tile 1 for M <= 8, 2 above).
+  const HostBf16 wqkv = random_bf16(size_t{5120} * 2048, -0.05f, 0.05f, 1);
+  for (int M = 1; M <= 16; ++M) check_gemv<__nv_bfloat16>(M, 5120, 2048, 2048, 5120, wqkv, 100 + M);
+  // o (4096 -> 2048: 128 tiles, 16 columns per warp).
+  const HostBf16 wo = random_bf16(size_t{2048} * 4096, -0.05f, 0.05f, 2);
+  for (int M : {1, 2, 4, 7, 8, 9, 15, 16}) check_gemv<__nv_bfloat16>(M, 2048, 4096, 4096, 2048, wo, 200 + M);
+  // Qwen3-235B-A22B o (8192 -> 4096): the largest x staged, M <= 8.
+  const HostBf16 wo235 = random_bf16(size_t{4096} * 8192, -0.05f, 0.05f, 3);
+  for (int M : {1, 8}) check_gemv<__nv_bfloat16>(M, 4096, 8192, 8192, 4096, wo235, 300 + M);
+}
+
+TEST(DenseGemvGpu, LmHeadFullVocabFp32) {
+  MOEBIUS_REQUIRE_GPU();
+  // Qwen3-30B-A3B lm_head, fp32 logits: 151936 rows, 9496 tiles on the persistent grid.
+  const HostBf16 w = random_bf16(size_t{151936} * 2048, -0.05f, 0.05f, 4);
+  for (int M : {1, 3}) check_gemv<float>(M, 151936, 2048, 2048, 151936, w, 400 + M);
+  // The tiny fixture's lm_head (H=64, V=512), every M.
+  const HostBf16 tiny = random_bf16(size_t{512} * 64, -0.1f, 0.1f, 5);
+  for (int M = 1; M <= 16; ++M) check_gemv<float>(M, 512, 64, 64, 512, tiny, 500 + M);
+}
+
+TEST(DenseGemvGpu, OddShapesStridesAndBothOutputs) {
+  MOEBIUS_REQUIRE_GPU();
+  uint64_t seed = 600;
+  for (int N : {1, 15, 17, 100, 4097})
+    for (int K : {8, 24, 40, 264, 2056})
+      for (int M : {1, 3, 8, 9, 16}) {
+        const int64_t ldx = K + (M % 2 == 1 ? 8 : 0), ldy = N + (M % 3 == 0 ? 5 : 0);
+        if (N * K > 1 << 21 && M != 1 && M != 16) continue;  // keep the reference quick
+        check_gemv<__nv_bfloat16>(M, N, K, ldx, ldy, ++seed);
+        check_gemv<float>(M, N, K, ldx, ldy, ++seed);
+      }
+}
+
+TEST(DenseGemvGpu, SupportsAndSharedMemoryLimits) {
+  MOEBIUS_REQUIRE_GPU();
+  EXPECT_TRUE(kernels::dense_gemv_supports(1, 8));
+  EXPECT_TRUE(kernels::dense_gemv_supports(16, 4096));  // Qwen3-30B-A3B o at 16 tokens
+  EXPECT_TRUE(kernels::dense_gemv_supports(8, 8192));   // Qwen3-235B-A22B o at 8 tokens
+  EXPECT_FALSE(kernels::dense_gemv_supports(16, 8192)); // x alone is 256 KB: cuBLAS
+  EXPECT_FALSE(kernels::dense_gemv_supports(0, 2048));
+  EXPECT_FALSE(kernels::dense_gemv_supports(17, 2048));
+  EXPECT_FALSE(kernels::dense_gemv_supports(1, 2044));  // rows of 16-byte chunks only
+  EXPECT_LT(kernels::dense_gemv_smem_bytes(1, 2048), kernels::dense_gemv_smem_bytes(16, 2048));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Chains under programmatic dependent launch: each GEMV reads the previous kernel's output right
+// after griddepcontrol.wait and overwrites the buffer the previous kernel read (ping-pong), with
+// the add+RMSNorm in the middle. Eager and graph replays against a CPU chain that rounds to bf16
+// at the same points. A read before the wait would see poison (NaN) or the stale buffer.
+// ------------------------------------------------------------------------------------------------
+
+TEST(DenseGemvGpu, ChainedLaunchesReadTheirPredecessorsOutput) {
+  MOEBIUS_REQUIRE_GPU();
+  constexpr int D = 1024, Q = 3072;  // square-ish layers of unit gain: weights U(-sqrt(3/K), sqrt(3/K))
+  constexpr float kEps = 1e-6f;
+  for (int M : {1, 5, 16}) {
+    SCOPED_TRACE(::testing::Message() << "M=" << M);
+    const HostBf16 w1 = random_bf16(size_t{Q} * D, -std::sqrt(3.0f / D), std::sqrt(3.0f / D), 10);  // D -> Q
+    const HostBf16 w2 = random_bf16(size_t{D} * Q, -std::sqrt(3.0f / Q), std::sqrt(3.0f / Q), 11);  // Q -> D
+    const HostBf16 x0 = random_bf16(static_cast<size_t>(M) * D, -1.0f, 1.0f, 12 + M);
+    const HostBf16 res0 = random_bf16(static_cast<size_t>(M) * D, -1.0f, 1.0f, 20 + M);
+    std::vector<float> norm_w(D);
+    for (int i = 0; i < D; ++i) norm_w[i] = 0.75f + 0.5f * static_cast<float>(i % 7) / 7.0f;
+
+    // CPU chain: a = bf16(w1 x0); b = bf16(w2 a); res += b; h = bf16(norm(res)); a = bf16(w1 h);
+    // b = bf16(w2 a).
+    auto lin = [](const std::vector<float>& in, const std::vector<float>& w, int m, int n, int k) {
+      std::vector<float> out(static_cast<size_t>(m) * n);
+      cpu::linear_reference(in.data(), w.data(), m, n, k, out.data());
+      for (float& v : out) v = bf16_bits_to_float(float_to_bf16_bits(v));
+      return out;
+    };
+    std::vector<float> a = lin(x0.f, w1.f, M, Q, D), b = lin(a, w2.f, M, D, Q);
+    std::vector<float> res = res0.f;
+    for (size_t i = 0; i < res.size(); ++i) res[i] += b[i];
+    std::vector<float> h(res.size());
+    cpu::rms_norm_reference(res.data(), norm_w.data(), M, D, kEps, h.data());
+    for (float& v : h) v = bf16_bits_to_float(float_to_bf16_bits(v));
+    a = lin(h, w1.f, M, Q, D);
+    const std::vector<float> want = lin(a, w2.f, M, D, Q);
+
+    CudaStream stream;
+    DeviceBuffer<uint16_t> d_w1(w1.bits.size()), d_w2(w2.bits.size());
+    d_w1.upload(w1.bits);
+    d_w2.upload(w2.bits);
+    DeviceBuffer<__nv_bfloat16> d_x(static_cast<size_t>(M) * Q), d_y(static_cast<size_t>(M) * Q);  // ping-pong, Q >= D
+    DeviceBuffer<float> d_res(static_cast<size_t>(M) * D), d_nw(D);
+    d_nw.upload(norm_w);
+    const auto* W1 = reinterpret_cast<const __nv_bfloat16*>(d_w1.data());
+    const auto* W2 = reinterpret_cast<const __nv_bfloat16*>(d_w2.data());
+    auto chain = [&] {
+      kernels::launch_dense_gemv(d_x.data(), D, W1, M, Q, D, d_y.data(), Q, stream);  // a -> y
+      kernels::launch_dense_gemv(d_y.data(), Q, W2, M, D, Q, d_x.data(), D, stream);  // b -> x (a's input)
+      kernels::launch_add_rms_norm<float, float>(d_res.data(), d_x.data(), d_nw.data(), M, D, kEps, d_y.data(),
+                                                 stream);                               // h -> y
+      kernels::launch_dense_gemv(d_y.data(), D, W1, M, Q, D, d_x.data(), Q, stream);  // a -> x
+      kernels::launch_dense_gemv(d_x.data(), Q, W2, M, D, Q, d_y.data(), D, stream);  // out -> y
+    };
+    auto reset = [&] {
+      d_x.poison(kPoison, stream);
+      d_y.poison(kPoison, stream);
+      CUDA_CHECK(cudaMemcpyAsync(d_x.data(), x0.bits.data(), x0.bits.size() * 2, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(d_res.data(), res0.f.data(), res0.f.size() * 4, cudaMemcpyHostToDevice, stream));
+    };
+    auto result = [&] {
+      stream.sync();
+      const std::vector<__nv_bfloat16> raw = d_y.download();
+      std::vector<float> got(want.size());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = __bfloat162float(raw[i]);
+      return got;
+    };
+    reset();
+    chain();
+    const std::vector<float> eager = result();
+    // Rounding flips at the bf16 points make the two chains drift apart by a few bf16 ulps;
+    // a race reads NaN poison or a stale buffer (nmse ~ 1).
+    EXPECT_LE(testing::nmse(eager.data(), want.data(), want.size()), 1e-4);
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    chain();
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) {
+      reset();
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      const std::vector<float> replay = result();
+      EXPECT_TRUE(testing::same_values(replay.data(), eager.data(), eager.size())) << "graph replay " << r;
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    EXPECT_TRUE(d_x.guards_intact() && d_y.guards_intact() && d_res.guards_intact());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// runtime::DenseGemm: the GEMV for M <= 16, cuBLAS above, one result contract
+// ------------------------------------------------------------------------------------------------
+
+TEST(DenseGemvGpu, DenseGemmDispatchBatchesOneTo64) {
+  MOEBIUS_REQUIRE_GPU();
+  auto gemm = runtime::DenseGemm::create();
+  ASSERT_TRUE(gemm.ok()) << gemm.error().what();
+  constexpr int N = 1000, K = 1024, kSlack = 2;
+  const HostBf16 w = random_bf16(size_t{N} * K, -0.1f, 0.1f, 30);
+  DeviceBuffer<uint16_t> d_w(w.bits.size());
+  d_w.upload(w.bits);
+  const auto* W = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
+  CudaStream stream;
+  for (int M = 1; M <= 64; ++M) {
+    SCOPED_TRACE(::testing::Message() << "M=" << M);
+    const HostBf16 x = random_bf16(static_cast<size_t>(M) * K, -2.0f, 2.0f, 40 + M);
+    DeviceBuffer<uint16_t> d_x(x.bits.size());
+    d_x.upload(x.bits);
+    const auto* X = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
+    EXPECT_EQ((*gemm)->uses_gemv(X, K, W, M, K), M <= 16);
+    const Reference ref = reference(x.f, K, w.f, M, N, K);
+    DeviceBuffer<__nv_bfloat16> d_y(static_cast<size_t>(M + kSlack) * N);
+    d_y.poison(kPoison, stream);
+    (*gemm)->linear(X, K, W, M, N, K, d_y.data(), N, stream);
+    stream.sync();
+    expect_output(d_y.download(), M, N, N, ref);
+    DeviceBuffer<float> d_yf(static_cast<size_t>(M + kSlack) * N);
+    d_yf.poison(kPoison, stream);
+    (*gemm)->linear(X, K, W, M, N, K, d_yf.data(), N, stream);
+    stream.sync();
+    expect_output(d_yf.download(), M, N, N, ref);
+  }
+  // gemv_max_m 0 sends M = 1 to cuBLAS; same contract.
+  (*gemm)->set_gemv_max_m(0);
+  const HostBf16 x = random_bf16(K, -2.0f, 2.0f, 99);
+  DeviceBuffer<uint16_t> d_x(x.bits.size());
+  d_x.upload(x.bits);
+  const auto* X = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
+  EXPECT_FALSE((*gemm)->uses_gemv(X, K, W, 1, K));
+  DeviceBuffer<float> d_y(size_t{1 + kSlack} * N);
+  d_y.poison(kPoison, stream);
+  (*gemm)->linear(X, K, W, 1, N, K, d_y.data(), N, stream);
+  stream.sync();
+  expect_output(d_y.download(), 1, N, N, reference(x.f, K, w.f, 1, N, K));
+}
+
+}  // namespace
+}  // namespace moebius
