@@ -20,14 +20,14 @@
 // one 16-byte shared load. Per 1 KB of weights a warp issues 2 cp.async, 2 + 1 (M <= 8) or 2 + 2
 // shared loads and 2 or 4 mma: far below the SM's issue rate at its 35 GB/s share of HBM.
 //
-// Memory pipeline. The weights go HBM -> shared memory by 16-byte cp.async.cg with an L2
-// evict-first policy (read exactly once; they must not push the activations and KV cache out of
-// L2). Each warp has a private ring of kRing items and each lane reads back only the 2 x 16 bytes
-// it wrote itself, so there is no barrier in the steady state: cp.async.wait_group per item, and
-// kRing - 1 items (7 KB per warp, 56 KB per block, ~112 KB per SM at two blocks) stay in flight:
-// ~3x what Little's law asks for (35 GB/s per SM x ~1 us loaded latency) without holding a byte in
-// registers. The ring is filled before pdl_wait(): the first 64 KB per block (17 MB over the grid,
-// 80% of the qkv weight) are requested while the previous kernel (the RMSNorm) still runs.
+// Memory pipeline. The weights go HBM -> shared memory by 16-byte cp.async.cg (L2 only; see
+// cp_async16_stream for why without an evict-first hint). Each warp has a private ring of kRing
+// items and each lane reads back only the 2 x 16 bytes it wrote itself, so there is no barrier in
+// the steady state: cp.async.wait_group per item, and kRing - 1 items (7 KB per warp, 56 KB per
+// block, ~112 KB per SM at two blocks) stay in flight: ~3x what Little's law asks for (35 GB/s per
+// SM x ~1 us loaded latency) without holding a byte in registers. The ring is filled before
+// pdl_wait(): the first 64 KB per block (17 MB over the grid, 80% of the qkv weight) are requested
+// while the previous kernel (the RMSNorm) still runs.
 //
 // x [M, K] is staged once per block into shared memory after pdl_wait() (cp.async, every chunk in
 // flight at once: one L2 round trip whatever M and K), zero-padded to the
@@ -76,16 +76,13 @@ struct GemvArgs {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-// 16 bytes global -> shared, L2 only, evict-first; src_bytes 0 zero-fills without reading.
-__device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
+// 16 bytes global -> shared, L2 only; src_bytes 0 zero-fills without reading. No L2::cache_hint
+// (evict-first) operand: in the first GPU run of this kernel (H200, 2026-12-03) the refill inside
+// the k-loop faulted with an illegal instruction on `cp.async.cg ... L2::cache_hint`
+// (compute-sanitizer), although the same instruction had run in the ring fill before the loop.
+// The weights take the default L2 policy until that is understood.
+__device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // 16 bytes global -> shared, L2 only, default policy (the activations, read by every block).
@@ -122,7 +119,6 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
   const int my_tiles = (a.tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
                        static_cast<int>(gridDim.x);
   const int items = my_tiles * a.cpw;
-  const uint64_t policy = evict_first_policy();
   const uint32_t ring_s = smem_addr(ring) + lane * 16;
 
   // Issue cursor: item `issued` of this warp is column (warp + is_col * kWarps) of tile is_tile.
@@ -137,8 +133,8 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
       const __nv_bfloat16* s0 = in0 ? a.w + static_cast<int64_t>(r0) * a.K + q * 8 : a.w;
       const __nv_bfloat16* s1 = in1 ? a.w + static_cast<int64_t>(r0 + 8) * a.K + q * 8 : a.w;
       const uint32_t dst = ring_s + (issued & (kRing - 1)) * kItemBytes;
-      cp_async16_stream(dst, s0, in0 ? 16 : 0, policy);
-      cp_async16_stream(dst + 32 * 16, s1, in1 ? 16 : 0, policy);
+      cp_async16_stream(dst, s0, in0 ? 16 : 0);
+      cp_async16_stream(dst + 32 * 16, s1, in1 ? 16 : 0);
       if (++is_col == a.cpw) {
         is_col = 0;
         is_tile += gridDim.x;
