@@ -49,8 +49,9 @@ DenseGemm::~DenseGemm() {
 
 void DenseGemm::set_gemv_max_m(int m) { gemv_max_m_ = m < 0 ? 0 : (m > kernels::kDenseGemvMaxM ? kernels::kDenseGemvMaxM : m); }
 
-bool DenseGemm::uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int K) const {
-  return M >= 1 && M <= gemv_max_m_ && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+bool DenseGemm::uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N,
+                          int K) const {
+  return M >= 1 && M <= gemv_max_m_ && static_cast<int64_t>(N) * K <= kGemvMaxWeightElems && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(w) % 16 == 0 && kernels::dense_gemv_supports(M, K);
 }
 
@@ -58,7 +59,7 @@ void DenseGemm::gemm(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w
                      int64_t ldy, bool fp32_out, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(M >= 0 && N > 0 && K > 0 && ldx >= K && ldy >= N, "dense gemm: bad shape");
   if (M == 0) return;
-  if (uses_gemv(x, ldx, w, M, K)) {
+  if (uses_gemv(x, ldx, w, M, N, K)) {
     if (fp32_out) kernels::launch_dense_gemv(x, ldx, w, M, N, K, static_cast<float*>(y), ldy, stream);
     else kernels::launch_dense_gemv(x, ldx, w, M, N, K, static_cast<__nv_bfloat16*>(y), ldy, stream);
     return;

@@ -2,9 +2,13 @@
 // runner): y[M, N] = x[M, K] * w[N, K]^T, bf16 inputs, fp32 accumulation, bf16 or fp32 output.
 // cuBLAS stays here, out of src/kernels/ (whose launchers are our own kernels).
 //
-// Dispatch: M <= gemv_max_m() (default 16, the decode batches) goes to our weight-streaming kernel
-// kernels::launch_dense_gemv when it supports the shape (K a multiple of 8, 16-byte aligned x and
-// w, ldx a multiple of 8, x fitting in shared memory); everything else to cuBLAS. At decode the
+// Dispatch: M <= gemv_max_m() (default 4) with a weight of at most kGemvMaxWeightElems goes to our
+// weight-streaming kernel kernels::launch_dense_gemv when it supports the shape (K a multiple of
+// 8, 16-byte aligned x and w, ldx a multiple of 8, x fitting in shared memory); everything else to
+// cuBLAS. Measured on the H200 (docs/PERF.md run J1, `moebius bench gemv`, Qwen3-30B-A3B): the
+// GEMV wins qkv and o at M = 1 (7.3 / 6.8 us against cuBLAS 7.8 / 8.8) and their sum at M = 4
+// (15.3 against 16.4), cuBLAS wins at M = 16 (16.5 against 19.0) and on the lm_head at every M
+// (150 against 161-194 us). M = 5-15 was not measured. At decode the
 // projections are weight streams: cuBLAS ran Qwen3-30B-A3B's qkv at 11.4 us and o at 9.1 us
 // against floors of 4.6 and 3.7 (docs/PERF.md run E), and its kernels cannot overlap the previous
 // kernel (ours prefetch weights under programmatic dependent launch; docs/DENSE_KERNELS.md).
@@ -53,14 +57,16 @@ class DenseGemm {
   void set_gemv_max_m(int m);
   int gemv_max_m() const { return gemv_max_m_; }
   // Whether linear() with these arguments takes the GEMV kernel (tests check both paths are taken).
-  bool uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int K) const;
+  bool uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K) const;
+  // Weights larger than this (elements) go to cuBLAS at any M: the lm_head (151936 x 2048).
+  static constexpr int64_t kGemvMaxWeightElems = int64_t{64} << 20;
 
  private:
   DenseGemm() = default;
   void gemm(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, void* y, int64_t ldy,
             bool fp32_out, cudaStream_t stream);
   void* handle_ = nullptr;  // cublasHandle_t
-  int gemv_max_m_ = 16;     // kernels::kDenseGemvMaxM
+  int gemv_max_m_ = 4;
   Buffer workspace_;
 };
 

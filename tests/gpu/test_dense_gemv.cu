@@ -292,7 +292,7 @@ TEST(DenseGemvGpu, ChainedLaunchesReadTheirPredecessorsOutput) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// runtime::DenseGemm: the GEMV for M <= 16, cuBLAS above, one result contract
+// runtime::DenseGemm: the GEMV for small M, cuBLAS above, one result contract
 // ------------------------------------------------------------------------------------------------
 
 TEST(DenseGemvGpu, DenseGemmDispatchBatchesOneTo64) {
@@ -305,13 +305,18 @@ TEST(DenseGemvGpu, DenseGemmDispatchBatchesOneTo64) {
   d_w.upload(w.bits);
   const auto* W = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
   CudaStream stream;
+  // The default dispatch: the GEMV up to M = 4 and never for an lm_head-sized weight.
+  EXPECT_EQ((*gemm)->gemv_max_m(), 4);
+  EXPECT_FALSE((*gemm)->uses_gemv(W, K, W, 1, 151936, 2048));
+  // Every M through both paths: the GEMV up to its largest M, cuBLAS above.
+  (*gemm)->set_gemv_max_m(kernels::kDenseGemvMaxM);
   for (int M = 1; M <= 64; ++M) {
     SCOPED_TRACE(::testing::Message() << "M=" << M);
     const HostBf16 x = random_bf16(static_cast<size_t>(M) * K, -2.0f, 2.0f, 40 + M);
     DeviceBuffer<uint16_t> d_x(x.bits.size());
     d_x.upload(x.bits);
     const auto* X = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
-    EXPECT_EQ((*gemm)->uses_gemv(X, K, W, M, K), M <= 16);
+    EXPECT_EQ((*gemm)->uses_gemv(X, K, W, M, N, K), M <= kernels::kDenseGemvMaxM);
     const Reference ref = reference(x.f, K, w.f, M, N, K);
     DeviceBuffer<__nv_bfloat16> d_y(static_cast<size_t>(M + kSlack) * N);
     d_y.poison(kPoison, stream);
@@ -330,7 +335,7 @@ TEST(DenseGemvGpu, DenseGemmDispatchBatchesOneTo64) {
   DeviceBuffer<uint16_t> d_x(x.bits.size());
   d_x.upload(x.bits);
   const auto* X = reinterpret_cast<const __nv_bfloat16*>(d_x.data());
-  EXPECT_FALSE((*gemm)->uses_gemv(X, K, W, 1, K));
+  EXPECT_FALSE((*gemm)->uses_gemv(X, K, W, 1, N, K));
   DeviceBuffer<float> d_y(size_t{1 + kSlack} * N);
   d_y.poison(kPoison, stream);
   (*gemm)->linear(X, K, W, 1, N, K, d_y.data(), N, stream);
