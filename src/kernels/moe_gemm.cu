@@ -19,8 +19,16 @@
 // GEMM1 at T=1 spent most of its 17 cycles per issue waiting on L1TEX; docs/PERF.md). Larger
 // tiles (32-64 tokens at K = 2048) keep the global-memory path.
 //
+// Several row tiles per block (moe_gemm_rows_kernel, [TAG_DECODE_ROW_TILES]): with one token tile
+// and a warp's K range in one batch of loads, a block can walk R consecutive row tiles of its
+// expert with one prologue, the next tile's weights in flight during the current tile's math. It
+// is bit-identical to the one-tile kernel and chosen from the grid size (decode_rows_per_block).
+//
 // Dequantization (shared with the prefill kernel) is described in kernels/moe_dequant.cuh.
 #include "kernels/moe_gemm.cuh"
+
+#include <atomic>
+#include <cstdlib>
 
 #include "kernels/cuda_check.h"
 #include "kernels/moe_dequant.cuh"
@@ -56,6 +64,59 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
     auto ld = [&](int c) -> uint32_t { return c < K ? static_cast<uint32_t>(__ldg(r + c)) : 0u; };
     b0 = ld(c0) | (ld(c0 + 1) << 16);
     b1 = ld(c1) | (ld(c1 + 1) << 16);
+  }
+}
+
+// Stage a tile's live activation rows (row sources in s_row_src, nullptr for padding), K padded
+// with zeros to the weights' padded columns, so the k-loop reads its B fragments from shared
+// memory (one round trip for the whole tile instead of one L1/L2 round trip per k-step, which ncu
+// showed on the critical path). stage_stride = padded K + 8 elements: the 8 rows of a B fragment
+// load land 4 banks apart. Commits one cp.async group; the caller waits and syncs.
+template <int KC>
+__device__ __forceinline__ void stage_activations(const GemmKernelArgs& args, const __nv_bfloat16* const* s_row_src,
+                                                  __nv_bfloat16* s_act, int warp, int lane) {
+  const MoeGemmDims& d = args.dims;
+  const int pieces = d.chunks * (KC / 8);  // 16-byte pieces per padded row
+  for (int r = warp; r < args.stage_rows; r += kWarps) {
+    const __nv_bfloat16* src = s_row_src[r];
+    const uint32_t dst = smem_u32(s_act + static_cast<int64_t>(r) * args.stage_stride);
+    for (int p = lane; p < pieces; p += 32) {
+      const int k = p * 8;
+      const int bytes = src == nullptr ? 0 : max(0, min(16, 2 * (d.k - k)));
+      cp_async16(dst + p * 16, bytes > 0 ? static_cast<const void*>(src + k) : static_cast<const void*>(args.act_in), bytes);
+    }
+  }
+  cp_async_commit();
+}
+
+// The epilogue of one n8 token tile of a 16-row weight tile: c[0], c[1] are tile row g, tokens 2t
+// and 2t+1 (padded positions pos0 + 2t, +1); c[2], c[3] tile row g + 8. Already scaled.
+template <Epilogue EPI>
+__device__ __forceinline__ void store_outputs(const GemmKernelArgs& args, const float (&c)[4], int pos0, int row_tile,
+                                              int g, int t) {
+  const MoeGemmDims& d = args.dims;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int pos = pos0 + 2 * t + j;
+    const int pair = args.tiles.padded_pair_ids[pos];
+    if (pair < 0) continue;
+    if constexpr (EPI == Epilogue::kGateUp) {
+      const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
+      if (i < d.n_out)
+        args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c[j], c[2 + j]));
+    } else {
+      const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
+      if constexpr (EPI == Epilogue::kDownStore) {
+        float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+        if (n_lo < d.n_out) yrow[n_lo] = c[j];
+        if (n_hi < d.n_out) yrow[n_hi] = c[2 + j];
+      } else {
+        const float w = args.topk_weights[pair];
+        __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
+        if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * c[j]));
+        if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * c[2 + j]));
+      }
+    }
   }
 }
 
@@ -161,22 +222,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   }
 
   if constexpr (kStageB) {
-    // Stage the tile's live activation rows, K padded with zeros to the weights' padded columns,
-    // so the k-loop reads its B fragments from shared memory (one round trip for the whole tile
-    // instead of one L1/L2 round trip per k-step, which ncu showed on the critical path).
-    // stage_stride = padded K + 8 elements: the 8 rows of a B fragment load land 4 banks apart.
     __syncthreads();  // s_row_src (and the e4m3 table)
-    const int pieces = d.chunks * (KC / 8);  // 16-byte pieces per padded row
-    for (int r = warp; r < args.stage_rows; r += kWarps) {
-      const __nv_bfloat16* src = s_row_src[r];
-      const uint32_t dst = smem_u32(s_act + static_cast<int64_t>(r) * args.stage_stride);
-      for (int p = lane; p < pieces; p += 32) {
-        const int k = p * 8;
-        const int bytes = src == nullptr ? 0 : max(0, min(16, 2 * (d.k - k)));
-        cp_async16(dst + p * 16, bytes > 0 ? static_cast<const void*>(src + k) : static_cast<const void*>(args.act_in), bytes);
-      }
-    }
-    cp_async_commit();
+    stage_activations<KC>(args, s_row_src, s_act, warp, lane);
     cp_async_wait<0>();
     __syncthreads();
   } else if constexpr (kIsIntF) {
@@ -303,30 +350,176 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
       for (int w = 0; w < kWarps; ++w) s += partial[w][tt][lane][i];
       c[i] = s * (i < 2 ? gs_lo : gs_hi);
     }
-    // c[0], c[1]: tile row g, tokens 2t and 2t+1 of this n8 tile; c[2], c[3]: tile row g + 8.
+    store_outputs<EPI>(args, c, tile * bm + tt * 8, row_tile, g, t);
+  }
+}
+
+// Row tiles per block for one token tile ([TAG_DECODE_ROW_TILES]). moe_gemm_kernel gives every
+// block one 16-row weight tile: at T = 8-64 the grid is 5k-15k short blocks whose fixed costs
+// (e4m3 table, the dependent chain tile_expert -> expert pointers -> first weights, activation
+// staging, reduction) leave the SM's memory pipe idle between them (GEMM1 at T = 8 read 45% of the
+// HBM rate; docs/PERF.md run I4). This kernel walks `rows_per_block` consecutive row tiles of one
+// expert (contiguous weights) with ONE prologue, and keeps the next row tile's weights in flight
+// while it multiplies the current one (two register sets, ping-pong), so each warp streams
+// continuously. Only one token tile (block_m 8), activations staged, and a warp's chunk range
+// within one batch (P chunks): then a k-step's accumulator set and the reduction order are those
+// of moe_gemm_kernel, so the two kernels' outputs are bit-identical.
+template <MoeWeightFormat F, Epilogue EPI, int P>
+__global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
+  constexpr int KC = kChunkK<F>;
+  constexpr bool kIsIntF = kIsInt<F>;
+  constexpr int kSets = 2;
+  const int tile = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const MoeGemmDims& d = args.dims;
+  const int rt_begin = blockIdx.x * rows_per_block;
+  const int rt_end = min(rt_begin + rows_per_block, d.row_tiles);
+
+  __shared__ uint32_t e4m3_lut[256];
+  __shared__ float partial[2][kWarps][32][4];  // double-buffered by row-tile parity: one sync per tile
+  __shared__ const __nv_bfloat16* s_row_src[8];
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  __nv_bfloat16* s_act = reinterpret_cast<__nv_bfloat16*>(s_dyn);
+  // Int formats: the group scales of all this block's row tiles, [tiles][groups][16] fp16 (the
+  // tile layout stores consecutive row tiles' scales contiguously).
+  const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
+  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
+
+  const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
+  ExpertMatrixPtrs ptrs;
+  uint4 wa[P], wb[P];
+  uint2 sa[P], sb[P];
+  auto load_tile = [&](uint4 (&wv)[P], uint2 (&sv)[P], int rt) {
+    const uint4* wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(rt) * d.chunks * 32 + lane;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int pos = tile * bm + tt * 8 + 2 * t + j;
-      const int pair = args.tiles.padded_pair_ids[pos];
-      if (pair < 0) continue;
-      if constexpr (EPI == Epilogue::kGateUp) {
-        const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
-        if (i < d.n_out)
-          args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c[j], c[2 + j]));
-      } else {
-        const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
-        if constexpr (EPI == Epilogue::kDownStore) {
-          float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
-          if (n_lo < d.n_out) yrow[n_lo] = c[j];
-          if (n_hi < d.n_out) yrow[n_hi] = c[2 + j];
-        } else {
-          const float w = args.topk_weights[pair];
-          __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
-          if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * c[j]));
-          if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * c[2 + j]));
-        }
+    for (int p = 0; p < P; ++p) {
+      const int c = c_begin + p;
+      if (c < c_end) {
+        wv[p] = load_weights(wbase + static_cast<int64_t>(c) * 32);
+        if constexpr (F == MoeWeightFormat::kNvFp4)
+          sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(rt) * d.chunks + c) * 8 + g);
       }
     }
+  };
+  constexpr bool kWeightsBeforeWait = EPI != Epilogue::kGateUp;  // as in moe_gemm_kernel
+  auto start = [&]() -> bool {
+    const int expert = args.tiles.tile_expert[tile];
+    if (expert < 0) return false;  // [TAG_MOE_GRAPH_CAPACITY]
+    ptrs = args.experts[expert];
+    load_tile(wa, sa, rt_begin);
+    if constexpr (kIsIntF) {
+      const int bytes = (rt_end - rt_begin) * d.groups * 32;
+      const char* src = static_cast<const char*>(ptrs.scales) + static_cast<int64_t>(rt_begin) * d.groups * 32;
+      const uint32_t dst = smem_u32(s_dyn + args.group_scale_offset);
+      for (int off = threadIdx.x * 4; off < bytes; off += kThreads * 4) cp_async4(dst + off, src + off);
+      cp_async_commit();
+    }
+    return true;
+  };
+  if constexpr (kWeightsBeforeWait) {
+    if (!start()) return;
+    pdl_wait();
+    pdl_launch_dependents();
+  } else {
+    pdl_wait();
+    pdl_launch_dependents();
+    if (!start()) return;
+  }
+
+  const int bm = args.tiles.block_m;
+  if (threadIdx.x < args.stage_rows) {
+    const int pos = tile * bm + threadIdx.x;
+    const int pair = args.tiles.padded_pair_ids[pos];
+    const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
+    s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+  }
+  __syncthreads();  // s_row_src (and the e4m3 table)
+  stage_activations<KC>(args, s_row_src, s_act, warp, lane);
+  cp_async_wait<0>();  // the activations (and the int group scales)
+  __syncthreads();
+  const int r = g < args.stage_rows ? g : 0;  // padding rows read row 0 (see moe_gemm_kernel)
+  const __nv_bfloat16* b_row = s_act + r * args.stage_stride + 2 * t;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
+
+  // One row tile from the registers wv/sv: this warp's partial sums into partial[buf], then the
+  // block meets once and warp 0 reduces in warp order and stores.
+  auto compute_tile = [&](const uint4 (&wv)[P], const uint2 (&sv)[P], int rt, int buf) {
+    float acc[kSets][4], grp[kSets][4];
+#pragma unroll
+    for (int st = 0; st < kSets; ++st)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[st][i] = grp[st][i] = 0.0f;
+    const __half* tile_scales = s_group_scales + (rt - rt_begin) * d.groups * 16;
+    int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
+    auto flush_group = [&](int group) {
+      const float s_lo = __half2float(tile_scales[group * 16 + g]), s_hi = __half2float(tile_scales[group * 16 + g + 8]);
+#pragma unroll
+      for (int st = 0; st < kSets; ++st) {
+        acc[st][0] += grp[st][0] * s_lo;
+        acc[st][1] += grp[st][1] * s_lo;
+        acc[st][2] += grp[st][2] * s_hi;
+        acc[st][3] += grp[st][3] * s_hi;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) grp[st][i] = 0.0f;
+      }
+    };
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int c = c_begin + p;
+      if (c >= c_end) break;
+      uint32_t nv_scales[kSteps<F>][2] = {};
+      if constexpr (F == MoeWeightFormat::kNvFp4) nvfp4_step_scales(e4m3_lut, sv[p], nv_scales);
+      auto do_step = [&](auto step_tag) {
+        constexpr int S = decltype(step_tag)::value;
+        const int set = (p * kSteps<F> + S) % kSets;
+        uint32_t a[4];
+        dequant_step<F, S>(wv[p], nv_scales[S], a);
+        const int k0 = c * KC + S * 16;
+        if constexpr (kIsIntF) {
+          const int group = k0 / d.group_size;
+          if (group != current_group) {
+            flush_group(current_group);
+            current_group = group;
+          }
+        }
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
+        if constexpr (kIsIntF) mma_bf16(grp[set], a, q[0], q[4]);
+        else mma_bf16(acc[set], a, q[0], q[4]);
+      };
+      [&]<int... S>(std::integer_sequence<int, S...>) {
+        (do_step(std::integral_constant<int, S>{}), ...);
+      }(std::make_integer_sequence<int, kSteps<F>>{});
+    }
+    if constexpr (kIsIntF) {
+      if (c_end > c_begin) flush_group(current_group);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[buf][warp][lane][i] = acc[0][i] + acc[1][i];
+    // Warp 0 read this buffer for tile rt - 2 before the sync of tile rt - 1, which every warp
+    // passed before these writes: one barrier per tile suffices.
+    __syncthreads();
+    if (warp == 0) {
+      float c[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += partial[buf][w][lane][i];
+        c[i] = sum * (i < 2 ? gs_lo : gs_hi);
+      }
+      store_outputs<EPI>(args, c, tile * bm, rt, g, t);
+    }
+  };
+
+  // Ping-pong over the block's row tiles: tile rt + 1's loads go out before tile rt's math.
+  for (int rt = rt_begin; rt < rt_end; rt += 2) {
+    if (rt + 1 < rt_end) load_tile(wb, sb, rt + 1);
+    compute_tile(wa, sa, rt, 0);
+    if (rt + 1 >= rt_end) break;
+    if (rt + 2 < rt_end) load_tile(wa, sa, rt + 2);
+    compute_tile(wb, sb, rt + 1, 1);
   }
 }
 
@@ -334,6 +527,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // the weight loads of 12 warps in flight; a 235B-class GEMM1 (K = 4096, 8 rows) just fits. Larger
 // stages (token tiles of 32-64 at K = 2048) read B from global memory instead.
 constexpr int kMaxStageBytes = 72 * 1024;
+
+// Row tiles per block of the decode kernel ([TAG_DECODE_ROW_TILES]), from the one-tile grid's
+// block count. Measured on the H200 (docs/PERF.md run J1, Qwen3-30B-A3B, rows per block 1/2/4/8
+// swept at T = 1-128): nvfp4 GEMM1 and both formats' GEMM2 are fastest at 2 up to ~2 waves of the
+// one-tile kernel (T = 1: gemm1 9.97 -> 9.07 us, gemm2 5.04 -> 4.55), 4 up to ~16k blocks
+// (T = 8-16) and 8 above (T = 64: gemm1 116 -> 101, gemm2 70 -> 51). The int GEMM1 lost at every
+// T >= 8 (int4 T = 8: 58.6 -> 66-70 us) and keeps 1, and so does int2 (K = 768 is 1-2 chunks
+// per warp in GEMM2; the layer went 26.4 -> 29.3 us at T = 1, run J2).
+// MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
+// MoeTiles::rows_per_block (the autotuner's choice) overrides both.
+int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
+  static const int forced = [] {
+    const char* v = std::getenv("MOEBIUS_DECODE_ROWS_PER_BLOCK");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  if (forced > 0) return forced;
+  if (one_row_tile) return 1;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::atomic<int> sm_count[64] = {};  // per device; a driver query per launch is not free
+  int sms = device < 64 ? sm_count[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device < 64) sm_count[device].store(sms, std::memory_order_relaxed);
+  }
+  const int64_t blocks = static_cast<int64_t>(row_tiles) * grid_tiles;
+  const int64_t wave = 6LL * sms;  // the one-tile kernel's resident blocks (kMinBlocksPerSm)
+  return blocks <= 2 * wave ? 2 : blocks <= 16 * 1024 ? 4 : 8;
+}
 
 template <MoeWeightFormat F, Epilogue EPI>
 void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
@@ -353,6 +575,20 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   args.group_scale_offset = static_cast<int>(act_bytes);
   const size_t dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
   MOEBIUS_LAUNCH_ASSERT(dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
+  // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
+  constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
+  const int rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
+      decode_rows_per_block((kIsInt<F> && EPI == Epilogue::kGateUp) || F == MoeWeightFormat::kInt2,
+                            args.dims.row_tiles, args.tiles.grid_tiles);
+  if (nt == 1 && stage && rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP) {
+    const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows_per_block);
+    MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+    auto* kernel = moe_gemm_rows_kernel<F, EPI, kRowsP>;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const dim3 rows_grid((args.dims.row_tiles + rows_per_block - 1) / rows_per_block, args.tiles.grid_tiles);
+    launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
+    return;
+  }
   auto go = [&](auto kernel, size_t smem) {
     // Static plus dynamic shared memory above 48 KB needs the opt-in; set it for every staged
     // launch (the static arrays grow with the token tile).

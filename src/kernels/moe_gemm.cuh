@@ -56,6 +56,10 @@ struct MoeTiles {
   // most once. 0 means block_m. The decode GEMM stages only these rows of activations in shared
   // memory (capacity 1 decode: 1 row, not 8).
   int max_tile_rows = 0;
+  // Decode kernel with one token tile (block_m 8): 16-row weight tiles per block
+  // ([TAG_DECODE_ROW_TILES]); 0 = the launcher's heuristic. Ignored where the row-tile kernel does
+  // not apply (larger token tiles, unstaged activations, a warp's K range over one load batch).
+  int rows_per_block = 0;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

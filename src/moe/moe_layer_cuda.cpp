@@ -203,6 +203,9 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
     if (block_m_ != 8 && block_m_ != 16 && block_m_ != 32 && block_m_ != 64)
       return Error::format("the decode GEMMs take block_m 8, 16, 32 or 64; got {}", block_m_);
   }
+  const int rpb = opt.decode_rows_per_block;
+  if (rpb != 0 && rpb != 1 && rpb != 2 && rpb != 4 && rpb != 8)
+    return Error::format("decode rows per block must be 0 (heuristic), 1, 2, 4 or 8; got {}", rpb);
   max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
   max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
   // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
@@ -488,6 +491,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.grid_tiles = static_cast<int>(grid_tiles_);
   tiles.top_k = k;
   tiles.max_tile_rows = std::min(block_m_, cap);
+  tiles.rows_per_block = opt_.decode_rows_per_block;
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
   // All paths take the same arguments; pick the launcher pair once.

@@ -75,6 +75,9 @@ struct MoeCudaOptions {
   // it (capacity <= kFusedRoutingMaxTokens and kernels::moe_route_small_supported); false forces
   // the three separate kernels.
   bool fuse_routing = true;
+  // Decode GEMMs with one token tile: 16-row weight tiles per block, 1, 2, 4 or 8; 0 = the
+  // kernel's heuristic (kernels::MoeTiles::rows_per_block, [TAG_DECODE_ROW_TILES]).
+  int decode_rows_per_block = 0;
   // Layers given the same pool share one workspace when their layouts match (one geometry and
   // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
   std::shared_ptr<MoeWorkspacePool> workspace_pool;

@@ -166,6 +166,50 @@ TEST(MoeLayerGpuDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
   }
 }
 
+// [TAG_DECODE_ROW_TILES] The decode GEMMs with several 16-row weight tiles per block are
+// bit-identical to one tile per block, for every rows-per-block value, every format (the int
+// formats' GEMM1 and int2 only when forced), odd shapes (a row-tile count that R does not divide)
+// and the oracle still holds; values outside {0, 1, 2, 4, 8} are refused.
+TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  // Qwen3-30B-A3B: H=2048, I=768, E=128, k=8; and odd widths: I = 208 is 52 GEMM1 row tiles, H =
+  // 336 is 21 GEMM2 row tiles (neither divisible by 8), int groups of 16.
+  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{336, 208, 16, 4}}) {
+    for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
+      const int group = f == WeightFormat::kNvFp4 ? 16 : (g.H == 2048 ? 128 : 16);
+      const cpu::MoeLayerReference L = make_layer(f, g, group, 41);
+      for (int64_t T : {1, 8, 64}) {
+        const auto x = random_x(T, g.H, 50 + T);
+        MoeCudaOptions opt;
+        opt.capacity = static_cast<int>(T);
+        opt.gemm_path = MoeGemmPath::kDecode;
+        opt.block_m = 8;
+        opt.decode_rows_per_block = 1;
+        auto one = MoeLayerCuda::create(L, opt);
+        ASSERT_TRUE(one.ok()) << one.error().what();
+        const LayerRun ref = run_gpu(**one, x, T);
+        const std::string label = std::string(weight_format_name(f)) + " H=" + std::to_string(g.H) +
+                                  " T=" + std::to_string(T);
+        expect_matches_oracle(L, x, T, ref.ids, ref.weights, ref.out, label + " rows=1");
+        for (int rows : {0, 2, 4, 8}) {
+          opt.decode_rows_per_block = rows;
+          auto layer = MoeLayerCuda::create(L, opt);
+          ASSERT_TRUE(layer.ok()) << layer.error().what();
+          const LayerRun r = run_gpu(**layer, x, T);
+          EXPECT_EQ(0, std::memcmp(ref.out.data(), r.out.data(), ref.out.size() * 2))
+              << label << " rows=" << rows << " differs from one row tile per block";
+        }
+      }
+    }
+  }
+  const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, Geometry{256, 128, 16, 4}, 16, 42);
+  for (int bad : {-1, 3, 16}) {
+    MoeCudaOptions opt;
+    opt.decode_rows_per_block = bad;
+    EXPECT_FALSE(MoeLayerCuda::create(L, opt).ok()) << "rows per block " << bad;
+  }
+}
+
 // The automatic choice takes the prefill kernels for many tokens per expert (wgmma where the
 // build and the device have it), with 128-token tiles for bf16 (and nvfp4 on wgmma); explicit
 // 128-token tiles also run nvfp4, and are refused for the int formats.
