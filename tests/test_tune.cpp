@@ -124,7 +124,7 @@ MoeTuneKey qwen3_30b_key() {
 
 TEST(MoeTuneKey, TextFormIsStable) {
   // The cache files depend on this text: changing it orphans every stored winner.
-  EXPECT_EQ(qwen3_30b_key().str(), "moe.v1 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
+  EXPECT_EQ(qwen3_30b_key().str(), "moe.v2 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
 }
 
 TEST(MoeTuneKey, EveryFieldChangesTheText) {
@@ -168,6 +168,18 @@ TEST(MoeTuneChoice, RoundTripsThroughJsonAndValidates) {
   EXPECT_EQ(back->candidates, 11);
   EXPECT_EQ(c.winner.str(), "prefill bm=64");
   EXPECT_EQ(c.heuristic.str(), "decode bm=8 fused");
+  // rows_per_block round-trips, is optional (older entries: the heuristic) and bounded.
+  MoeTuneChoice rows = c;
+  rows.winner = {"decode", 8, false, 4};
+  auto rows_back = MoeTuneChoice::from_json(json::parse(rows.to_json().dump()));
+  ASSERT_TRUE(rows_back.ok()) << rows_back.error().what();
+  EXPECT_EQ(rows_back->winner.rows_per_block, 4);
+  EXPECT_EQ(rows.winner.str(), "decode bm=8 rows=4");
+  json old = c.to_json();
+  old["winner"].erase("rows_per_block");
+  auto old_back = MoeTuneChoice::from_json(old);
+  ASSERT_TRUE(old_back.ok()) << old_back.error().what();
+  EXPECT_EQ(old_back->winner.rows_per_block, 0);
 
   auto bad = [&](const std::function<void(json&)>& edit) {
     json j = c.to_json();
@@ -179,6 +191,8 @@ TEST(MoeTuneChoice, RoundTripsThroughJsonAndValidates) {
   EXPECT_EQ(bad([](json& j) { j["winner"]["block_m"] = 0; }).error().field(), "winner.block_m");
   EXPECT_EQ(bad([](json& j) { j["heuristic"]["gemm_path"] = ""; }).error().field(), "heuristic.gemm_path");
   EXPECT_EQ(bad([](json& j) { j["heuristic"]["fuse_routing"] = 1; }).error().field(), "heuristic.fuse_routing");
+  EXPECT_EQ(bad([](json& j) { j["winner"]["rows_per_block"] = -1; }).error().field(), "winner.rows_per_block");
+  EXPECT_EQ(bad([](json& j) { j["winner"]["rows_per_block"] = "4"; }).error().field(), "winner.rows_per_block");
   EXPECT_EQ(bad([](json& j) { j["winner_us"] = -1.0; }).error().field(), "winner_us");
   EXPECT_EQ(bad([](json& j) { j["heuristic_us"] = "fast"; }).error().field(), "heuristic_us");
   EXPECT_FALSE(MoeTuneChoice::from_json(json::array()).ok());

@@ -40,6 +40,13 @@ const std::vector<PathCandidates>& tuned_paths() {
   return paths;
 }
 
+// [TAG_DECODE_ROW_TILES] Row tiles per block the tuner tries: the decode kernel's one-token-tile
+// case only (block_m 8); 0 is the kernel's heuristic. Elsewhere the knob does nothing.
+std::vector<int> rows_candidates(moe::MoeGemmPath path, int block_m) {
+  if (path == moe::MoeGemmPath::kDecode && block_m == 8) return {0, 1, 2, 4, 8};
+  return {0};
+}
+
 // A candidate that is this many times slower than the best so far after one timing is dropped.
 constexpr double kAbandonFactor = 3.0;
 // Bytes of random inputs the timing rotates through (at most kMaxInputs inputs).
@@ -225,7 +232,8 @@ MoeTuneKey MoeAutotuner::key_for(const moe::MoeLayerCuda& layer, int bucket, ker
 }
 
 MoeTuneConfig MoeAutotuner::config_of(const moe::MoeLayerCuda& layer) {
-  return MoeTuneConfig{moe::moe_gemm_path_name(layer.gemm_path()), layer.block_m(), layer.fused_routing()};
+  return MoeTuneConfig{moe::moe_gemm_path_name(layer.gemm_path()), layer.block_m(), layer.fused_routing(),
+                       layer.options().decode_rows_per_block};
 }
 
 Result<moe::MoeCudaOptions> MoeAutotuner::options_for(const MoeTuneConfig& config, int capacity,
@@ -235,6 +243,7 @@ Result<moe::MoeCudaOptions> MoeAutotuner::options_for(const MoeTuneConfig& confi
   o.combine = combine;
   o.block_m = config.block_m;
   o.fuse_routing = config.fuse_routing;
+  o.decode_rows_per_block = config.rows_per_block;
   bool found = false;
   for (const PathCandidates& p : tuned_paths())
     if (config.gemm_path == moe::moe_gemm_path_name(p.path)) {
@@ -334,34 +343,36 @@ Result<MoeTuneResult> MoeAutotuner::tune_now(const moe::MoeLayerCuda& layer, con
   for (const PathCandidates& p : tuned_paths()) {
     for (int bm : p.block_m) {
       for (bool fuse : {true, false}) {
-        if (!ref_finite) continue;
-        const MoeTuneConfig want{moe::moe_gemm_path_name(p.path), bm, fuse};
-        MOEBIUS_ASSIGN_OR_RETURN(moe::MoeCudaOptions o, options_for(want, T, combine));
-        auto cand = layer.share_weights(o);
-        if (!cand.ok()) {  // a configuration this format or capacity does not run
-          log_debug("tuning {}: {} skipped: {}", key.str(), want.str(), cand.error().what());
-          continue;
-        }
-        const MoeTuneConfig got = config_of(**cand);
-        if (std::find(seen.begin(), seen.end(), got) != seen.end()) continue;
-        seen.push_back(got);
-        MoeCandidateRun run;
-        run.config = got;
-        run.nmse = nmse(run_once(**cand, b), ref);
-        if (!(run.nmse <= opt_.max_nmse)) {
-          run.note = fmt::format("rejected: nmse {:.3g} > {:.3g} against the heuristic's output", run.nmse,
-                                 opt_.max_nmse);
-          log_warn("tuning {}: {} {}", key.str(), got.str(), run.note);
+        for (int rows : rows_candidates(p.path, bm)) {
+          if (!ref_finite) continue;
+          const MoeTuneConfig want{moe::moe_gemm_path_name(p.path), bm, fuse, rows};
+          MOEBIUS_ASSIGN_OR_RETURN(moe::MoeCudaOptions o, options_for(want, T, combine));
+          auto cand = layer.share_weights(o);
+          if (!cand.ok()) {  // a configuration this format or capacity does not run
+            log_debug("tuning {}: {} skipped: {}", key.str(), want.str(), cand.error().what());
+            continue;
+          }
+          const MoeTuneConfig got = config_of(**cand);
+          if (std::find(seen.begin(), seen.end(), got) != seen.end()) continue;
+          seen.push_back(got);
+          MoeCandidateRun run;
+          run.config = got;
+          run.nmse = nmse(run_once(**cand, b), ref);
+          if (!(run.nmse <= opt_.max_nmse)) {
+            run.note = fmt::format("rejected: nmse {:.3g} > {:.3g} against the heuristic's output", run.nmse,
+                                   opt_.max_nmse);
+            log_warn("tuning {}: {} {}", key.str(), got.str(), run.note);
+            result.runs.push_back(run);
+            continue;
+          }
+          run.valid = true;
+          bool abandoned = false;
+          run.us = time_forward_us(**cand, b, opt_.target_ms, opt_.samples, kAbandonFactor * best_us, &abandoned);
+          ++candidates_timed_;
+          if (abandoned) run.note = "abandoned (slower than 3x the best)";
+          best_us = std::min(best_us, run.us);
           result.runs.push_back(run);
-          continue;
         }
-        run.valid = true;
-        bool abandoned = false;
-        run.us = time_forward_us(**cand, b, opt_.target_ms, opt_.samples, kAbandonFactor * best_us, &abandoned);
-        ++candidates_timed_;
-        if (abandoned) run.note = "abandoned (slower than 3x the best)";
-        best_us = std::min(best_us, run.us);
-        result.runs.push_back(run);
       }
     }
   }

@@ -12,13 +12,17 @@ std::string MoeTuneKey::str() const {
 }
 
 std::string MoeTuneConfig::str() const {
-  return fmt::format("{} bm={}{}", gemm_path, block_m, fuse_routing ? " fused" : "");
+  return fmt::format("{} bm={}{}{}", gemm_path, block_m, fuse_routing ? " fused" : "",
+                     rows_per_block ? fmt::format(" rows={}", rows_per_block) : "");
 }
 
 namespace {
 
 json config_json(const MoeTuneConfig& c) {
-  return json{{"gemm_path", c.gemm_path}, {"block_m", c.block_m}, {"fuse_routing", c.fuse_routing}};
+  return json{{"gemm_path", c.gemm_path},
+              {"block_m", c.block_m},
+              {"fuse_routing", c.fuse_routing},
+              {"rows_per_block", c.rows_per_block}};
 }
 
 Result<MoeTuneConfig> config_from(const json& j, const char* field) {
@@ -32,6 +36,13 @@ Result<MoeTuneConfig> config_from(const json& j, const char* field) {
     return Error("not an integer in [1, 1024]").in_field(std::string(field) + ".block_m");
   if (!c.contains("fuse_routing") || !c["fuse_routing"].is_boolean())
     return Error("not a boolean").in_field(std::string(field) + ".fuse_routing");
+  // Optional: entries written before the knob existed ran the heuristic (0).
+  if (c.contains("rows_per_block")) {
+    const json& r = c["rows_per_block"];
+    if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() > 64)
+      return Error("not an integer in [0, 64]").in_field(std::string(field) + ".rows_per_block");
+    out.rows_per_block = r.get<int>();
+  }
   out.gemm_path = c["gemm_path"].get<std::string>();
   out.block_m = c["block_m"].get<int>();
   out.fuse_routing = c["fuse_routing"].get<bool>();

@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v1 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v1" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v2 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v2" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -20,7 +20,7 @@
 
 namespace moebius::tune {
 
-inline constexpr int kMoeTuneKeyVersion = 1;
+inline constexpr int kMoeTuneKeyVersion = 2;  // 2: decode rows per block joined the candidates
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
@@ -42,8 +42,11 @@ struct MoeTuneConfig {
   std::string gemm_path;  // moe_gemm_path_name: decode, prefill, ...
   int block_m = 0;
   bool fuse_routing = false;
+  // MoeCudaOptions::decode_rows_per_block: 0 is the kernel's own heuristic (it differs between
+  // GEMM1 and GEMM2), not "unresolved".
+  int rows_per_block = 0;
 
-  std::string str() const;  // "decode bm=8 fused"
+  std::string str() const;  // "decode bm=8 fused", "decode bm=8 rows=4"
   bool operator==(const MoeTuneConfig&) const = default;
 };
 
