@@ -176,6 +176,7 @@ TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
   // 336 is 21 GEMM2 row tiles (neither divisible by 8), int groups of 16.
   for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{336, 208, 16, 4}}) {
     for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
+      if (g.H == 2048 && f == WeightFormat::kInt2) continue;  // int2 runs one row tile unless forced
       const int group = f == WeightFormat::kNvFp4 ? 16 : (g.H == 2048 ? 128 : 16);
       const cpu::MoeLayerReference L = make_layer(f, g, group, 41);
       for (int64_t T : {1, 8, 64}) {
@@ -190,7 +191,9 @@ TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
         const LayerRun ref = run_gpu(**one, x, T);
         const std::string label = std::string(weight_format_name(f)) + " H=" + std::to_string(g.H) +
                                   " T=" + std::to_string(T);
-        expect_matches_oracle(L, x, T, ref.ids, ref.weights, ref.out, label + " rows=1");
+        // The CPU oracle over all 128 experts at H = 2048 costs a minute; the small geometry checks
+        // it, the Qwen3 widths check bit-identity only.
+        if (g.H != 2048) expect_matches_oracle(L, x, T, ref.ids, ref.weights, ref.out, label + " rows=1");
         for (int rows : {0, 2, 4, 8}) {
           opt.decode_rows_per_block = rows;
           auto layer = MoeLayerCuda::create(L, opt);
