@@ -153,6 +153,17 @@ TEST(ProfileExpertsCli, WritesAProfileThatPlacementReads) {
   ASSERT_TRUE(p.ok()) << p.error().what();
   EXPECT_EQ(p->tokens, 11u);
   EXPECT_TRUE(offload::place_hottest(*p, {0, 2}, 16, {4, 4}, out).ok());
+  // The cache policies replayed on the prompts' routing.
+  r = run_moebius("profile-experts --model " + kDir + " --prompts " + prompts_ids + " --prompt-format ids --out " + out +
+                  " --simulate-cache 4");
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* row : {"static uniform", "static hottest (in-sample)", "lru", "freq (decay)"})
+    EXPECT_NE(r.out.find(row), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("4 of 16 experts per layer resident, 11 tokens"), std::string::npos) << r.out;
+  r = run_moebius("profile-experts --model " + kDir + " --prompts " + prompts_ids + " --prompt-format ids --out " + out +
+                  " --simulate-cache 17");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--simulate-cache"), std::string::npos) << r.out;
   // Text prompts through the fixture's tokenizer.
   r = run_moebius("profile-experts --model " + kDir + " --tokenizer " + testing::test_data_dir() +
                   "/tiny-serve --prompts " + prompts_text + " --out " + out);

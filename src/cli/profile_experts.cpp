@@ -15,6 +15,8 @@
 #include "model/generate.h"
 #include "model/profile_experts.h"
 #include "model/qwen3_moe_cpu.h"
+#include "offload/expert_cache.h"
+#include "offload/placement.h"
 #include "offload/routing_profile.h"
 #include "tokenizer/bpe_tokenizer.h"
 
@@ -24,7 +26,44 @@ namespace {
 
 struct ProfileCliOptions {
   std::string model_dir, prompts, out, tokenizer_dir, prompt_format = "text", experts;
+  int simulate_cache = 0;
+  double decay = 0.9;
 };
+
+// The dynamic cache policies on the prompts' token-by-token routing, `slots` experts per layer:
+// hit rates (share of routed experts found resident) averaged over the MoE layers, starting from
+// the uniform placement; "hottest" is the static placement from this same profile (in-sample, an
+// upper bound for a static profile placement).
+Status simulate_caches(const offload::RoutingProfile& prof, const model::RoutingTrace& trace, int slots, double decay) {
+  const int E = prof.num_experts;
+  if (slots < 1 || slots > E) return Error::format("must be in [1, {}], got {}", E, slots).in_field("--simulate-cache");
+  struct Row {
+    const char* name;
+    offload::CacheOptions opt;
+    bool hottest;
+  };
+  const Row rows[] = {{"static uniform", {offload::CachePolicy::kStatic, decay, 1}, false},
+                      {"static hottest (in-sample)", {offload::CachePolicy::kStatic, decay, 1}, true},
+                      {"lru", {offload::CachePolicy::kLru, decay, 4}, false},
+                      {"freq (decay)", {offload::CachePolicy::kFreqDecay, decay, 4}, false}};
+  std::vector<int> layers;
+  for (const offload::LayerRouting& l : prof.layers) layers.push_back(l.layer);
+  const std::vector<int> counts(layers.size(), slots);
+  const offload::Placement uniform = offload::place_uniform(layers, E, counts);
+  MOEBIUS_ASSIGN_OR_RETURN(offload::Placement hottest, offload::place_hottest(prof, layers, E, counts, "profile"));
+  std::fprintf(stderr, "dynamic cache simulation: %d of %d experts per layer resident, %zu tokens, decay %.3g, at most "
+                       "4 swaps per token\n", slots, E, trace.empty() ? size_t{0} : trace[0].size(), decay);
+  for (const Row& r : rows) {
+    double sum = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const std::vector<uint8_t>& start = r.hottest ? hottest.resident[i] : uniform.resident[i];
+      MOEBIUS_ASSIGN_OR_RETURN(double h, offload::simulate_hit_rate(start, r.opt, trace[i]));
+      sum += h;
+    }
+    std::fprintf(stderr, "  %-28s hit rate %.1f%%\n", r.name, layers.empty() ? 0.0 : 100.0 * sum / layers.size());
+  }
+  return Ok{};
+}
 
 Status run(const ProfileCliOptions& o) {
   if (o.prompt_format != "text" && o.prompt_format != "ids")
@@ -60,7 +99,9 @@ Status run(const ProfileCliOptions& o) {
       if (id >= m.config().vocab_size)
         return Error::format("token id {} is outside the vocabulary [0, {})", id, m.config().vocab_size)
             .in_file(o.prompts);
-  MOEBIUS_ASSIGN_OR_RETURN(offload::RoutingProfile prof, model::profile_experts(m, prompts));
+  model::RoutingTrace trace;
+  MOEBIUS_ASSIGN_OR_RETURN(offload::RoutingProfile prof,
+                           model::profile_experts(m, prompts, o.simulate_cache > 0 ? &trace : nullptr));
   if (o.out.empty()) {
     const std::string text = offload::profile_to_json(prof);
     std::fwrite(text.data(), 1, text.size(), stdout);
@@ -70,6 +111,7 @@ Status run(const ProfileCliOptions& o) {
   std::fprintf(stderr, "profiled %zu prompts, %llu tokens, %zu MoE layers x %d experts%s%s\n", prompts.size(),
                static_cast<unsigned long long>(prof.tokens), prof.layers.size(), prof.num_experts,
                o.out.empty() ? "" : " -> ", o.out.c_str());
+  if (o.simulate_cache > 0) MOEBIUS_TRY(simulate_caches(prof, trace, o.simulate_cache, o.decay));
   return Ok{};
 }
 
@@ -86,6 +128,10 @@ void register_profile_experts(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--tokenizer", o->tokenizer_dir, "directory of tokenizer.json (default: --model)");
   cmd->add_option("--experts", o->experts, "expert format as served: bf16, nvfp4, int4, int2 (default: as stored)");
+  cmd->add_option("--simulate-cache", o->simulate_cache,
+                  "also replay the prompts' token-by-token routing through the static, LRU and frequency-with-decay "
+                  "caches with this many experts per layer resident, and print their hit rates");
+  cmd->add_option("--decay", o->decay, "frequency cache: score decay per token, in (0, 1]")->capture_default_str();
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

@@ -1,5 +1,6 @@
 #include "model/profile_experts.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <filesystem>
@@ -50,15 +51,26 @@ Result<std::vector<int32_t>> parse_prompt_ids(const std::string& line, const std
   return ids;
 }
 
-Result<offload::RoutingProfile> profile_experts(Qwen3MoeCpu& model, const std::vector<std::vector<int32_t>>& prompts) {
+Result<offload::RoutingProfile> profile_experts(Qwen3MoeCpu& model, const std::vector<std::vector<int32_t>>& prompts,
+                                                RoutingTrace* trace) {
   const Qwen3MoeConfig& c = model.config();
   offload::RoutingProfile prof = offload::make_profile(c.num_experts, c.num_experts_per_tok);
   for (size_t i = 0; i < prompts.size(); ++i)
     if (prompts[i].empty() || static_cast<int64_t>(prompts[i].size()) > c.max_position_embeddings)
       return Error::format("prompt {} has {} tokens; each needs 1 to max_position_embeddings = {}", i,
                            prompts[i].size(), c.max_position_embeddings);
-  model.set_routing_observer([&prof](int layer, const int32_t* ids, const float* w, int64_t n) {
+  std::vector<int> moe_layers;
+  for (int l = 0; l < c.num_hidden_layers; ++l)
+    if (c.is_moe_layer(l)) moe_layers.push_back(l);
+  if (trace != nullptr) trace->assign(moe_layers.size(), {});
+  const int k = c.num_experts_per_tok;
+  model.set_routing_observer([&](int layer, const int32_t* ids, const float* w, int64_t n) {
     prof.add(layer, ids, w, n);
+    if (trace == nullptr) return;
+    const size_t i = static_cast<size_t>(std::find(moe_layers.begin(), moe_layers.end(), layer) - moe_layers.begin());
+    auto& steps = (*trace)[i];
+    for (int64_t t = 0; t < n && static_cast<int64_t>(steps.size()) < kMaxTraceTokens; ++t)
+      steps.emplace_back(ids + t * k, ids + (t + 1) * k);
   });
   Status st = Ok{};
   std::vector<float> logits;

@@ -23,8 +23,15 @@ Result<std::vector<std::string>> read_prompt_lines(const std::string& path);
 // A line of comma-separated token ids ("1,2,3"); errors name the file and the line.
 Result<std::vector<int32_t>> parse_prompt_ids(const std::string& line, const std::string& where);
 
+// Token-by-token routing of the profiled prompts, per MoE layer (in layer order): trace[i][t] is
+// the k experts token t routed to in the i-th MoE layer. At most kMaxTraceTokens tokens are kept.
+inline constexpr int64_t kMaxTraceTokens = 1 << 16;
+using RoutingTrace = std::vector<std::vector<std::vector<int32_t>>>;
+
 // Prefills each prompt in its own KV cache (prompts longer than max_position_embeddings are
-// refused with the prompt's index) and accumulates the routing of every MoE layer.
-Result<offload::RoutingProfile> profile_experts(Qwen3MoeCpu& model, const std::vector<std::vector<int32_t>>& prompts);
+// refused with the prompt's index) and accumulates the routing of every MoE layer; `trace`, when
+// given, receives the token-by-token routing (the dynamic cache's simulation input).
+Result<offload::RoutingProfile> profile_experts(Qwen3MoeCpu& model, const std::vector<std::vector<int32_t>>& prompts,
+                                                RoutingTrace* trace = nullptr);
 
 }  // namespace moebius::model
