@@ -16,6 +16,7 @@
 #   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
 #      warm rerun that must tune nothing;
 #   7. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
+#      expert offload: its GPU tests, bench generate of Qwen3-235B-A22B int2 under a 24 GiB budget;
 #   8. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
 #      nvfp4 weights and the real tokenizer (needs $MOEBIUS_QWEN3_TOKENIZER_DIR).
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
@@ -169,6 +170,26 @@ bench_generate() {
 }
 step bench-generate bench_generate
 
+# Expert offload (docs/OFFLOAD.md): the offload GPU tests alone first (their log is short), then
+# Qwen3-235B-A22B with dummy int2 experts (60 GB) under a 24 GiB budget: ~10% of the experts
+# resident, the rest read from pinned host memory (zero-copy decode, staged prefill); decode and
+# prefill tok/s, PCIe bytes per token and GB/s against 55.3 GB/s; then all experts resident for
+# comparison (~60-70 s together); MOEBIUS_OFFLOAD_FULL=1 adds the zero-copy prefill. docs/PERF.md.
+[ -x "$BUILD/tests/moebius_gpu_tests" ] && step offload-gpu-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1 \
+  --gtest_filter='OffloadCuda.*'
+bench_offload() {
+  "$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2 --no-autotune \
+    --gpu-memory-budget 24 --context 1024,10240 --prefill 1024 --decode-steps 32 || return 1
+  "$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2 --no-autotune \
+    --context 1024 --prefill 1024 --decode-steps 32 || return 1
+  # The cost model's crossover (zero-copy prefill against the staged one above): opt-in, ~30 s more.
+  if [ "${MOEBIUS_OFFLOAD_FULL:-0}" = 1 ]; then
+    "$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2 --no-autotune \
+      --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 8 --cold-path zero-copy || return 1
+  fi
+}
+step bench-offload timeout 300 bash -c "$(declare -f bench_offload); BUILD=$BUILD; MOEBIUS_OFFLOAD_FULL=${MOEBIUS_OFFLOAD_FULL:-0}; bench_offload"
+
 # moebius serve with the CUDA backend on the tiny fixture: start it, one completion and one
 # streamed chat request through the real HTTP server, then /metrics must show no KV in use.
 serve_tiny_cuda() {
@@ -263,6 +284,8 @@ cat "$OUT/probes.log"
 cat "$OUT/generate-tiny-cuda.log"
 cat "$OUT/eval-logprobs-tiny-cuda.log"
 cat "$OUT/bench-generate.log"
+[ -f "$OUT/offload-gpu-tests.log" ] && cat "$OUT/offload-gpu-tests.log"
+[ -f "$OUT/bench-offload.log" ] && cat "$OUT/bench-offload.log"
 [ -f "$OUT/serve-tiny-cuda.log" ] && cat "$OUT/serve-tiny-cuda.log"
 [ -f "$OUT/bench-serve.log" ] && cat "$OUT/bench-serve.log"
 [ -f "$OUT/chat-template-ref.log" ] && cat "$OUT/chat-template-ref.log"

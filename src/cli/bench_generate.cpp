@@ -17,6 +17,12 @@
 // "% floor" is floor time / measured time. Prefill reads every weight once per forward
 // (total_weight_bytes), so its bytes floor is weak (prefill is compute-bound); it is printed for
 // completeness.
+//
+// Expert offload (--gpu-memory-budget GB|auto [--placement FILE], docs/OFFLOAD.md): cold experts are
+// read from pinned host memory. The "pcie" rows give the bytes moved over PCIe per token
+// (Qwen3MoeCuda::last_step_cold_bytes: zero-copy reads from the routing, or a staged layer's DMA;
+// prefill from the timed forward, decode averaged over kPcieSteps extra steps after the timed ones) and that rate against --pcie-gbps
+// (55.3 GB/s: pinned cudaMemcpy host-to-device measured on the H200).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -59,6 +65,11 @@ struct BenchGenerateOptions {
   uint64_t seed = 1;
   double hbm_bytes_per_s = 4.57e12;
   bool no_autotune = false;
+  std::string gpu_memory_budget;
+  std::string placement_file;
+  std::string cold_path = "auto";
+  int max_resident_experts = -1;
+  double pcie_gbps = 55.3;
 };
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -76,8 +87,9 @@ Status run(const BenchGenerateOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(source));
   constexpr int kWarmup = 3;
+  constexpr int kPcieSteps = 8;
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
-  const int64_t need = std::max<int64_t>(max_ctx + kWarmup + o.decode_steps, o.prefill);
+  const int64_t need = std::max<int64_t>(max_ctx + kWarmup + o.decode_steps + kPcieSteps, o.prefill);
   if (need > config.max_position_embeddings)
     return Error::format("context {} + {} steps exceeds the model's {} positions", max_ctx, o.decode_steps,
                          config.max_position_embeddings)
@@ -92,6 +104,10 @@ Status run(const BenchGenerateOptions& o) {
   co.graph_batches = {1};
   co.seed = o.seed;
   co.autotune = !o.no_autotune;
+  co.gpu_memory_budget = o.gpu_memory_budget;
+  co.placement_file = o.placement_file;
+  co.cold_path = o.cold_path;
+  co.max_resident_experts = o.max_resident_experts;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
@@ -129,6 +145,7 @@ Status run(const BenchGenerateOptions& o) {
     return Ok{};
   };
 
+  std::vector<std::string> pcie_rows;
   std::printf("\n%-8s %8s %10s %10s %10s %10s %9s %9s\n", "phase", "context", "tok/s", "us/token", "MB/token",
               "GB/s", "floor t/s", "% floor");
   // Prefill.
@@ -143,8 +160,13 @@ Status run(const BenchGenerateOptions& o) {
       MOEBIUS_TRY(prefill(ids, 0, table));
       best = std::min(best, seconds_since(t0));
     }
+    const double pcie_bytes = static_cast<double>(m->last_step_cold_bytes(o.prefill));
     blocks.release(table);
     const double tok_s = o.prefill / best;
+    if (m->offloaded())
+      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.1f} {:>8.1f}%", "prefill", o.prefill,
+                                      pcie_bytes / o.prefill / 1e6, pcie_bytes / best / 1e9,
+                                      100.0 * pcie_bytes / best / 1e9 / o.pcie_gbps));
     const double bytes = static_cast<double>(m->total_weight_bytes()) * std::ceil(double(o.prefill) / m->max_tokens());
     const double floor_s = bytes / o.hbm_bytes_per_s;
     std::printf("%-8s %8d %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", "prefill", o.prefill, tok_s,
@@ -155,9 +177,9 @@ Status run(const BenchGenerateOptions& o) {
   // Decode at each context.
   for (int64_t C : contexts) {
     std::vector<int32_t> table;
-    MOEBIUS_TRY(blocks.ensure(table, C + kWarmup + o.decode_steps, m->block_size()));
+    MOEBIUS_TRY(blocks.ensure(table, C + kWarmup + o.decode_steps + kPcieSteps, m->block_size()));
     MOEBIUS_TRY(prefill(random_ids(C), 0, table));
-    const std::vector<int32_t> ids = random_ids(kWarmup + o.decode_steps);
+    const std::vector<int32_t> ids = random_ids(kWarmup + o.decode_steps + kPcieSteps);
     int64_t pos = C;
     auto step = [&](int i) -> Status {
       const model::SequenceStep seq{std::span<const int32_t>(&ids[static_cast<size_t>(i)], 1), pos++, table};
@@ -173,8 +195,18 @@ Status run(const BenchGenerateOptions& o) {
     const double secs = seconds_since(t0);
     if (m->graph_steps() - graphs_before != o.decode_steps)
       return Error("decode steps did not run as CUDA graph replays (internal)");
-    blocks.release(table);
     const double tok_s = o.decode_steps / secs;
+    if (m->offloaded()) {  // the routing of a few more steps, read back one by one (untimed)
+      double pcie = 0;
+      for (int i = 0; i < kPcieSteps; ++i) {
+        MOEBIUS_TRY(step(kWarmup + o.decode_steps + i));
+        pcie += static_cast<double>(m->last_step_cold_bytes(1));
+      }
+      pcie /= kPcieSteps;
+      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C, pcie / 1e6,
+                                      pcie * tok_s / 1e9, 100.0 * pcie * tok_s / 1e9 / o.pcie_gbps));
+    }
+    blocks.release(table);
     const double ctx_mid = static_cast<double>(C) + kWarmup + o.decode_steps / 2.0;
     for (const bool with_kv : {false, true}) {
       const double bytes = wbytes + (with_kv ? kv_per_ctx * ctx_mid : 0.0);
@@ -186,6 +218,13 @@ Status run(const BenchGenerateOptions& o) {
     std::fflush(stdout);
   }
   std::printf("(decode: weights only; +kv: weights plus the KV cache read at that context)\n");
+  if (!pcie_rows.empty()) {
+    std::printf("\nexpert offload: bytes moved over PCIe per token (zero-copy reads or staged copies), and that "
+                "rate vs %.1f GB/s\n",
+                o.pcie_gbps);
+    std::printf("%-8s %8s %10s %10s %9s\n", "phase", "context", "MB/token", "GB/s", "% PCIe");
+    for (const std::string& r : pcie_rows) std::printf("%s\n", r.c_str());
+  }
   return Ok{};
 }
 
@@ -213,6 +252,15 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
+  cmd->add_option("--gpu-memory-budget", o->gpu_memory_budget,
+                  "GiB of device memory for the model, or auto; the experts that do not fit are read from pinned "
+                  "host memory");
+  cmd->add_option("--placement", o->placement_file, "routing profile choosing the resident experts (default: uniform)");
+  cmd->add_option("--cold-path", o->cold_path, "prefill: auto (cost model), zero-copy or staged")
+      ->capture_default_str();
+  cmd->add_option("--max-resident-experts", o->max_resident_experts,
+                  "at most this many experts per layer on the GPU (compare placements at one residency)");
+  cmd->add_option("--pcie-gbps", o->pcie_gbps, "host-to-device rate the PCIe rows compare with")->capture_default_str();
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

@@ -22,5 +22,7 @@ void register_eval(CLI::App& app);
 void register_serve(CLI::App& app);
 // `moebius tune`: tune the CUDA MoE kernels per capacity bucket into the per-GPU cache (tune.cpp).
 void register_tune(CLI::App& app);
+// `moebius profile-experts`: routing counts and mass per layer and expert, as JSON (profile_experts.cpp).
+void register_profile_experts(CLI::App& app);
 
 }  // namespace moebius::cli

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   moebius::cli::register_eval(app);
   moebius::cli::register_serve(app);
   moebius::cli::register_tune(app);
+  moebius::cli::register_profile_experts(app);
 
   try {
     app.parse(argc, argv);

@@ -92,6 +92,9 @@ Status run(ServeOptions& o) {
 
   log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
   o.runner.autotune = !o.no_autotune;
+  if ((!o.runner.gpu_memory_budget.empty() || !o.runner.placement_file.empty()) && o.runner.backend != "cuda")
+    return Error("expert offload needs --backend cuda")
+        .in_field(o.runner.gpu_memory_budget.empty() ? "--placement" : "--gpu-memory-budget");
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
   log_info("{}", runner->describe());
 
@@ -176,6 +179,11 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
   cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--gpu-memory-budget", o->runner.gpu_memory_budget,
+                  "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
+                  "pinned host memory (default: every expert on the GPU)");
+  cmd->add_option("--placement", o->runner.placement_file,
+                  "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
       ->capture_default_str();

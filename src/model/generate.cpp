@@ -206,6 +206,8 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
   if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
   if (o.prefill_chunk < 1) return Error::format("must be >= 1, got {}", o.prefill_chunk).in_field("--prefill-chunk");
+  if ((!o.gpu_memory_budget.empty() || !o.placement_file.empty()) && o.backend != "cuda")
+    return Error("expert offload needs --backend cuda").in_field(o.gpu_memory_budget.empty() ? "--placement" : "--gpu-memory-budget");
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(GenerationConfig gen_config, load_generation_config(o.model_dir));
   MOEBIUS_ASSIGN_OR_RETURN(SamplerParams params, resolve_sampler_params(o, gen_config));
@@ -226,6 +228,8 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.graph_batches = {1};
     co.progress = o.on_progress;
     co.autotune = o.autotune;
+    co.gpu_memory_budget = o.gpu_memory_budget;
+    co.placement_file = o.placement_file;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (o.on_report) o.on_report(format_memory_plan(model->memory_plan()));
     return generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);

@@ -39,6 +39,9 @@ struct GenerateOptions {
   std::string load_format = "auto";
   int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
+  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
+  std::string gpu_memory_budget;
+  std::string placement_file;
   // Called while loading (done, total layers) and with the memory plan text before generation
   // (cuda); either may be empty.
   std::function<void(int done, int total)> on_progress;

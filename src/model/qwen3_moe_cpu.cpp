@@ -1,6 +1,7 @@
 #include "model/qwen3_moe_cpu.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -437,8 +438,17 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
     cpu::rms_norm_reference(x.data(), w.post_norm.data(), N, H, c.rms_norm_eps, h.data());
     if (w.is_moe) {
-      if (auto st = w.moe.forward(h.data(), N, y.data()); !st.ok())
+      std::vector<int32_t> route_ids;
+      std::vector<float> route_w;
+      if (routing_observer_) {
+        route_ids.resize(static_cast<size_t>(N * w.moe.shape.top_k));
+        route_w.resize(route_ids.size());
+      }
+      if (auto st = w.moe.forward(h.data(), N, y.data(), routing_observer_ ? route_ids.data() : nullptr,
+                                  routing_observer_ ? route_w.data() : nullptr);
+          !st.ok())
         return std::move(st).error().with_context("layer " + std::to_string(l));
+      if (routing_observer_) routing_observer_(l, route_ids.data(), route_w.data(), N);
     } else {  // dense SwiGLU: down(silu(gate h) * up h)
       const int64_t I = c.intermediate_size;
       std::vector<float> g(static_cast<size_t>(N * I)), u(static_cast<size_t>(N * I));
@@ -465,6 +475,47 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
   }
   for (const BatchSeq& s : seqs) s.cache->advance(static_cast<int64_t>(s.ids.size()));
   return Ok{};
+}
+
+Result<uint64_t> Qwen3MoeCpu::move_cold_experts(const std::vector<int>& moe_layers,
+                                                const std::vector<std::vector<uint8_t>>& resident) {
+  if (moe_layers.size() != resident.size()) return Error("a placement needs one resident mask per MoE layer");
+  std::vector<int> model_moe;
+  for (int l = 0; l < config_.num_hidden_layers; ++l)
+    if (layers_[static_cast<size_t>(l)].is_moe) model_moe.push_back(l);
+  if (moe_layers != model_moe)
+    return Error::format("the placement lists {} MoE layers, the model has {}", moe_layers.size(), model_moe.size());
+  const size_t E = static_cast<size_t>(config_.num_experts);
+  for (const std::vector<uint8_t>& m : resident)
+    if (m.size() != E) return Error::format("a resident mask of {} experts for E={}", m.size(), E);
+  // Two passes: size the store, allocate it once, then copy and re-point.
+  auto parts = [](cpu::ExpertWeights& x) { return std::array<QuantMatrix*, 3>{&x.gate, &x.up, &x.down}; };
+  uint64_t bytes = 0;
+  auto align = [](uint64_t n) { return (n + 255) / 256 * 256; };  // 256-byte pieces, like the device's
+  for (size_t i = 0; i < moe_layers.size(); ++i)
+    for (size_t e = 0; e < E; ++e)
+      if (!resident[i][e])
+        for (QuantMatrix* m : parts(layers_[static_cast<size_t>(moe_layers[i])].moe.experts[e]))
+          bytes += align(m->weight.size()) + align(m->scales.size());
+  auto store = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(bytes));
+  uint64_t off = 0;
+  auto copy = [&](std::span<const uint8_t> src) {
+    uint8_t* dst = store->data() + off;
+    if (!src.empty()) std::memcpy(dst, src.data(), src.size());
+    off += align(src.size());
+    return std::span<const uint8_t>(dst, src.size());
+  };
+  for (size_t i = 0; i < moe_layers.size(); ++i)
+    for (size_t e = 0; e < E; ++e)
+      if (!resident[i][e])
+        for (QuantMatrix* m : parts(layers_[static_cast<size_t>(moe_layers[i])].moe.experts[e])) {
+          m->weight = copy(m->weight);
+          m->scales = copy(m->scales);
+          m->owner = store;
+        }
+  MOEBIUS_ASSERT(off == bytes);
+  cold_store_ = std::move(store);
+  return bytes;
 }
 
 }  // namespace moebius::model

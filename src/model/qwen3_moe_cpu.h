@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -152,6 +153,20 @@ class Qwen3MoeCpu {
   // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
 
+  // Routing observer (`moebius profile-experts`): called once per MoE layer of every forward with
+  // that layer's routing of the forward's N tokens, ids/weights [N, k] row-major. Empty: none.
+  using RoutingObserver = std::function<void(int layer, const int32_t* ids, const float* weights, int64_t tokens)>;
+  void set_routing_observer(RoutingObserver observer) { routing_observer_ = std::move(observer); }
+
+  // Expert offload on the CPU backend, the analogue of the CUDA runner's cold experts in pinned
+  // host memory: every expert that `placement` (offload/placement.h; one entry per MoE layer)
+  // marks cold is copied into ONE separate host store, allocated once here, and its matrices are
+  // pointed at that copy; the resident ones stay where they were. The forward reads experts through
+  // their matrices exactly as before, so its results are bit-identical (tests check this). Returns
+  // the store's bytes. Errors for a placement of another model.
+  Result<uint64_t> move_cold_experts(const std::vector<int>& moe_layers,
+                                     const std::vector<std::vector<uint8_t>>& resident);
+
  private:
   // forward() (all_rows: logits of every token of the single sequence) and forward_batch().
   Status run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const;
@@ -169,6 +184,8 @@ class Qwen3MoeCpu {
   std::vector<float> lm_head_;  // [V, H]; empty when tied (embed_ is used)
   std::vector<Qwen3MoeLayerWeights> layers_;
   std::vector<float> inv_freq_;  // [hd / 2] RoPE inverse frequencies
+  RoutingObserver routing_observer_;
+  std::shared_ptr<std::vector<uint8_t>> cold_store_;  // move_cold_experts' host store
 };
 
 }  // namespace moebius::model

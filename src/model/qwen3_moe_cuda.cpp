@@ -17,11 +17,16 @@
 #include "kernels/fill.cuh"
 #include "kernels/gather.cuh"
 #include "kernels/kv_cache.cuh"
+#include "kernels/moe_route.cuh"
 #include "kernels/norm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
 #include "model/qwen3_moe_cpu.h"
 #include "moe/moe_layer_cuda.h"
+#include "offload/cost_model.h"
+#include "offload/memory_budget.h"
+#include "offload/placement.h"
+#include "offload/routing_profile.h"
 #include "runtime/dense_gemm.h"
 #include "tune/moe_layer_set.h"
 
@@ -58,6 +63,22 @@ std::vector<uint16_t> to_bf16_bits(const std::vector<float>& v) {
 
 std::string gib(uint64_t b) { return fmt::format("{:8.3f} GiB", static_cast<double>(b) / (1024.0 * 1024 * 1024)); }
 
+// Whether a prefill step of `tokens` would rather stage a layer's cold experts than read them
+// zero-copy (offload/cost_model.h with every expert cold; both costs scale with the cold count).
+bool prefill_prefers_staging(const Qwen3MoeConfig& c, int tokens, uint64_t expert_bytes) {
+  offload::ColdLayerShape s;
+  s.tokens = tokens;
+  s.top_k = c.num_experts_per_tok;
+  s.num_experts = c.num_experts;
+  s.cold_experts = c.num_experts;
+  s.expert_bytes = expert_bytes;
+  // The GEMM tile the layer will pick (moe_layer_cuda.cpp): prefill kernels from 16 tokens per
+  // expert (block_m 64), else the decode kernel's 8-64.
+  const int64_t avg = (int64_t{tokens} * s.top_k + s.num_experts - 1) / s.num_experts;
+  s.block_m = avg >= 16 ? 64 : avg <= 8 ? 8 : 16;
+  return offload::cold_path_cost(s).choice == offload::ColdPath::kStaged;
+}
+
 }  // namespace
 
 std::string format_memory_plan(const MemoryPlan& p) {
@@ -69,6 +90,12 @@ std::string format_memory_plan(const MemoryPlan& p) {
   s += fmt::format("  KV cache            {}  ({} tokens, bf16)\n", gib(p.kv_cache), p.kv_tokens);
   s += fmt::format("  workspace           {}\n", gib(p.workspace));
   s += fmt::format("  total               {}\n", gib(p.total()));
+  if (p.budget > 0)
+    s += fmt::format("  budget              {}  (--gpu-memory-budget)\n", gib(p.budget));
+  if (p.total_experts > 0 && p.resident_experts < p.total_experts)
+    s += fmt::format("  cold experts (host) {}  (pinned, zero-copy; {} of {} experts resident, placement {})\n",
+                     gib(p.experts_host), p.resident_experts, p.total_experts, p.placement);
+  if (!p.cold_paths.empty()) s += fmt::format("  cold expert path per MoE bucket (tokens): {}\n", p.cold_paths);
   return s;
 }
 
@@ -78,6 +105,9 @@ Qwen3MoeCuda::~Qwen3MoeCuda() {
   for (Graph& g : graphs_)
     if (g.exec != nullptr) (void)cudaGraphExecDestroy(g.exec);
   if (staged_ != nullptr) (void)cudaEventDestroy(staged_);
+  for (cudaEvent_t e : {stage_copied_[0], stage_copied_[1], stage_done_[0], stage_done_[1], stage_start_})
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  if (copy_stream_ != nullptr) (void)cudaStreamDestroy(copy_stream_);
   layers_.clear();  // MoE layers free their buffers before the stream goes
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
@@ -187,6 +217,7 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
     MOEBIUS_ASSIGN_OR_RETURN(void* wo, device_alloc(sizeof(__nv_bfloat16) * H * q_dim, &plan_.attention));
     L.wo = static_cast<__nv_bfloat16*>(wo);
     L.is_moe = c.is_moe_layer(l);
+    if (L.is_moe) moe_layer_ids_.push_back(l);
     if (!L.is_moe) {
       const int64_t I = c.intermediate_size;
       MOEBIUS_ASSIGN_OR_RETURN(void* gu, device_alloc(sizeof(__nv_bfloat16) * 2 * I * H, &plan_.dense_mlp));
@@ -280,7 +311,284 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   plan_.workspace += moe_layers_->workspace_bytes();  // shared by the layers [TAG_MOE_WORKSPACE_POOL]
   plan_.expert_format = moe::kernel_format_name(experts_format_);
   CUDA_CHECK(cudaDeviceSynchronize());
+  // The plan placed the experts from an estimate of the runtime buffers; refuse at start-up rather
+  // than run past the budget the user set.
+  if (plan_.budget > 0 && plan_.total() > plan_.budget)
+    return Error::format("the model takes {:.2f} GiB of device memory, over the budget of {:.2f} GiB (the runtime "
+                         "buffers came out {:.2f} GiB larger than planned); raise the budget",
+                         static_cast<double>(plan_.total()) / offload::kGiB,
+                         static_cast<double>(plan_.budget) / offload::kGiB,
+                         static_cast<double>(plan_.total() - plan_.budget) / offload::kGiB)
+        .in_field("--gpu-memory-budget");
   return Ok{};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert offload [TAG_EXPERT_OFFLOAD]
+// ---------------------------------------------------------------------------------------------
+
+uint64_t Qwen3MoeCuda::estimate_runtime_bytes(const moe::PackedMatrix& w2) const {
+  const Qwen3MoeConfig& c = config_;
+  const uint64_t H = static_cast<uint64_t>(c.hidden_size), V = static_cast<uint64_t>(c.vocab_size),
+                 T = static_cast<uint64_t>(opt_.max_tokens), R = static_cast<uint64_t>(opt_.max_logit_rows);
+  const int hd = c.head_dim, nkv = c.num_key_value_heads;
+  auto a256 = [](uint64_t n) { return (n + 255) / 256 * 256; };
+  uint64_t b = 0;
+  // KV cache, exactly as allocate_runtime makes it.
+  b += a256(sizeof(__nv_bfloat16) * 2 * static_cast<uint64_t>(kernels::kv_cache_pool_elems(opt_.num_blocks, nkv, opt_.block_size, hd)) *
+            static_cast<uint64_t>(c.num_hidden_layers));
+  // Activations (x fp32, h, y, qkv, attn, dense MLP), the logit rows, the step arena.
+  const uint64_t dense_I = static_cast<uint64_t>(c.intermediate_size);
+  b += T * H * 4 + 2 * T * H * 2 + T * static_cast<uint64_t>(qkv_dim_) * 2 +
+       T * static_cast<uint64_t>(c.num_attention_heads) * hd * 2 + T * 3 * dense_I * 2 + R * H * 2 + R * V * 4;
+  b += 16 * (4 * T + 2 * static_cast<uint64_t>(opt_.max_seqs) + R + 64) +
+       4 * static_cast<uint64_t>(opt_.max_seqs) * static_cast<uint64_t>(max_blocks_per_seq_);
+  // Attention decode workspace for the largest graph batch.
+  const kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
+  for (int gb : opt_.graph_batches)
+    b += kernels::attention_decode_workspace_bytes(dims, kernels::plan_attention_decode(dims, gb, opt_.max_context,
+                                                                                         num_sms_));
+  // MoE workspaces, one per capacity bucket (shared by the layers), bounded with block_m 128.
+  const uint64_t E = static_cast<uint64_t>(c.num_experts), k = static_cast<uint64_t>(c.num_experts_per_tok);
+  for (int cap : moe_layers_->buckets().sizes()) {
+    const uint64_t C = static_cast<uint64_t>(cap);
+    const uint64_t padded = static_cast<uint64_t>(kernels::moe_align_max_padded(cap, c.num_experts_per_tok, c.num_experts, 128));
+    b += a256(C * E * 4) + 2 * a256(C * k * 4) + 2 * a256((E + 1) * 4) + a256(C * k * 4) + a256(padded * 4) +
+         a256(padded / 8 * 4) + 256 + a256(padded * static_cast<uint64_t>(w2.cols_padded) * 2) + a256(C * k * H * 4) +
+         2 * a256((C + 63) / 64 * 64 * 4);
+  }
+  return b + plan_.workspace;  // + what init already counted (the cuBLAS workspace, rope table)
+}
+
+Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::PackedMatrix& w2) {
+  MOEBIUS_ASSERT(!offload_planned_);
+  offload_planned_ = true;
+  const Qwen3MoeConfig& c = config_;
+  const int E = c.num_experts, L = static_cast<int>(moe_layer_ids_.size());
+  resident_.assign(moe_layer_ids_.size(), std::vector<uint8_t>(static_cast<size_t>(E), 1));
+  plan_.total_experts = int64_t{L} * E;
+  plan_.resident_experts = plan_.total_experts;
+  if (opt_.cold_path != "auto" && opt_.cold_path != "zero-copy" && opt_.cold_path != "staged")
+    return Error::format("'{}': expected auto, zero-copy or staged", opt_.cold_path).in_field("--cold-path");
+  if ((opt_.gpu_memory_budget.empty() && opt_.max_resident_experts < 0) || L == 0) return Ok{};
+  offload::BudgetSpec spec;
+  spec.bytes = UINT64_MAX / 4;  // no budget: only max_resident_experts limits
+  if (!opt_.gpu_memory_budget.empty()) {
+    MOEBIUS_ASSIGN_OR_RETURN(spec, offload::parse_gpu_memory_budget(opt_.gpu_memory_budget));
+  }
+  const uint64_t allocated = plan_.weights() + plan_.kv_cache + plan_.workspace;  // init's buffers so far
+  uint64_t budget = spec.bytes;
+  if (spec.is_auto) {
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    budget = offload::auto_budget_bytes(free_b + allocated);
+  }
+  offload::BudgetRequest r;
+  r.budget = budget;
+  const uint64_t H = static_cast<uint64_t>(c.hidden_size);
+  // Per MoE layer besides its experts: the router twice (row-major and tile layout), the two
+  // address tables, and a correction bias at most.
+  const uint64_t router = 4 * static_cast<uint64_t>(E) * H + 2 * sizeof(kernels::ExpertMatrixPtrs) * E + 4 * E + 4 * 256;
+  r.non_expert_weights = plan_.weights() + static_cast<uint64_t>(L) * router;
+  r.kv_cache = sizeof(__nv_bfloat16) * 2 *
+               static_cast<uint64_t>(kernels::kv_cache_pool_elems(opt_.num_blocks, c.num_key_value_heads,
+                                                                   opt_.block_size, c.head_dim)) *
+               static_cast<uint64_t>(c.num_hidden_layers);
+  r.workspace = estimate_runtime_bytes(w2) - std::min(r.kv_cache, estimate_runtime_bytes(w2));
+  r.expert_bytes = moe::expert_region_bytes(w13, w2, 1);
+  r.staging = r.expert_bytes;  // swap_experts' scratch
+  r.num_moe_layers = L;
+  r.num_experts = E;
+  // The plan, capped by max_resident_experts.
+  auto make_plan = [&]() -> Result<offload::BudgetPlan> {
+    MOEBIUS_ASSIGN_OR_RETURN(offload::BudgetPlan p, offload::plan_budget(r));
+    if (opt_.max_resident_experts >= 0) {
+      p.resident_total = 0;
+      for (int& n : p.per_layer) {
+        n = std::min(n, opt_.max_resident_experts);
+        p.resident_total += n;
+      }
+      p.cold_total = int64_t{L} * E - p.resident_total;
+    }
+    return p;
+  };
+  MOEBIUS_ASSIGN_OR_RETURN(offload::BudgetPlan bp, make_plan());
+  // Staging slots come out of the budget too, and their size depends on the cold count per layer:
+  // two slots of the largest layer's cold region. Iterate to the fixed point (the cold count only
+  // grows as the slots grow, and is bounded by E).
+  const bool stage = opt_.max_tokens > moe_decode_capacity_ &&
+                     (opt_.cold_path == "staged" ||
+                      (opt_.cold_path == "auto" && prefill_prefers_staging(c, opt_.max_tokens, r.expert_bytes)));
+  for (int it = 0; stage && it < 16 && !bp.all_resident(); ++it) {
+    const int min_resident = *std::min_element(bp.per_layer.begin(), bp.per_layer.end());
+    const uint64_t need = 2 * moe::expert_region_bytes(w13, w2, E - min_resident);
+    if (need + r.expert_bytes <= r.staging) break;
+    r.staging = need + r.expert_bytes;
+    MOEBIUS_ASSIGN_OR_RETURN(bp, make_plan());
+  }
+  planned_staging_ = r.staging - r.expert_bytes;
+  plan_.budget = opt_.gpu_memory_budget.empty() ? 0 : budget;
+  std::string placement = "uniform";
+  offload::Placement pl;
+  if (!opt_.placement_file.empty()) {
+    MOEBIUS_ASSIGN_OR_RETURN(offload::RoutingProfile prof, offload::read_profile(opt_.placement_file));
+    MOEBIUS_ASSIGN_OR_RETURN(pl, offload::place_hottest(prof, moe_layer_ids_, E, bp.per_layer, opt_.placement_file));
+    placement = opt_.placement_file;
+  } else {
+    pl = offload::place_uniform(moe_layer_ids_, E, bp.per_layer);
+  }
+  resident_ = pl.resident;
+  plan_.placement = placement;
+  plan_.resident_experts = bp.resident_total;
+  if (bp.all_resident()) return Ok{};
+  // One pinned, mapped allocation for every cold expert of every layer, made now and never grown.
+  size_t bytes = 0;
+  for (size_t i = 0; i < resident_.size(); ++i) {
+    const int cold = static_cast<int>(std::count(resident_[i].begin(), resident_[i].end(), uint8_t{0}));
+    bytes += moe::expert_region_bytes(w13, w2, cold);
+  }
+  MOEBIUS_TRY(offload::check_host_memory(bytes, offload::host_available_bytes()));
+  auto pinned = Buffer::allocate(MemoryKind::kPinnedHost, bytes);
+  if (!pinned.ok())
+    return Error::format("cannot allocate {:.2f} GiB of pinned host memory for the cold experts: {}",
+                         static_cast<double>(bytes) / offload::kGiB, pinned.error().what())
+        .in_field("--gpu-memory-budget");
+  cold_host_ = pinned->as<uint8_t>();
+  cold_host_bytes_ = bytes;
+  buffers_.push_back(std::move(pinned).value());
+  MOEBIUS_ASSIGN_OR_RETURN(void* scratch, device_alloc(r.expert_bytes, &plan_.workspace));
+  swap_scratch_ = static_cast<uint8_t*>(scratch);
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::add_moe_layer(
+    int l, const std::function<Result<tune::MoeLayerSet>(const moe::ExpertResidency&)>& make) {
+  auto d = make(residency_for(l));
+  if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
+  Layer& L = layers_[static_cast<size_t>(l)];
+  L.moe = std::move(d).value();
+  const moe::MoeLayerCuda& p = L.moe.primary();
+  plan_.experts += p.device_weight_bytes();
+  plan_.experts_host += p.cold_bytes();
+  cold_host_used_ += p.cold_bytes();
+  MOEBIUS_ASSERT(cold_host_used_ <= cold_host_bytes_);
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::setup_staging() {
+  if (!offloaded()) return Ok{};
+  const Qwen3MoeConfig& c = config_;
+  size_t slot_bytes = 0;
+  uint64_t eb = 0;
+  int max_cold = 0;
+  for (int l : moe_layer_ids_) {
+    const moe::MoeLayerCuda& p = layers_[static_cast<size_t>(l)].moe.primary();
+    slot_bytes = std::max(slot_bytes, p.cold_bytes());
+    max_cold = std::max(max_cold, p.cold_experts());
+    eb = p.expert_bytes();
+  }
+  // The cost model per capacity bucket (the same for every layer: take the layer with the most
+  // cold experts). Graph buckets always read zero-copy: their steps are decode steps.
+  const tune::MoeLayerSet& set0 = layers_[static_cast<size_t>(moe_layer_ids_.front())].moe;
+  std::vector<uint8_t> staged_bucket(set0.size(), 0);
+  std::string report;
+  for (size_t i = 0; i < set0.size(); ++i) {
+    offload::ColdLayerShape s;
+    s.tokens = set0.buckets().sizes()[i];
+    s.top_k = c.num_experts_per_tok;
+    s.num_experts = c.num_experts;
+    s.cold_experts = max_cold;
+    s.expert_bytes = eb;
+    s.block_m = set0.layer(i).block_m();
+    const offload::ColdCost cost = offload::cold_path_cost(s);
+    const bool eager_only = s.tokens > moe_decode_capacity_;
+    // Only with the slots the budget reserved (plan_offload).
+    const bool want = opt_.cold_path == "staged" || (opt_.cold_path == "auto" && cost.choice == offload::ColdPath::kStaged);
+    const bool staged = want && eager_only && 2 * slot_bytes <= planned_staging_;
+    staged_bucket[i] = staged;
+    report += fmt::format("{}{}:{} (zero-copy {:.0f} us, staged {:.0f} us)", i ? ", " : "", s.tokens,
+                          staged ? "staged" : "zero-copy", cost.zero_copy_us, cost.staged_us);
+  }
+  plan_.cold_paths = report;
+  if (std::find(staged_bucket.begin(), staged_bucket.end(), uint8_t{1}) == staged_bucket.end()) return Ok{};
+  for (int b = 0; b < 2; ++b) {
+    MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(slot_bytes, &plan_.workspace));
+    stage_slot_[b] = static_cast<uint8_t*>(p);
+    CUDA_CHECK(cudaEventCreateWithFlags(&stage_copied_[b], cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&stage_done_[b], cudaEventDisableTiming));
+  }
+  CUDA_CHECK(cudaEventCreateWithFlags(&stage_start_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  for (int l : moe_layer_ids_) {
+    tune::MoeLayerSet& set = layers_[static_cast<size_t>(l)].moe;
+    if (set.primary().cold_experts() == 0) continue;
+    const size_t j = staged_layers_.size();
+    staged_layers_.push_back(l);
+    MOEBIUS_TRY(set.primary().set_staging_slot(stage_slot_[j % 2]));
+    for (size_t i = 0; i < set.size(); ++i) set.layer(i).set_use_staging(staged_bucket[i] != 0);
+  }
+  return Ok{};
+}
+
+void Qwen3MoeCuda::issue_stage_copy(size_t j) {
+  if (j >= staged_layers_.size()) return;
+  const int b = static_cast<int>(j % 2);
+  const moe::MoeLayerCuda& p = layers_[static_cast<size_t>(staged_layers_[j])].moe.primary();
+  // The slot is free once the layer that used it last (two staged layers back, or the previous
+  // step's) has run: stage_done_[b] is its latest record.
+  CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, stage_done_[b], 0));
+  CUDA_CHECK(cudaMemcpyAsync(stage_slot_[b], p.cold_region_host(), p.cold_bytes(), cudaMemcpyHostToDevice, copy_stream_));
+  CUDA_CHECK(cudaEventRecord(stage_copied_[b], copy_stream_));
+}
+
+moe::ExpertResidency Qwen3MoeCuda::residency_for(int l) {
+  moe::ExpertResidency r;
+  const auto it = std::find(moe_layer_ids_.begin(), moe_layer_ids_.end(), l);
+  MOEBIUS_ASSERT(it != moe_layer_ids_.end() && offload_planned_);
+  const std::vector<uint8_t>& m = resident_[static_cast<size_t>(it - moe_layer_ids_.begin())];
+  if (std::find(m.begin(), m.end(), uint8_t{0}) == m.end()) return r;  // all resident
+  r.resident = m;
+  r.cold_host = cold_host_ + cold_host_used_;
+  return r;
+}
+
+bool Qwen3MoeCuda::expert_resident(int layer, int e) const {
+  const Layer& L = layers_.at(static_cast<size_t>(layer));
+  MOEBIUS_ASSERT(L.is_moe);
+  return L.moe.primary().expert_resident(e);
+}
+
+Status Qwen3MoeCuda::swap_experts(int layer, int cold, int resident) {
+  if (layer < 0 || layer >= config_.num_hidden_layers || !layers_[static_cast<size_t>(layer)].is_moe)
+    return Error::format("layer {} is not a MoE layer", layer);
+  if (swap_scratch_ == nullptr) return Error("no expert is offloaded (no --gpu-memory-budget below the model)");
+  return layers_[static_cast<size_t>(layer)].moe.primary().swap_experts(cold, resident, swap_scratch_, stream_);
+}
+
+uint64_t Qwen3MoeCuda::last_step_cold_bytes(int rows) const {
+  if (!offloaded()) return 0;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int k = config_.num_experts_per_tok;
+  uint64_t bytes = 0;
+  std::vector<int32_t> ids(static_cast<size_t>(rows) * static_cast<size_t>(k));
+  std::vector<int64_t> n(static_cast<size_t>(config_.num_experts));
+  for (const Layer& L : layers_) {
+    if (!L.is_moe) continue;
+    const moe::MoeLayerCuda& m = L.moe.for_tokens(rows);
+    if (m.uses_staging()) {  // the step copied the layer's whole cold region (one DMA)
+      bytes += m.cold_bytes();
+      continue;
+    }
+    CUDA_CHECK(cudaMemcpy(ids.data(), m.topk_ids(), ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    std::fill(n.begin(), n.end(), 0);
+    for (int32_t e : ids)
+      if (e >= 0 && e < config_.num_experts) ++n[static_cast<size_t>(e)];
+    // The GEMMs read an expert's weights once per token tile of block_m rows.
+    for (int e = 0; e < config_.num_experts; ++e)
+      if (n[static_cast<size_t>(e)] > 0 && !m.expert_resident(e))
+        bytes += m.expert_bytes() * static_cast<uint64_t>((n[static_cast<size_t>(e)] + m.block_m() - 1) / m.block_m());
+  }
+  return bytes;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -404,13 +712,14 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
     Layer& L = m->layers_[static_cast<size_t>(l)];
     m->upload_dense(w, L);
     if (w.moe) {
-      auto d = m->moe_layers_->make(*w.moe);
-      if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe = std::move(d).value();
-      m->plan_.experts += L.moe.weight_bytes();
+      if (!m->offload_planned_) MOEBIUS_TRY(m->plan_offload(w.moe->w13.at(0), w.moe->w2.at(0)));
+      if (auto st = m->add_moe_layer(l, [&](const moe::ExpertResidency& r) { return m->moe_layers_->make(*w.moe, r); });
+          !st.ok())
+        return std::move(st).error();
     }
     if (m->opt_.progress) m->opt_.progress(l + 2, total);
   }
+  MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -509,10 +818,16 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
     if (L.is_moe) {
       const cpu::MoeShape shape{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
-      auto d = m->moe_layers_->make_dummy(shape, experts, options.experts_group_size, seed++);
-      if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
-      L.moe = std::move(d).value();
-      m->plan_.experts += L.moe.weight_bytes();
+      if (!m->offload_planned_) {
+        const auto [w13, w2] = moe::dummy_expert_shapes(shape, experts, options.experts_group_size);
+        MOEBIUS_TRY(m->plan_offload(w13, w2));
+      }
+      const uint64_t layer_seed = seed++;
+      if (auto st = m->add_moe_layer(l, [&](const moe::ExpertResidency& r) {
+            return m->moe_layers_->make_dummy(shape, experts, options.experts_group_size, layer_seed, r);
+          });
+          !st.ok())
+        return std::move(st).error();
     } else {
       const int64_t I = c.intermediate_size;
       kernels::launch_fill_random_bf16(L.gate_up, static_cast<size_t>(2 * I * H), scale_for(H), seed++, s);
@@ -521,6 +836,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     if (m->opt_.progress) m->opt_.progress(l + 2, total);
   }
   CUDA_CHECK(cudaStreamSynchronize(s));
+  MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -565,6 +881,18 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
   const int max_num_seqs = std::min(rows, opt_.max_seqs);
 
   kernels::launch_embedding(embed_, c.vocab_size, in(at_.ids), rows, H, x_, s);
+  // [TAG_EXPERT_STAGING] An eager step whose MoE bucket stages: the copy stream DMAs the staged
+  // layers' cold regions into the two slots, two layers ahead, ordered after everything already on
+  // the stream (a residency swap rewrites the regions) and before each layer's MoE by events.
+  const bool staging = !decode && !staged_layers_.empty() &&
+                       layers_[static_cast<size_t>(staged_layers_.front())].moe.for_tokens(rows).uses_staging();
+  size_t staged_j = 0;
+  if (staging) {
+    CUDA_CHECK(cudaEventRecord(stage_start_, s));
+    CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, stage_start_, 0));
+    issue_stage_copy(0);
+    issue_stage_copy(1);
+  }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     __nv_bfloat16* kc = kv_ + 2 * kv_pool_elems_ * l;
@@ -585,7 +913,15 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
     kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
     if (L.is_moe) {
-      L.moe.for_tokens(rows).forward(h_, num_tokens, y_, s);  // the smallest bucket >= rows
+      moe::MoeLayerCuda& moe_layer = L.moe.for_tokens(rows);  // the smallest bucket >= rows
+      const bool staged = staging && moe_layer.uses_staging();
+      if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
+      moe_layer.forward(h_, num_tokens, y_, s);
+      if (staged) {
+        CUDA_CHECK(cudaEventRecord(stage_done_[staged_j % 2], s));
+        issue_stage_copy(staged_j + 2);
+        ++staged_j;
+      }
     } else {
       const int I = static_cast<int>(c.intermediate_size);
       gemm_->linear(h_, H, L.gate_up, rows, 2 * I, H, mlp_, 2 * I, s);

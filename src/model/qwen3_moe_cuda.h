@@ -59,12 +59,14 @@
 
 namespace moebius::moe {
 class MoeLayerCuda;
+struct ExpertResidency;
 }
 namespace moebius::runtime {
 class DenseGemm;
 }
 namespace moebius::tune {
 class MoeLayerFactory;
+class MoeLayerSet;
 }
 
 namespace moebius::model {
@@ -89,6 +91,21 @@ struct Qwen3MoeCudaOptions {
   // tune_cache_dir ("" = $MOEBIUS_CACHE_DIR or ~/.cache/moebius); false runs the heuristic.
   bool autotune = false;
   std::string tune_cache_dir;
+  // Expert offload [TAG_EXPERT_OFFLOAD] (src/offload, docs/OFFLOAD.md): "" keeps every expert on
+  // the GPU; "auto" or a number of GiB (`--gpu-memory-budget`) caps the device bytes of the model.
+  // Non-expert weights, KV cache and workspace come first; the experts that do not fit live in one
+  // pinned, mapped host allocation made at load and are read zero-copy through the address table.
+  std::string gpu_memory_budget;
+  // `--placement FILE`: a routing profile (moebius profile-experts); the hottest experts of each
+  // layer by routing mass stay resident. "": uniform placement.
+  std::string placement_file;
+  // At most this many experts per MoE layer on the GPU (tests, and benchmarks comparing placements
+  // at one residency); -1: as many as the budget holds (all without a budget).
+  int max_resident_experts = -1;
+  // How eager steps (prefill) reach cold experts [TAG_EXPERT_STAGING]: "auto" stages where the cost
+  // model (offload/cost_model.h) prefers DMA staging to zero-copy, "zero-copy" never stages,
+  // "staged" stages every eager bucket (tests, measurements). Decode graphs always read zero-copy.
+  std::string cold_path = "auto";
 };
 
 // Device bytes by kind, for the plan printed before generation.
@@ -99,6 +116,13 @@ struct MemoryPlan {
   uint64_t embeddings = 0;  // embed_tokens, lm_head (once when tied), the final norm
   uint64_t kv_cache = 0;
   uint64_t workspace = 0;   // activations, MoE and attention workspaces, cuBLAS workspace, step inputs
+  // Expert offload: cold experts in pinned host memory (not in total()), experts resident / all,
+  // and the budget the plan had to fit (0: none).
+  uint64_t experts_host = 0;
+  int64_t resident_experts = 0, total_experts = 0;
+  uint64_t budget = 0;
+  std::string placement;    // "uniform" or the profile's path
+  std::string cold_paths;   // the cost model's zero-copy / staged choice per capacity bucket
   std::string expert_format;
   int64_t kv_tokens = 0;    // tokens the KV pool holds
   uint64_t weights() const { return attention + experts + dense_mlp + embeddings; }
@@ -195,6 +219,21 @@ class Qwen3MoeCuda {
   Result<std::unique_ptr<Qwen3MoeStagedWeights>> stage_weights(const std::string& dir) const;
   void commit_weights(const Qwen3MoeStagedWeights& staged);
 
+  // Expert offload [TAG_EXPERT_OFFLOAD]. Whether some experts are cold; whether MoE layer `layer`'s
+  // expert `e` is on the GPU now.
+  bool offloaded() const { return plan_.experts_host > 0; }
+  bool expert_resident(int layer, int e) const;
+  // Moves cold expert `cold` of model layer `layer` into resident expert `resident`'s device slot
+  // and `resident` to pinned memory (MoeLayerCuda::swap_experts), enqueued on stream() between
+  // steps. Only the expert address table changes for the kernels, so captured graphs stay valid.
+  Status swap_experts(int layer, int cold, int resident);
+  // Bytes of cold experts the last step moved over PCIe: for a staged layer its whole cold region
+  // (the DMA); otherwise counted from the routing the layer left in its workspace, a cold expert
+  // routed to by n tokens being read ceil(n / block_m) times (once per token tile; an upper bound,
+  // since L2 may serve a repeat). Synchronizes the stream. `rows`: the step's rows (the graph batch for a
+  // decode graph step). Only the first `rows` routing rows are read (padding rows route too).
+  uint64_t last_step_cold_bytes(int rows) const;
+
   // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
   int64_t graph_steps() const { return graph_steps_; }
   int64_t eager_steps() const { return eager_steps_; }
@@ -204,6 +243,21 @@ class Qwen3MoeCuda {
   struct Graph;
   Qwen3MoeCuda();
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
+  // [TAG_EXPERT_OFFLOAD] With a budget: plans the device memory (offload/memory_budget.h) for
+  // experts packed as w13/w2, picks the resident experts per layer (offload/placement.h) and
+  // allocates the one pinned region of the cold experts. Called once, before the first MoE layer.
+  Status plan_offload(const moe::PackedMatrix& w13, const moe::PackedMatrix& w2);
+  // The residency of model layer `l` (every expert resident without a budget).
+  moe::ExpertResidency residency_for(int l);
+  // Makes model layer l's MoE layers with `make(residency_for(l))` and accounts their bytes.
+  Status add_moe_layer(int l, const std::function<Result<tune::MoeLayerSet>(const moe::ExpertResidency&)>& make);
+  // Device bytes the runtime buffers (KV, activations, workspaces) will take, before they exist.
+  uint64_t estimate_runtime_bytes(const moe::PackedMatrix& w2) const;
+  // [TAG_EXPERT_STAGING] After the MoE layers exist: the cost model's choice per bucket, the two
+  // device staging slots, the staged tables, the copy stream and its events.
+  Status setup_staging();
+  // Whether a step of `rows` (eager) stages, and the copy of the j-th staged layer into its slot.
+  void issue_stage_copy(size_t j);
   Status allocate_runtime(int moe_decode_capacity);
   Result<void*> device_alloc(size_t bytes, uint64_t* account);
   // Synchronous host-to-device copies of staged weights into existing buffers.
@@ -258,6 +312,21 @@ class Qwen3MoeCuda {
   int num_sms_ = 0;
 
   int64_t graph_steps_ = 0, eager_steps_ = 0;
+
+  // Expert offload.
+  bool offload_planned_ = false;
+  std::vector<int> moe_layer_ids_;                 // model layers that are MoE, ascending
+  std::vector<std::vector<uint8_t>> resident_;     // [MoE layer][E] from the placement
+  uint8_t* cold_host_ = nullptr;                   // the pinned region (host address)
+  size_t cold_host_bytes_ = 0, cold_host_used_ = 0;
+  uint8_t* swap_scratch_ = nullptr;                // one expert (device), for swap_experts
+  uint64_t planned_staging_ = 0;                   // staging bytes the budget plan reserved
+  // DMA staging [TAG_EXPERT_STAGING]: layer staged_layers_[j] copies into slot j % 2.
+  cudaStream_t copy_stream_ = nullptr;
+  uint8_t* stage_slot_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_copied_[2] = {nullptr, nullptr}, stage_done_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_start_ = nullptr;
+  std::vector<int> staged_layers_;
 };
 
 }  // namespace moebius::model

@@ -71,7 +71,26 @@ int pick_wgmma_block_m(KernelFormat format, int capacity, int top_k, int num_exp
   return (format == KernelFormat::kBF16 || format == KernelFormat::kNvFp4) && avg >= 128 ? 128 : 64;
 }
 
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
 }  // namespace
+
+int ExpertResidency::cold_count() const {
+  return static_cast<int>(std::count(resident.begin(), resident.end(), uint8_t{0}));
+}
+
+size_t expert_region_bytes(const PackedMatrix& w13, const PackedMatrix& w2, int n) {
+  const size_t c = static_cast<size_t>(std::max(n, 0));
+  return align256(packed_weight_bytes(w13) * c) + align256(packed_scale_bytes(w13) * c) +
+         align256(packed_weight_bytes(w2) * c) + align256(packed_scale_bytes(w2) * c);
+}
+
+std::pair<PackedMatrix, PackedMatrix> dummy_expert_shapes(const cpu::MoeShape& s, KernelFormat format,
+                                                          int group_size) {
+  const int g = (format == KernelFormat::kInt4 || format == KernelFormat::kInt2) ? group_size : 0;
+  const int64_t I8 = (s.intermediate + 7) / 8 * 8;
+  return {packed_shape(format, 2 * I8, s.hidden, g), packed_shape(format, s.hidden, s.intermediate, g)};
+}
 
 const char* moe_gemm_path_name(MoeGemmPath p) {
   switch (p) {
@@ -100,7 +119,7 @@ const char* moe_stage_name(MoeStage s) {
 MoeLayerCuda::~MoeLayerCuda() = default;
 
 Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13,
-                              const PackedMatrix& w2, const MoeCudaOptions& opt) {
+                              const PackedMatrix& w2, const MoeCudaOptions& opt, const ExpertResidency& residency) {
   if (shape.num_experts > kernels::kRouteMaxExperts || shape.top_k > kernels::kRouteMaxTopK)
     return Error::format("the CUDA router supports E <= {} and k <= {}; got E={} k={}", kernels::kRouteMaxExperts,
                          kernels::kRouteMaxTopK, shape.num_experts, shape.top_k);
@@ -133,10 +152,43 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
     MOEBIUS_ASSIGN_OR_RETURN(uint8_t* p_, alloc(sizeof(type) * (count)));    \
     ptr = reinterpret_cast<type*>(p_);                                       \
   } while (0)
-  MOEBIUS_ALLOC(w13_, uint8_t, w13_bytes_ * E);
-  MOEBIUS_ALLOC(s13_, uint8_t, s13_bytes_ * E);
-  MOEBIUS_ALLOC(w2_, uint8_t, w2_bytes_ * E);
-  MOEBIUS_ALLOC(s2_, uint8_t, s2_bytes_ * E);
+  // [TAG_EXPERT_OFFLOAD] Device slots for the resident experts; the cold ones in the caller's
+  // pinned region, carved in the same matrix-major layout.
+  if (!residency.resident.empty() && residency.resident.size() != static_cast<size_t>(E))
+    return Error::format("a residency mask of {} experts for E={}", residency.resident.size(), E);
+  const int cold = residency.resident.empty() ? 0 : residency.cold_count();
+  if (cold > 0 && residency.cold_host == nullptr) return Error("cold experts need a pinned host region");
+  slots_ = E - cold;
+  res_ = std::make_shared<Residency>();
+  res_->home.resize(static_cast<size_t>(E));
+  res_->table13.resize(static_cast<size_t>(E));
+  res_->table2.resize(static_cast<size_t>(E));
+  {
+    int slot = 0, c = 0;
+    for (int e = 0; e < E; ++e)
+      res_->home[static_cast<size_t>(e)] =
+          residency.resident.empty() || residency.resident[static_cast<size_t>(e)] ? slot++ : -1 - c++;
+  }
+  const size_t n = static_cast<size_t>(slots_);
+  MOEBIUS_ALLOC(w13_, uint8_t, w13_bytes_ * n);
+  MOEBIUS_ALLOC(s13_, uint8_t, s13_bytes_ * n);
+  MOEBIUS_ALLOC(w2_, uint8_t, w2_bytes_ * n);
+  MOEBIUS_ALLOC(s2_, uint8_t, s2_bytes_ * n);
+  if (cold > 0) {
+    const size_t nc = static_cast<size_t>(cold);
+    cold_bytes_ = expert_region_bytes(w13, w2, cold);
+    cw13_ = residency.cold_host;
+    cs13_ = cw13_ + align256(w13_bytes_ * nc);
+    cw2_ = cs13_ + align256(s13_bytes_ * nc);
+    cs2_ = cw2_ + align256(w2_bytes_ * nc);
+    // The kernels' address of the same bytes (equal to the host pointer under UVA; asked anyway).
+    void* alias = nullptr;
+    CUDA_CHECK(cudaHostGetDevicePointer(&alias, residency.cold_host, 0));
+    dcw13_ = static_cast<uint8_t*>(alias);
+    dcs13_ = dcw13_ + (cs13_ - cw13_);
+    dcw2_ = dcw13_ + (cw2_ - cw13_);
+    dcs2_ = dcw13_ + (cs2_ - cw13_);
+  }
   MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
@@ -152,15 +204,124 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
     CUDA_CHECK(cudaMemcpy(router_table_, &t, sizeof(t), cudaMemcpyHostToDevice));
   }
 #undef MOEBIUS_ALLOC
-  host_table13_.resize(static_cast<size_t>(E));
-  host_table2_.resize(static_cast<size_t>(E));
-  for (int e = 0; e < E; ++e) {
-    host_table13_[e].weight = w13_ + w13_bytes_ * e;
-    host_table13_[e].scales = s13_bytes_ ? s13_ + s13_bytes_ * e : nullptr;
-    host_table2_[e].weight = w2_ + w2_bytes_ * e;
-    host_table2_[e].scales = s2_bytes_ ? s2_ + s2_bytes_ * e : nullptr;
-  }
+  for (int e = 0; e < E; ++e) set_table_entry(e);
   return allocate_workspace(opt);
+}
+
+MoeLayerCuda::ExpertAddr MoeLayerCuda::copy_addr(int e) const {
+  const int h = res_->home[static_cast<size_t>(e)];
+  if (h >= 0) {
+    const size_t i = static_cast<size_t>(h);
+    return {w13_ + w13_bytes_ * i, s13_ + s13_bytes_ * i, w2_ + w2_bytes_ * i, s2_ + s2_bytes_ * i};
+  }
+  const size_t c = static_cast<size_t>(-1 - h);
+  return {cw13_ + w13_bytes_ * c, cs13_ + s13_bytes_ * c, cw2_ + w2_bytes_ * c, cs2_ + s2_bytes_ * c};
+}
+
+MoeLayerCuda::ExpertAddr MoeLayerCuda::kernel_addr(int e) const {
+  const int h = res_->home[static_cast<size_t>(e)];
+  if (h >= 0) return copy_addr(e);
+  const size_t c = static_cast<size_t>(-1 - h);
+  return {dcw13_ + w13_bytes_ * c, dcs13_ + s13_bytes_ * c, dcw2_ + w2_bytes_ * c, dcs2_ + s2_bytes_ * c};
+}
+
+void MoeLayerCuda::set_table_entry(int e) {
+  const ExpertAddr a = kernel_addr(e);
+  kernels::ExpertMatrixPtrs& t13 = res_->table13[static_cast<size_t>(e)];
+  kernels::ExpertMatrixPtrs& t2 = res_->table2[static_cast<size_t>(e)];
+  t13.weight = a.w13;
+  t13.scales = s13_bytes_ ? a.s13 : nullptr;
+  t2.weight = a.w2;
+  t2.scales = s2_bytes_ ? a.s2 : nullptr;
+}
+
+kernels::ExpertMatrixPtrs MoeLayerCuda::staged_entry(int e, bool w13) const {
+  kernels::ExpertMatrixPtrs t = w13 ? res_->table13[static_cast<size_t>(e)] : res_->table2[static_cast<size_t>(e)];
+  if (res_->home[static_cast<size_t>(e)] >= 0) return t;
+  // The same offsets in the slot as in the cold region (a verbatim copy of it).
+  const ExpertAddr a = copy_addr(e);
+  uint8_t* slot = res_->staging_slot;
+  if (w13) {
+    t.weight = slot + (a.w13 - cw13_);
+    t.scales = s13_bytes_ ? slot + (a.s13 - cw13_) : nullptr;
+  } else {
+    t.weight = slot + (a.w2 - cw13_);
+    t.scales = s2_bytes_ ? slot + (a.s2 - cw13_) : nullptr;
+  }
+  return t;
+}
+
+Status MoeLayerCuda::set_staging_slot(uint8_t* slot) {
+  if (cold_experts() == 0) return Ok{};  // nothing to stage
+  MOEBIUS_ASSERT(slot != nullptr && res_->staged13 == nullptr, "set_staging_slot once per weights");
+  const size_t E = static_cast<size_t>(shape_.num_experts);
+  MOEBIUS_ASSIGN_OR_RETURN(Buffer b13, Buffer::allocate(MemoryKind::kDevice, sizeof(kernels::ExpertMatrixPtrs) * E));
+  MOEBIUS_ASSIGN_OR_RETURN(Buffer b2, Buffer::allocate(MemoryKind::kDevice, sizeof(kernels::ExpertMatrixPtrs) * E));
+  res_->staged13 = b13.as<kernels::ExpertMatrixPtrs>();
+  res_->staged2 = b2.as<kernels::ExpertMatrixPtrs>();
+  weights_->push_back(std::move(b13));
+  weights_->push_back(std::move(b2));
+  res_->staging_slot = slot;
+  write_staged_tables();
+  return Ok{};
+}
+
+void MoeLayerCuda::write_staged_tables() {
+  if (res_->staged13 == nullptr) return;
+  const size_t E = static_cast<size_t>(shape_.num_experts);
+  std::vector<kernels::ExpertMatrixPtrs> t13(E), t2(E);
+  for (size_t e = 0; e < E; ++e) {
+    t13[e] = staged_entry(static_cast<int>(e), true);
+    t2[e] = staged_entry(static_cast<int>(e), false);
+  }
+  CUDA_CHECK(cudaMemcpy(res_->staged13, t13.data(), sizeof(t13[0]) * E, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(res_->staged2, t2.data(), sizeof(t2[0]) * E, cudaMemcpyHostToDevice));
+}
+
+size_t MoeLayerCuda::device_weight_bytes() const {
+  return weight_bytes() - expert_bytes_ * static_cast<size_t>(shape_.num_experts - slots_);
+}
+
+Status MoeLayerCuda::swap_experts(int cold, int resident, uint8_t* scratch, cudaStream_t stream) {
+  const int E = shape_.num_experts;
+  if (cold < 0 || cold >= E || resident < 0 || resident >= E)
+    return Error::format("experts {} and {} outside [0, {})", cold, resident, E);
+  if (expert_resident(cold) || !expert_resident(resident))
+    return Error::format("swap_experts({}, {}): the first must be cold and the second resident", cold, resident);
+  MOEBIUS_ASSERT(scratch != nullptr);
+  const ExpertAddr dev = copy_addr(resident), host = copy_addr(cold);
+  // scratch <- resident's slot; slot <- cold's pinned bytes; pinned <- scratch. The pieces sit at
+  // the same offsets in the scratch as in an expert of a one-expert region.
+  const size_t sizes[4] = {w13_bytes_, s13_bytes_, w2_bytes_, s2_bytes_};
+  uint8_t* const d[4] = {dev.w13, dev.s13, dev.w2, dev.s2};
+  uint8_t* const h[4] = {host.w13, host.s13, host.w2, host.s2};
+  size_t off = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (sizes[i] == 0) continue;
+    CUDA_CHECK(cudaMemcpyAsync(scratch + off, d[i], sizes[i], cudaMemcpyDeviceToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(d[i], h[i], sizes[i], cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(h[i], scratch + off, sizes[i], cudaMemcpyDeviceToHost, stream));
+    off += sizes[i];
+  }
+  std::swap(res_->home[static_cast<size_t>(cold)], res_->home[static_cast<size_t>(resident)]);
+  set_table_entry(cold);
+  set_table_entry(resident);
+  if (res_->staged13 != nullptr)
+    for (int e : {cold, resident}) {
+      const kernels::ExpertMatrixPtrs a = staged_entry(e, true), b = staged_entry(e, false);
+      // Pageable sources: staged before the call returns, so locals are fine.
+      CUDA_CHECK(cudaMemcpyAsync(res_->staged13 + e, &a, sizeof(a), cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(res_->staged2 + e, &b, sizeof(b), cudaMemcpyHostToDevice, stream));
+    }
+  // The table write: two entries per table. From pageable memory, so cudaMemcpyAsync stages the
+  // source before it returns and the host mirrors may change again at once.
+  for (int e : {cold, resident}) {
+    CUDA_CHECK(cudaMemcpyAsync(table13_ + e, &res_->table13[static_cast<size_t>(e)], sizeof(kernels::ExpertMatrixPtrs),
+                               cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(table2_ + e, &res_->table2[static_cast<size_t>(e)], sizeof(kernels::ExpertMatrixPtrs),
+                               cudaMemcpyHostToDevice, stream));
+  }
+  return Ok{};
 }
 
 Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
@@ -283,8 +444,17 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaO
   L->s2_bytes_ = s2_bytes_;
   L->table13_ = table13_;
   L->table2_ = table2_;
-  L->host_table13_ = host_table13_;
-  L->host_table2_ = host_table2_;
+  L->res_ = res_;
+  L->slots_ = slots_;
+  L->cold_bytes_ = cold_bytes_;
+  L->cw13_ = cw13_;
+  L->cs13_ = cs13_;
+  L->cw2_ = cw2_;
+  L->cs2_ = cs2_;
+  L->dcw13_ = dcw13_;
+  L->dcs13_ = dcs13_;
+  L->dcw2_ = dcw2_;
+  L->dcs2_ = dcs2_;
   L->router_weight_ = router_weight_;
   L->correction_bias_ = correction_bias_;
   L->router_packed_ = router_packed_;
@@ -295,19 +465,20 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaO
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const cpu::MoeLayerReference& layer,
-                                                           const MoeCudaOptions& opt) {
+                                                           const MoeCudaOptions& opt, const ExpertResidency& residency) {
   MOEBIUS_ASSIGN_OR_RETURN(PackedMoeLayer packed, pack_moe_layer(layer));
-  return create(packed, opt);
+  return create(packed, opt, residency);
 }
 
-Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const PackedMoeLayer& p, const MoeCudaOptions& opt) {
+Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create(const PackedMoeLayer& p, const MoeCudaOptions& opt,
+                                                           const ExpertResidency& residency) {
   const int E = p.shape.num_experts;
   if (E < 1 || static_cast<int>(p.w13.size()) != E || static_cast<int>(p.w2.size()) != E ||
       p.router.size() != static_cast<size_t>(E) * static_cast<size_t>(p.shape.hidden))
     return Error::format("a packed MoE layer of E={} holds {} gate/up, {} down and {} router values", E, p.w13.size(),
                          p.w2.size(), p.router.size());
   std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
-  MOEBIUS_TRY(L->allocate(p.shape, p.format, p.w13[0], p.w2[0], opt));
+  MOEBIUS_TRY(L->allocate(p.shape, p.format, p.w13[0], p.w2[0], opt, residency));
   const cpu::RouterConfig& r = p.routing;
   L->route_.scoring = r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax
                                                                 : kernels::RouteScoring::kSigmoid;
@@ -387,19 +558,20 @@ void MoeLayerCuda::upload(const PackedMoeLayer& p) {
     const PackedMatrix& b = p.w2[static_cast<size_t>(e)];
     MOEBIUS_ASSERT(a.weight.size() == w13_bytes_ && a.scales.size() == s13_bytes_ && b.weight.size() == w2_bytes_ &&
                    b.scales.size() == s2_bytes_);
-    CUDA_CHECK(cudaMemcpy(w13_ + w13_bytes_ * e, a.weight.data(), a.weight.size(), cudaMemcpyHostToDevice));
-    if (!a.scales.empty())
-      CUDA_CHECK(cudaMemcpy(s13_ + s13_bytes_ * e, a.scales.data(), a.scales.size(), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(w2_ + w2_bytes_ * e, b.weight.data(), b.weight.size(), cudaMemcpyHostToDevice));
-    if (!b.scales.empty())
-      CUDA_CHECK(cudaMemcpy(s2_ + s2_bytes_ * e, b.scales.data(), b.scales.size(), cudaMemcpyHostToDevice));
-    host_table13_[static_cast<size_t>(e)].global_scale[0] = a.global_scale[0];
-    host_table13_[static_cast<size_t>(e)].global_scale[1] = a.global_scale[1];
-    host_table2_[static_cast<size_t>(e)].global_scale[0] = b.global_scale[0];
-    host_table2_[static_cast<size_t>(e)].global_scale[1] = b.global_scale[1];
+    // Wherever the expert lives now (a device slot or pinned host memory: cudaMemcpyDefault).
+    const ExpertAddr dst = copy_addr(e);
+    CUDA_CHECK(cudaMemcpy(dst.w13, a.weight.data(), a.weight.size(), cudaMemcpyDefault));
+    if (!a.scales.empty()) CUDA_CHECK(cudaMemcpy(dst.s13, a.scales.data(), a.scales.size(), cudaMemcpyDefault));
+    CUDA_CHECK(cudaMemcpy(dst.w2, b.weight.data(), b.weight.size(), cudaMemcpyDefault));
+    if (!b.scales.empty()) CUDA_CHECK(cudaMemcpy(dst.s2, b.scales.data(), b.scales.size(), cudaMemcpyDefault));
+    res_->table13[static_cast<size_t>(e)].global_scale[0] = a.global_scale[0];
+    res_->table13[static_cast<size_t>(e)].global_scale[1] = a.global_scale[1];
+    res_->table2[static_cast<size_t>(e)].global_scale[0] = b.global_scale[0];
+    res_->table2[static_cast<size_t>(e)].global_scale[1] = b.global_scale[1];
   }
-  CUDA_CHECK(cudaMemcpy(table13_, host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(table2_, host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(table13_, res_->table13.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(table2_, res_->table2.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
+  write_staged_tables();  // they carry the same global scales
   CUDA_CHECK(cudaMemcpy(router_weight_, p.router.data(), p.router.size() * 2, cudaMemcpyHostToDevice));
   upload_packed_router(p.router_tiles);
   if (correction_bias_ != nullptr)
@@ -412,7 +584,7 @@ void MoeLayerCuda::upload(const PackedMoeLayer& p) {
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeShape& s, KernelFormat format,
                                                                  int group_size, const MoeCudaOptions& opt,
-                                                                 uint64_t seed) {
+                                                                 uint64_t seed, const ExpertResidency& residency) {
   if (s.hidden <= 0 || s.intermediate <= 0 || s.num_experts <= 0 || s.top_k <= 0 || s.top_k > s.num_experts)
     return Error::format("bad MoE shape H={} I={} E={} k={}", s.hidden, s.intermediate, s.num_experts, s.top_k);
   if (format == KernelFormat::kNvFp4 && (s.hidden % 16 != 0 || s.intermediate % 16 != 0))
@@ -420,26 +592,36 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
   const int g = (format == KernelFormat::kInt4 || format == KernelFormat::kInt2) ? group_size : 0;
   if (g != 0 && (g % 16 != 0 || s.hidden % g != 0 || s.intermediate % g != 0))
     return Error::format("group size {} must be a multiple of 16 dividing H={} and I={}", g, s.hidden, s.intermediate);
-  const int64_t I8 = (s.intermediate + 7) / 8 * 8;
-  const PackedMatrix w13 = packed_shape(format, 2 * I8, s.hidden, g);
-  const PackedMatrix w2 = packed_shape(format, s.hidden, s.intermediate, g);
+  const auto [w13, w2] = dummy_expert_shapes(s, format, group_size);
   std::unique_ptr<MoeLayerCuda> L(new MoeLayerCuda());
-  MOEBIUS_TRY(L->allocate(s, format, w13, w2, opt));
+  MOEBIUS_TRY(L->allocate(s, format, w13, w2, opt, residency));
   const int E = s.num_experts;
   cudaStream_t st = nullptr;
-  if (format == KernelFormat::kBF16) {
-    kernels::launch_fill_random_bf16(L->w13_, L->w13_bytes_ * E / 2, 0.03f, seed, st);
-    kernels::launch_fill_random_bf16(L->w2_, L->w2_bytes_ * E / 2, 0.03f, seed + 1, st);
-  } else {
-    kernels::launch_fill_random_bytes(L->w13_, L->w13_bytes_ * E, seed, st);
-    kernels::launch_fill_random_bytes(L->w2_, L->w2_bytes_ * E, seed + 1, st);
-  }
-  if (format == KernelFormat::kNvFp4) {  // e4m3 1.0 block scales; global scale 1
-    CUDA_CHECK(cudaMemset(L->s13_, 0x38, L->s13_bytes_ * E));
-    CUDA_CHECK(cudaMemset(L->s2_, 0x38, L->s2_bytes_ * E));
-  } else if (g != 0) {  // fp16 1/64 group scales
-    kernels::launch_fill_u16(L->s13_, L->s13_bytes_ * E / 2, 0x2400, st);
-    kernels::launch_fill_u16(L->s2_, L->s2_bytes_ * E / 2, 0x2400, st);
+  // The device slots, then the cold region through its mapped alias (the fill kernels write it
+  // over PCIe, once at load) [TAG_EXPERT_OFFLOAD].
+  struct Region {
+    uint8_t *w13, *s13, *w2, *s2;
+    size_t n;
+    uint64_t seed;
+  };
+  const Region regions[2] = {{L->w13_, L->s13_, L->w2_, L->s2_, static_cast<size_t>(L->slots_), seed},
+                             {L->dcw13_, L->dcs13_, L->dcw2_, L->dcs2_, static_cast<size_t>(E - L->slots_), seed + 3}};
+  for (const Region& r : regions) {
+    if (r.n == 0) continue;
+    if (format == KernelFormat::kBF16) {
+      kernels::launch_fill_random_bf16(r.w13, L->w13_bytes_ * r.n / 2, 0.03f, r.seed, st);
+      kernels::launch_fill_random_bf16(r.w2, L->w2_bytes_ * r.n / 2, 0.03f, r.seed + 1, st);
+    } else {
+      kernels::launch_fill_random_bytes(r.w13, L->w13_bytes_ * r.n, r.seed, st);
+      kernels::launch_fill_random_bytes(r.w2, L->w2_bytes_ * r.n, r.seed + 1, st);
+    }
+    if (format == KernelFormat::kNvFp4) {  // e4m3 1.0 block scales; global scale 1
+      CUDA_CHECK(cudaMemset(r.s13, 0x38, L->s13_bytes_ * r.n));
+      CUDA_CHECK(cudaMemset(r.s2, 0x38, L->s2_bytes_ * r.n));
+    } else if (g != 0) {  // fp16 1/64 group scales
+      kernels::launch_fill_u16(r.s13, L->s13_bytes_ * r.n / 2, 0x2400, st);
+      kernels::launch_fill_u16(r.s2, L->s2_bytes_ * r.n / 2, 0x2400, st);
+    }
   }
   kernels::launch_fill_random_bf16(L->router_weight_, static_cast<size_t>(E) * s.hidden, 0.05f, seed + 2, st);
   if (L->router_packed_ != nullptr) {  // the same random router, also in the tile layout
@@ -447,9 +629,9 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
     CUDA_CHECK(cudaMemcpy(rw.data(), L->router_weight_, rw.size() * 2, cudaMemcpyDeviceToHost));
     L->upload_packed_router(pack_router(rw, E, s.hidden));
   }
-  CUDA_CHECK(cudaMemcpy(L->table13_, L->host_table13_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+  CUDA_CHECK(cudaMemcpy(L->table13_, L->res_->table13.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
                         cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(L->table2_, L->host_table2_.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
+  CUDA_CHECK(cudaMemcpy(L->table2_, L->res_->table2.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
                         cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaDeviceSynchronize());
   return L;
@@ -543,17 +725,17 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                 padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
       return;
     case MoeStage::kGateUp:
-      gate_up(f, table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
+      gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
       return;
     case MoeStage::kDown:
       if (store) {
-        down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore, y_, H, nullptr, nullptr, 0,
-             stream);
+        down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore,
+             y_, H, nullptr, nullptr, 0, stream);
       } else {
         // The atomic combine accumulates into out, so the capacity rows are zeroed first.
         CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
-        down(f, table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic, nullptr, 0, topk_weights, out,
-             H, stream);
+        down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kAtomic,
+             nullptr, 0, topk_weights, out, H, stream);
       }
       return;
     case MoeStage::kCombine:

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -83,16 +84,38 @@ struct MoeCudaOptions {
   std::shared_ptr<MoeWorkspacePool> workspace_pool;
 };
 
+// [TAG_EXPERT_OFFLOAD] Where a layer's experts live when the GPU memory budget cannot hold them
+// all (src/offload decides which). Resident experts fill device slots; cold ones live in pinned,
+// mapped host memory that the caller allocated ONCE at load (Buffer kPinnedHost: cudaHostAlloc
+// portable | mapped), and the kernels read them through their device alias in the address table
+// [TAG_EXPERT_PTR_TABLE] (zero-copy over PCIe). Either region holds the experts matrix-major, as
+// the device weights always did: [n][w13 weight] [n][w13 scales] [n][w2 weight] [n][w2 scales],
+// each array 256-byte aligned (expert_region_bytes), so a layer's cold experts are one contiguous
+// range (one DMA when staged) and each 512-byte tile chunk is one wide, coalesced read.
+struct ExpertResidency {
+  std::vector<uint8_t> resident;  // [E]: 1 on the GPU, 0 cold; empty: every expert resident
+  uint8_t* cold_host = nullptr;   // host address of expert_region_bytes(.., cold count) pinned bytes
+  int cold_count() const;
+};
+// Bytes of `n` experts' packed matrices in the region layout above.
+size_t expert_region_bytes(const PackedMatrix& w13, const PackedMatrix& w2, int n);
+// The packed shapes of create_dummy's experts (gate/up and down).
+std::pair<PackedMatrix, PackedMatrix> dummy_expert_shapes(const cpu::MoeShape& shape, KernelFormat format,
+                                                          int group_size);
+
 class MoeLayerCuda {
  public:
   // Packs the reference layer's experts into the tile layout and uploads everything.
-  static Result<std::unique_ptr<MoeLayerCuda>> create(const cpu::MoeLayerReference& layer, const MoeCudaOptions& opt);
+  static Result<std::unique_ptr<MoeLayerCuda>> create(const cpu::MoeLayerReference& layer, const MoeCudaOptions& opt,
+                                                      const ExpertResidency& residency = {});
   // The same from a layer packed on the host (pack_moe_layer).
-  static Result<std::unique_ptr<MoeLayerCuda>> create(const PackedMoeLayer& packed, const MoeCudaOptions& opt);
+  static Result<std::unique_ptr<MoeLayerCuda>> create(const PackedMoeLayer& packed, const MoeCudaOptions& opt,
+                                                      const ExpertResidency& residency = {});
   // Random weights of the given geometry and format written straight into the packed layout on
   // the device (benchmarks): codes uniform, neutral scales (global scale 1).
   static Result<std::unique_ptr<MoeLayerCuda>> create_dummy(const cpu::MoeShape& shape, KernelFormat format,
-                                                           int group_size, const MoeCudaOptions& opt, uint64_t seed);
+                                                           int group_size, const MoeCudaOptions& opt, uint64_t seed,
+                                                           const ExpertResidency& residency = {});
   // Another layer over the SAME device weights with its own workspace for another capacity: a
   // model keeps a small-capacity one for decode (fused routing, a grid of a few tiles) and a large
   // one for prefill, and stores the experts once. The weights live while either layer does.
@@ -148,10 +171,50 @@ class MoeLayerCuda {
   }
   size_t workspace_bytes() const { return workspace_bytes_; }
 
+  // Expert offload [TAG_EXPERT_OFFLOAD]. Device slots and cold experts of this layer's weights
+  // (shared with every share_weights layer).
+  int device_slots() const { return slots_; }
+  int cold_experts() const { return shape_.num_experts - slots_; }
+  bool expert_resident(int e) const { return res_->home[static_cast<size_t>(e)] >= 0; }
+  // Device bytes of the resident experts and router (what weight_bytes() counts when all are
+  // resident), and pinned host bytes of the cold experts.
+  size_t device_weight_bytes() const;
+  size_t cold_bytes() const { return cold_bytes_; }
+  // The dynamic cache's move: cold expert `cold` takes resident expert `resident`'s device slot and
+  // `resident` takes `cold`'s place in pinned memory (three copies per matrix on `stream` through
+  // `scratch`, >= expert_bytes() of device memory the caller owns, one for all layers), then the
+  // two address-table entries are rewritten on `stream`. The device
+  // addresses kernels read from (the tables) do not move, so graphs captured before stay valid and
+  // replay with the new residency. Enqueued on `stream` after whatever forward is already there;
+  // no forward may run on another stream meanwhile. Errors for experts on the wrong side.
+  Status swap_experts(int cold, int resident, uint8_t* scratch, cudaStream_t stream);
+
+  // DMA staging [TAG_EXPERT_STAGING] (docs/OFFLOAD.md). set_staging_slot (at load, once per
+  // weights, after the layer set is made) allocates a second pair of address tables whose cold
+  // entries point into `slot`: device memory of cold_bytes() into which the caller copies this
+  // layer's whole cold region verbatim (one DMA; the region layout is position-independent) before
+  // the forward. A layer instance with set_use_staging(true) (the prefill bucket) runs its GEMMs on
+  // those tables; the caller orders the copy before the forward and the forward before the slot's
+  // next copy (events, no host sync). swap_experts keeps both table pairs current.
+  Status set_staging_slot(uint8_t* slot);
+  void set_use_staging(bool on) { use_staging_ = on && res_->staged13 != nullptr; }
+  bool uses_staging() const { return use_staging_; }
+  // The host address of the cold region (the DMA source) and its device alias.
+  const uint8_t* cold_region_host() const { return cw13_; }
+
  private:
   MoeLayerCuda() = default;
   Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,
-                  const PackedMatrix& w2_proto, const MoeCudaOptions& opt);
+                  const PackedMatrix& w2_proto, const MoeCudaOptions& opt, const ExpertResidency& residency);
+  // Where expert e's four arrays are: host-writable addresses for copies (device pointers, or the
+  // pinned host pointers) and the addresses the kernels read (device, or the mapped alias).
+  struct ExpertAddr {
+    uint8_t *w13 = nullptr, *s13 = nullptr, *w2 = nullptr, *s2 = nullptr;
+  };
+  ExpertAddr copy_addr(int e) const;
+  ExpertAddr kernel_addr(int e) const;
+  // Points expert e's table entries (host mirrors) at kernel_addr(e); global scales unchanged.
+  void set_table_entry(int e);
   // The router in the tile layout (pack_router), for the tensor-core router; nothing when this
   // layer keeps no such copy.
   void upload_packed_router(const PackedMatrix& tiles);
@@ -183,7 +246,26 @@ class MoeLayerCuda {
   size_t w13_bytes_ = 0, s13_bytes_ = 0, w2_bytes_ = 0, s2_bytes_ = 0;
   kernels::ExpertMatrixPtrs* table13_ = nullptr;  // [E] device  [TAG_EXPERT_PTR_TABLE]
   kernels::ExpertMatrixPtrs* table2_ = nullptr;
-  std::vector<kernels::ExpertMatrixPtrs> host_table13_, host_table2_;
+  // Residency, shared by the share_weights layers: home[e] >= 0 is a device slot, -1 - c the
+  // c-th cold place; the host mirrors of the tables.
+  struct Residency {
+    std::vector<int> home;  // [E]
+    std::vector<kernels::ExpertMatrixPtrs> table13, table2;
+    // [TAG_EXPERT_STAGING] tables (device) and the slot their cold entries point into.
+    kernels::ExpertMatrixPtrs* staged13 = nullptr;
+    kernels::ExpertMatrixPtrs* staged2 = nullptr;
+    uint8_t* staging_slot = nullptr;
+  };
+  // Expert e's staged-table entries from its home (cold experts: the slot at the region offset).
+  kernels::ExpertMatrixPtrs staged_entry(int e, bool w13) const;
+  void write_staged_tables();  // both staged tables from the host mirrors (synchronous)
+  bool use_staging_ = false;
+  std::shared_ptr<Residency> res_;
+  int slots_ = 0;
+  size_t cold_bytes_ = 0;
+  // Cold region (pinned host), matrix-major like the device one: host pointers and device aliases.
+  uint8_t *cw13_ = nullptr, *cs13_ = nullptr, *cw2_ = nullptr, *cs2_ = nullptr;
+  uint8_t *dcw13_ = nullptr, *dcs13_ = nullptr, *dcw2_ = nullptr, *dcs2_ = nullptr;
   __nv_bfloat16* router_weight_ = nullptr;  // [E, H]
   // Tensor-core router: the router weight in the bf16 tile layout, a one-entry pointer table, and
   // the identity routing (pair = token, expert 0) its GEMM runs over.

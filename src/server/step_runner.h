@@ -80,6 +80,9 @@ struct RunnerOptions {
   int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
   std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
+  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
+  std::string gpu_memory_budget;
+  std::string placement_file;
 };
 
 // Loads the model for `options.backend`. Errors name the offending flag.

@@ -83,6 +83,8 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   co.num_blocks = o.num_blocks;
   co.graph_batches = o.graph_batches;
   co.autotune = o.autotune;
+  co.gpu_memory_budget = o.gpu_memory_budget;
+  co.placement_file = o.placement_file;
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));

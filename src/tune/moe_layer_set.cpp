@@ -100,19 +100,19 @@ Result<MoeLayerSet> MoeLayerFactory::make(const cpu::MoeLayerReference& layer) {
   return make_set(std::move(s));
 }
 
-Result<MoeLayerSet> MoeLayerFactory::make(const moe::PackedMoeLayer& packed) {
+Result<MoeLayerSet> MoeLayerFactory::make(const moe::PackedMoeLayer& packed, const moe::ExpertResidency& residency) {
   moe::MoeCudaOptions seed;
   seed.capacity = 1;
-  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<moe::MoeLayerCuda> s, moe::MoeLayerCuda::create(packed, seed));
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<moe::MoeLayerCuda> s, moe::MoeLayerCuda::create(packed, seed, residency));
   return make_set(std::move(s));
 }
 
 Result<MoeLayerSet> MoeLayerFactory::make_dummy(const cpu::MoeShape& shape, moe::KernelFormat format, int group_size,
-                                                uint64_t seed) {
+                                                uint64_t seed, const moe::ExpertResidency& residency) {
   moe::MoeCudaOptions o;
   o.capacity = 1;
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<moe::MoeLayerCuda> s,
-                           moe::MoeLayerCuda::create_dummy(shape, format, group_size, o, seed));
+                           moe::MoeLayerCuda::create_dummy(shape, format, group_size, o, seed, residency));
   return make_set(std::move(s));
 }
 

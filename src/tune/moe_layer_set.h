@@ -69,9 +69,11 @@ class MoeLayerFactory {
 
   // The set for one layer's reference weights / for random weights of a geometry (benchmarks).
   Result<MoeLayerSet> make(const cpu::MoeLayerReference& layer);
-  Result<MoeLayerSet> make(const moe::PackedMoeLayer& packed);  // weights packed on the host (staging)
+  // `residency`: which experts stay on the GPU and where the cold ones live [TAG_EXPERT_OFFLOAD].
+  Result<MoeLayerSet> make(const moe::PackedMoeLayer& packed,  // weights packed on the host (staging)
+                           const moe::ExpertResidency& residency = {});
   Result<MoeLayerSet> make_dummy(const cpu::MoeShape& shape, moe::KernelFormat format, int group_size,
-                                 uint64_t seed);
+                                 uint64_t seed, const moe::ExpertResidency& residency = {});
 
   const CapacityBuckets& buckets() const { return *buckets_; }
   // Device bytes of the shared workspaces alive now.
