@@ -49,6 +49,8 @@
 #include "formats/quant_matrix.h"
 #include "model/kv_cache.h"
 #include "model/qwen3_moe_config.h"
+#include "moe/ep_moe_cpu.h"
+#include "parallel/communicator.h"
 
 namespace moebius {
 class SafetensorsCheckpoint;
@@ -68,6 +70,14 @@ struct Qwen3MoeLoadOptions {
   // Round the SwiGLU intermediate to bf16 before the down projection, as the GPU kernels do.
   // Off (pure fp32) for comparisons with transformers in fp32.
   bool round_intermediate_to_bf16 = false;
+  // Expert parallelism (moe/ep_moe_cpu.h): with a communicator, this model is rank
+  // ep_comm->rank() of ep_comm->size(). It loads only its own E / N experts of every MoE layer
+  // (Qwen3MoeLayerWeights::moe.experts holds those, [TAG_EP_EXPERT_OWNER]) and its MoE layers
+  // dispatch to and combine from the other ranks. Every rank must then call forward /
+  // forward_batch the same number of times (a rank with nothing to run passes no sequences), since
+  // each MoE layer is a collective. Null: a single process holding every expert.
+  std::shared_ptr<parallel::Communicator> ep_comm;
+  moe::EpPayload ep_payload = moe::EpPayload::kF32;  // the dispatched rows' precision
 };
 
 struct Qwen3MoeLayerWeights {
@@ -150,6 +160,8 @@ class Qwen3MoeCpu {
   // lm_head only for the wanted rows. Every op is per token, so each sequence's results are
   // bit-identical to forward() on it alone. Writes logits [R, V] for the R sequences with
   // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
+  // With expert parallelism (options.ep_comm) `seqs` may be empty: the rank then only serves its
+  // experts to the other ranks' tokens for this step.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
 
  private:
