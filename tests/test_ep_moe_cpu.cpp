@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "cpu/ep_pack.h"
+#include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
 #include "moe/ep_moe_cpu.h"
 #include "parallel/in_process_communicator.h"
@@ -385,6 +386,38 @@ TEST(EpQwen3MoeCpu, RanksHoldOnlyTheirExperts) {
     return Qwen3MoeCpu::load(testing::tiny_fixture_dir(), opt).ok() ? Status(Ok{}) : Status(Error("load failed"));
   });
   EXPECT_FALSE(bad[0].ok());
+}
+
+// `moebius generate --ep N` on the CPU: rank 0 generates, the other threads serve their experts
+// and idle until rank 0 is done; the tokens and the logits hash equal the single process's.
+TEST(EpGenerateCpu, SameTokensAndLogitsHashAtEveryRankCount) {
+  GenerateOptions o;
+  o.model_dir = testing::tiny_fixture_dir();
+  o.prompt_ids = {1, 2, 3, 4, 5};
+  o.max_tokens = 6;
+  o.temperature = 0.0f;
+  o.eos_token_ids = std::vector<int32_t>{};
+  auto want = run_generate(o, nullptr);
+  ASSERT_TRUE(want.ok()) << want.error().what();
+  ASSERT_EQ(want->generated.size(), 6u);
+  for (int n : {2, 4, 16}) {
+    o.ep = n;
+    std::vector<int32_t> streamed;
+    auto got = run_generate(o, [&](int32_t id) { streamed.push_back(id); });
+    ASSERT_TRUE(got.ok()) << "EP=" << n << ": " << got.error().what();
+    EXPECT_EQ(got->generated, want->generated) << "EP=" << n;
+    EXPECT_EQ(streamed, want->generated) << "EP=" << n;
+    EXPECT_EQ(got->logits_hash, want->logits_hash) << "EP=" << n;
+  }
+  o.ep = 3;  // 16 experts do not split over 3 ranks: the error names the field, no hang
+  auto bad = run_generate(o, nullptr);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.error().what(), ::testing::HasSubstr("num_experts"));
+  EXPECT_THAT(bad.error().what(), ::testing::Not(::testing::HasSubstr("aborted")));
+  o.ep = 2;
+  o.backend = "cuda";
+  auto cuda = run_generate(o, nullptr);
+  ASSERT_FALSE(cuda.ok());
 }
 
 }  // namespace

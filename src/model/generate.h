@@ -39,6 +39,9 @@ struct GenerateOptions {
   std::string load_format = "auto";
   int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
+  // Expert parallelism: the experts split over `ep` ranks (cpu: threads of this process over the
+  // in-process communicator; rank 0 runs the prompt, the others serve their experts). 1: off.
+  int ep = 1;
   // Called while loading (done, total layers) and with the memory plan text before generation
   // (cuda); either may be empty.
   std::function<void(int done, int total)> on_progress;

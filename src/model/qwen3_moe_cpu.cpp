@@ -381,6 +381,34 @@ void Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const floa
   cpu::linear_reference(a.data(), w.o_proj.data(), N, H, q_dim, out);  // [N, H]
 }
 
+Status Qwen3MoeCpu::ep_step_header(int32_t mine, bool* all_done) const {
+  parallel::Communicator& comm = *options_.ep_comm;
+  std::vector<int32_t> states(static_cast<size_t>(comm.size()));
+  MOEBIUS_TRY(comm.all_gather(&mine, states.data(), sizeof(int32_t)));
+  *all_done = std::all_of(states.begin(), states.end(), [](int32_t v) { return v < 0; });
+  return Ok{};
+}
+
+Status Qwen3MoeCpu::ep_empty_step() const {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Qwen3MoeLayerWeights& w = layers_[l];
+    if (!w.is_moe) continue;
+    if (auto st = moe::ep_moe_layer_cpu(*options_.ep_comm, w.moe, options_.ep_payload, nullptr, 0, nullptr); !st.ok())
+      return std::move(st).error().with_context("layer " + std::to_string(l));
+  }
+  return Ok{};
+}
+
+Status Qwen3MoeCpu::ep_idle_until_all_done() const {
+  if (!options_.ep_comm) return Ok{};
+  for (;;) {
+    bool all_done = false;
+    MOEBIUS_TRY(ep_step_header(-1, &all_done));
+    if (all_done) return Ok{};
+    MOEBIUS_TRY(ep_empty_step());
+  }
+}
+
 Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* logits) const {
   if (T <= 0) return Error::format("forward needs at least one token, got {}", T);
   const BatchSeq seq{std::span<const int32_t>(ids, static_cast<size_t>(T)), &cache, true};
@@ -422,6 +450,10 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
         return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, s.ids[static_cast<size_t>(t)], V);
     N += T;
   }
+  if (ep != nullptr) {  // every rank learns who runs this step (and that it is one)
+    bool all_done = false;
+    MOEBIUS_TRY(ep_step_header(static_cast<int32_t>(N), &all_done));
+  }
   std::vector<int64_t> positions;  // [N]
   positions.reserve(static_cast<size_t>(N));
   for (const BatchSeq& s : seqs) {
@@ -439,12 +471,7 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
   }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Qwen3MoeLayerWeights& w = layers_[static_cast<size_t>(l)];
-    if (N == 0) {  // an EP rank with no tokens this step: it still serves its experts
-      if (!w.is_moe) continue;
-      if (auto st = moe::ep_moe_layer_cpu(*ep, w.moe, options_.ep_payload, h.data(), 0, y.data()); !st.ok())
-        return std::move(st).error().with_context("layer " + std::to_string(l));
-      continue;
-    }
+    if (N == 0) break;  // an EP rank with no tokens this step: it only serves its experts
     cpu::rms_norm_reference(x.data(), w.input_norm.data(), N, H, c.rms_norm_eps, h.data());
     attention(w, l, h.data(), seqs, positions, y.data());
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
@@ -464,6 +491,10 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
       cpu::linear_reference(g.data(), w.down_proj.data(), N, H, I, y.data());
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
+  }
+  if (N == 0) {
+    MOEBIUS_TRY(ep_empty_step());
+    return Ok{};
   }
   cpu::rms_norm_reference(x.data(), norm_.data(), N, H, c.rms_norm_eps, h.data());
   const float* head = (lm_head_.empty() ? embed_ : lm_head_).data();

@@ -164,9 +164,20 @@ class Qwen3MoeCpu {
   // experts to the other ranks' tokens for this step.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
 
+  // Expert parallelism: every step starts with an all-gather of each rank's state (its token
+  // count, or -1 for a rank that has no more work), so ranks that finish early keep serving their
+  // experts. A rank with no more work calls this: it runs the other ranks' steps with no tokens of
+  // its own and returns once every rank has called it. Without ep_comm it returns at once.
+  Status ep_idle_until_all_done() const;
+
  private:
   // forward() (all_rows: logits of every token of the single sequence) and forward_batch().
   Status run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const;
+  // The step header: all-gathers this rank's state (token count, or -1: done); *all_done when
+  // every rank posted -1.
+  Status ep_step_header(int32_t mine, bool* all_done) const;
+  // The MoE layers of a step with no tokens on this rank (the other ranks' dispatches).
+  Status ep_empty_step() const;
   // Attention of layer `layer` for the N tokens of `seqs` (rows in sequence order, h [N, H]),
   // their absolute positions [N]; writes their K/V into each sequence's cache and out [N, H].
   void attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, std::span<const BatchSeq> seqs,
