@@ -110,6 +110,9 @@ bench_ep() {
     [ "$gpus" -ge $n ] || { echo "EP=$n skipped: $gpus GPU(s)"; continue; }
     timeout 300 "$BUILD/moebius" bench ep --ep $n --geometry qwen3-30b-a3b --format nvfp4 --tokens 1,8,64,256 || return 1
   done
+  # The built-in launcher: one worker process per rank, the ncclUniqueId through the file rendezvous.
+  timeout 300 "$BUILD/moebius" bench ep --ep $([ "$gpus" -ge 2 ] && echo 2 || echo 1) --launch processes \
+    --geometry qwen3-30b-a3b --format nvfp4 --tokens 1,64 --iters 20 || return 1
 }
 step bench-ep bench_ep
 

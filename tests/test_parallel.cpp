@@ -6,13 +6,16 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <thread>
 
 #include "moe/ep_plan.h"
 #include "parallel/in_process_communicator.h"
 #include "parallel/launch_env.h"
+#include "parallel/launcher.h"
 
 namespace moebius::parallel {
 namespace {
@@ -244,3 +247,43 @@ TEST(EpStepPlan, RefusesExpertIdsOutOfRange) {
 
 }  // namespace
 }  // namespace moebius::moe
+
+namespace moebius::parallel {
+namespace {
+
+// The built-in launcher with /bin/sh as the worker: every rank sees its place; one failing worker
+// brings the others down (they would sleep for a minute) and is named in the error.
+TEST(Launcher, WorkersSeeTheirPlaceAndOneFailureStopsTheOthers) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("moebius-test-launch-" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  LaunchOptions o;
+  o.size = 3;
+  o.argv = {"/bin/sh", "-c",
+            "echo \"$MOEBIUS_EP_RANK $MOEBIUS_EP_SIZE $MOEBIUS_EP_LOCAL_RANK $NCCL_NVLS_ENABLE\" > " + dir +
+                "/rank.$MOEBIUS_EP_RANK && test -d \"$MOEBIUS_EP_RENDEZVOUS\""};
+  Status ok = launch_workers(o);
+  ASSERT_TRUE(ok.ok()) << ok.error().what();
+  for (int r = 0; r < 3; ++r) {
+    std::ifstream f(dir + "/rank." + std::to_string(r));
+    std::string line;
+    std::getline(f, line);
+    EXPECT_EQ(line, std::to_string(r) + " 3 " + std::to_string(r) + " 0");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  o.argv = {"/bin/sh", "-c", "if [ \"$MOEBIUS_EP_RANK\" = 1 ]; then exit 3; fi; exec sleep 60"};
+  o.grace_s = 5;
+  Status bad = launch_workers(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.error().what(), HasSubstr("rank 1 exited with status 3"));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  o.argv = {"/nonexistent/moebius"};  // exec fails: 127
+  Status missing = launch_workers(o);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.error().what(), HasSubstr("exited with status 127"));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moebius::parallel
