@@ -18,6 +18,7 @@
 #include "model/qwen3_moe_cpu.h"
 #include "moe/ep_moe_cpu.h"
 #include "parallel/in_process_communicator.h"
+#include "server/step_runner.h"
 #include "tiny_fixture.h"
 
 namespace moebius::moe {
@@ -422,3 +423,53 @@ TEST(EpGenerateCpu, SameTokensAndLogitsHashAtEveryRankCount) {
 
 }  // namespace
 }  // namespace moebius::model
+
+namespace moebius::server {
+namespace {
+
+// `moebius serve --ep N` on the CPU: the runner's steps (a prefill of two sequences, then a
+// decode step) give the same logits as without EP; the follower ranks exit when the runner goes.
+TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
+  auto run = [](int ep) -> std::vector<float> {
+    RunnerOptions o;
+    o.source.model_dir = testing::tiny_fixture_dir();
+    o.max_seqs = 4;
+    o.max_step_tokens = 64;
+    o.ep = ep;
+    auto runner = load_runner(o);
+    EXPECT_TRUE(runner.ok()) << runner.error().what();
+    if (!runner.ok()) return {};
+    const std::vector<int32_t> a = {1, 2, 3, 4, 5}, b = {7, 8}, a1 = {9}, b1 = {10};
+    const std::vector<int32_t> table = {0, 1, 2, 3};
+    std::vector<float> all, logits;
+    RunnerSeq s0{1, a, 0, table, true}, s1{2, b, 0, table, true};
+    const RunnerSeq step1[] = {s0, s1};
+    EXPECT_TRUE((*runner)->step(step1, logits).ok());
+    all.insert(all.end(), logits.begin(), logits.end());
+    RunnerSeq d0{1, a1, 5, table, true}, d1{2, b1, 2, table, true};
+    const RunnerSeq step2[] = {d0, d1};
+    EXPECT_TRUE((*runner)->step(step2, logits).ok());
+    all.insert(all.end(), logits.begin(), logits.end());
+    if (ep > 1) {
+      auto staged = (*runner)->stage_weights(testing::tiny_fixture_dir());
+      EXPECT_FALSE(staged.ok());  // not with --ep yet: refused, nothing changes
+    }
+    return all;  // the runner (and with it the follower ranks) goes here
+  };
+  const auto want = run(1);
+  ASSERT_FALSE(want.empty());
+  for (int n : {2, 4}) {
+    const auto got = run(n);
+    ASSERT_EQ(got.size(), want.size()) << "EP=" << n;
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * 4)) << "EP=" << n;
+  }
+  RunnerOptions bad;
+  bad.source.model_dir = testing::tiny_fixture_dir();
+  bad.ep = 3;
+  auto r = load_runner(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.error().what(), ::testing::HasSubstr("num_experts"));
+}
+
+}  // namespace
+}  // namespace moebius::server

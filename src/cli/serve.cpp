@@ -176,6 +176,9 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
   cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--ep", o->runner.ep,
+                  "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
+      ->capture_default_str();
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
       ->capture_default_str();

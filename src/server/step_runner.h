@@ -80,6 +80,10 @@ struct RunnerOptions {
   int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
   std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
+  // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
+  // communicator; the runner's model is rank 0 (it runs every sequence), the other ranks hold
+  // their E / N experts and serve them each step. cuda: not yet (an error).
+  int ep = 1;
 };
 
 // Loads the model for `options.backend`. Errors name the offending flag.
