@@ -13,6 +13,7 @@
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
 #   4. the CPU MoE benchmark on a small geometry;
 #   5. the CUDA MoE layer, attention and dense GEMV benchmarks;
+#   5b. moebius bench ep: the expert-parallel layer at EP=1, and EP=2/4 where the GPUs exist;
 #   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
 #      warm rerun that must tune nothing;
 #   7. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
@@ -96,6 +97,25 @@ bench_cuda() {
   "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 4096 --gemm-path wgmma --block-m 64 || return 1
 }
 step bench-moe-cuda bench_cuda
+
+# Expert parallelism (docs/PERF.md): the EP layer's dispatch/combine and whole-layer time at EP=1
+# (one GPU: NCCL's self-sends, the overhead against the single-GPU layer), and at EP=2 and EP=4
+# when the machine has that many GPUs; then the multi-GPU EP tests (they skip below 2 GPUs, and
+# the one-rank EP tests already ran with the GPU op tests). NVLink multicast stays off
+# (NcclCommunicator sets NCCL_NVLS_ENABLE=0; exported here too for NCCL's own start-up).
+export NCCL_NVLS_ENABLE=0
+bench_ep() {
+  local gpus
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  for n in 1 2 4; do
+    [ "$gpus" -ge $n ] || { echo "EP=$n skipped: $gpus GPU(s)"; continue; }
+    timeout 300 "$BUILD/moebius" bench ep --ep $n --geometry qwen3-30b-a3b --format nvfp4 --tokens 1,8,64,256 || return 1
+  done
+  # The built-in launcher: one worker process per rank, the ncclUniqueId through the file rendezvous.
+  timeout 300 "$BUILD/moebius" bench ep --ep $([ "$gpus" -ge 2 ] && echo 2 || echo 1) --launch processes \
+    --geometry qwen3-30b-a3b --format nvfp4 --tokens 1,64 --iters 20 || return 1
+}
+step bench-ep bench_ep
 
 # The MoE autotuner: every capacity bucket of a serving setup (decode graph batches up to 64, 2048-
 # token prefill chunks), tuned into the empty cache; the table gives the winner and the heuristic's

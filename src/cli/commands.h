@@ -13,6 +13,8 @@ void register_bench_attention(CLI::App& bench);
 void register_bench_gemv(CLI::App& bench);
 // `moebius bench generate`: the whole CUDA model, prefill and decode tok/s (bench_generate.cpp).
 void register_bench_generate(CLI::App& bench);
+// `moebius bench ep`: the expert-parallel MoE layer on N GPUs (bench_ep.cpp).
+void register_bench_ep(CLI::App& bench);
 // `moebius bench serve`: load-test an OpenAI-compatible server (bench_serve.cpp).
 void register_bench_serve(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)

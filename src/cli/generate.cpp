@@ -116,6 +116,9 @@ void register_generate(CLI::App& app) {
                   "pinned host memory (default: every expert on the GPU)");
   cmd->add_option("--placement", o->gen.placement_file,
                   "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
+  cmd->add_option("--ep", o->gen.ep,
+                  "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
+      ->capture_default_str();
   cmd->add_option("--load-format", o->gen.load_format,
                   "auto (read the checkpoint) or dummy (cuda: random weights of config.json's geometry)")
       ->capture_default_str();

@@ -184,6 +184,9 @@ void register_serve(CLI::App& app) {
                   "pinned host memory (default: every expert on the GPU)");
   cmd->add_option("--placement", o->runner.placement_file,
                   "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
+  cmd->add_option("--ep", o->runner.ep,
+                  "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
+      ->capture_default_str();
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
       ->capture_default_str();

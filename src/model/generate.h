@@ -42,6 +42,9 @@ struct GenerateOptions {
   // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
   std::string gpu_memory_budget;
   std::string placement_file;
+  // Expert parallelism: the experts split over `ep` ranks (cpu: threads of this process over the
+  // in-process communicator; rank 0 runs the prompt, the others serve their experts). 1: off.
+  int ep = 1;
   // Called while loading (done, total layers) and with the memory plan text before generation
   // (cuda); either may be empty.
   std::function<void(int done, int total)> on_progress;

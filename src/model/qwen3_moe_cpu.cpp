@@ -237,26 +237,32 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
   m.options.activation.kind = cpu::Activation::kSiLU;
   m.options.round_intermediate_to_bf16 = opt.round_intermediate_to_bf16;
   MOEBIUS_ASSIGN_OR_RETURN(m.router_weight, load_linear_weight(k, qc, p + "mlp.gate", E, H));
-  m.experts.resize(static_cast<size_t>(E));
+  // Expert parallelism: only this rank's experts [TAG_EP_EXPERT_OWNER].
+  const int ep_size = opt.ep_comm ? opt.ep_comm->size() : 1;
+  if (opt.ep_comm) MOEBIUS_TRY(parallel::check_expert_split(E, ep_size));
+  const parallel::ExpertRange owned =
+      opt.ep_comm ? parallel::expert_range(E, ep_size, opt.ep_comm->rank()) : parallel::ExpertRange{0, E};
+  m.experts.resize(static_cast<size_t>(owned.count()));
   int kept_float = 0;  // expert projections a pre-quantized checkpoint excludes
-  for (int e = 0; e < E; ++e) {
+  for (int e = owned.begin; e < owned.end; ++e) {
     const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
-    cpu::ExpertWeights& x = m.experts[static_cast<size_t>(e)];
+    cpu::ExpertWeights& x = m.experts[static_cast<size_t>(e - owned.begin)];
     bool kf[3] = {false, false, false};
     MOEBIUS_ASSIGN_OR_RETURN(x.gate, load_expert_matrix(ck, qc, q + "gate_proj", I, H, opt, &kf[0]));
     MOEBIUS_ASSIGN_OR_RETURN(x.up, load_expert_matrix(ck, qc, q + "up_proj", I, H, opt, &kf[1]));
     MOEBIUS_ASSIGN_OR_RETURN(x.down, load_expert_matrix(ck, qc, q + "down_proj", H, I, opt, &kf[2]));
     kept_float += int{kf[0]} + int{kf[1]} + int{kf[2]};
   }
-  if (kept_float > 0 && kept_float < 3 * E)
+  if (kept_float > 0 && kept_float < 3 * owned.count())
     log_warn("layer {}: {} of {} expert projections are excluded from the checkpoint's {} quantization and keep "
              "their source precision; the others are quantized",
-             layer, kept_float, 3 * E, quant_method_name(qc.method));
+             layer, kept_float, 3 * owned.count(), quant_method_name(qc.method));
   else if (kept_float > 0 && opt.experts_format && *opt.experts_format != WeightFormat::kBF16)
     log_warn("layer {}: the checkpoint's {} quantization excludes these experts; they keep their source "
              "precision instead of --experts {}",
              layer, quant_method_name(qc.method), weight_format_name(*opt.experts_format));
-  if (auto st = m.validate(); !st.ok()) return std::move(st).error().with_context("layer " + std::to_string(layer));
+  Status valid = opt.ep_comm ? moe::validate_ep_layer(m, ep_size) : m.validate();
+  if (!valid.ok()) return std::move(valid).error().with_context("layer " + std::to_string(layer));
   return w;
 }
 
@@ -376,6 +382,34 @@ void Qwen3MoeCpu::attention(const Qwen3MoeLayerWeights& w, int layer, const floa
   cpu::linear_reference(a.data(), w.o_proj.data(), N, H, q_dim, out);  // [N, H]
 }
 
+Status Qwen3MoeCpu::ep_step_header(int32_t mine, bool* all_done) const {
+  parallel::Communicator& comm = *options_.ep_comm;
+  std::vector<int32_t> states(static_cast<size_t>(comm.size()));
+  MOEBIUS_TRY(comm.all_gather(&mine, states.data(), sizeof(int32_t)));
+  *all_done = std::all_of(states.begin(), states.end(), [](int32_t v) { return v < 0; });
+  return Ok{};
+}
+
+Status Qwen3MoeCpu::ep_empty_step() const {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Qwen3MoeLayerWeights& w = layers_[l];
+    if (!w.is_moe) continue;
+    if (auto st = moe::ep_moe_layer_cpu(*options_.ep_comm, w.moe, options_.ep_payload, nullptr, 0, nullptr); !st.ok())
+      return std::move(st).error().with_context("layer " + std::to_string(l));
+  }
+  return Ok{};
+}
+
+Status Qwen3MoeCpu::ep_idle_until_all_done() const {
+  if (!options_.ep_comm) return Ok{};
+  for (;;) {
+    bool all_done = false;
+    MOEBIUS_TRY(ep_step_header(-1, &all_done));
+    if (all_done) return Ok{};
+    MOEBIUS_TRY(ep_empty_step());
+  }
+}
+
 Status Qwen3MoeCpu::forward(const int32_t* ids, int T, KvCache& cache, float* logits) const {
   if (T <= 0) return Error::format("forward needs at least one token, got {}", T);
   const BatchSeq seq{std::span<const int32_t>(ids, static_cast<size_t>(T)), &cache, true};
@@ -390,7 +424,8 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
   const Qwen3MoeConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size;
   MOEBIUS_ASSERT(!all_rows || seqs.size() == 1);
-  if (seqs.empty()) return Error("forward needs at least one sequence");
+  parallel::Communicator* ep = options_.ep_comm.get();
+  if (seqs.empty() && ep == nullptr) return Error("forward needs at least one sequence");
   // Everything that can fail is checked before any cache changes.
   int64_t N = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -416,6 +451,10 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
         return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, s.ids[static_cast<size_t>(t)], V);
     N += T;
   }
+  if (ep != nullptr) {  // every rank learns who runs this step (and that it is one)
+    bool all_done = false;
+    MOEBIUS_TRY(ep_step_header(static_cast<int32_t>(N), &all_done));
+  }
   std::vector<int64_t> positions;  // [N]
   positions.reserve(static_cast<size_t>(N));
   for (const BatchSeq& s : seqs) {
@@ -433,11 +472,15 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
   }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Qwen3MoeLayerWeights& w = layers_[static_cast<size_t>(l)];
+    if (N == 0) break;  // an EP rank with no tokens this step: it only serves its experts
     cpu::rms_norm_reference(x.data(), w.input_norm.data(), N, H, c.rms_norm_eps, h.data());
     attention(w, l, h.data(), seqs, positions, y.data());
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
     cpu::rms_norm_reference(x.data(), w.post_norm.data(), N, H, c.rms_norm_eps, h.data());
-    if (w.is_moe) {
+    if (w.is_moe && ep != nullptr) {
+      if (auto st = moe::ep_moe_layer_cpu(*ep, w.moe, options_.ep_payload, h.data(), N, y.data()); !st.ok())
+        return std::move(st).error().with_context("layer " + std::to_string(l));
+    } else if (w.is_moe) {
       std::vector<int32_t> route_ids;
       std::vector<float> route_w;
       if (routing_observer_) {
@@ -458,6 +501,10 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
       cpu::linear_reference(g.data(), w.down_proj.data(), N, H, I, y.data());
     }
     for (size_t i = 0; i < n; ++i) x[i] += y[i];
+  }
+  if (N == 0) {
+    MOEBIUS_TRY(ep_empty_step());
+    return Ok{};
   }
   cpu::rms_norm_reference(x.data(), norm_.data(), N, H, c.rms_norm_eps, h.data());
   const float* head = (lm_head_.empty() ? embed_ : lm_head_).data();

@@ -50,6 +50,8 @@
 #include "formats/quant_matrix.h"
 #include "model/kv_cache.h"
 #include "model/qwen3_moe_config.h"
+#include "moe/ep_moe_cpu.h"
+#include "parallel/communicator.h"
 
 namespace moebius {
 class SafetensorsCheckpoint;
@@ -69,6 +71,14 @@ struct Qwen3MoeLoadOptions {
   // Round the SwiGLU intermediate to bf16 before the down projection, as the GPU kernels do.
   // Off (pure fp32) for comparisons with transformers in fp32.
   bool round_intermediate_to_bf16 = false;
+  // Expert parallelism (moe/ep_moe_cpu.h): with a communicator, this model is rank
+  // ep_comm->rank() of ep_comm->size(). It loads only its own E / N experts of every MoE layer
+  // (Qwen3MoeLayerWeights::moe.experts holds those, [TAG_EP_EXPERT_OWNER]) and its MoE layers
+  // dispatch to and combine from the other ranks. Every rank must then call forward /
+  // forward_batch the same number of times (a rank with nothing to run passes no sequences), since
+  // each MoE layer is a collective. Null: a single process holding every expert.
+  std::shared_ptr<parallel::Communicator> ep_comm;
+  moe::EpPayload ep_payload = moe::EpPayload::kF32;  // the dispatched rows' precision
 };
 
 struct Qwen3MoeLayerWeights {
@@ -151,6 +161,8 @@ class Qwen3MoeCpu {
   // lm_head only for the wanted rows. Every op is per token, so each sequence's results are
   // bit-identical to forward() on it alone. Writes logits [R, V] for the R sequences with
   // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
+  // With expert parallelism (options.ep_comm) `seqs` may be empty: the rank then only serves its
+  // experts to the other ranks' tokens for this step.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
 
   // Routing observer (`moebius profile-experts`): called once per MoE layer of every forward with
@@ -166,10 +178,20 @@ class Qwen3MoeCpu {
   // the store's bytes. Errors for a placement of another model.
   Result<uint64_t> move_cold_experts(const std::vector<int>& moe_layers,
                                      const std::vector<std::vector<uint8_t>>& resident);
+  // Expert parallelism: every step starts with an all-gather of each rank's state (its token
+  // count, or -1 for a rank that has no more work), so ranks that finish early keep serving their
+  // experts. A rank with no more work calls this: it runs the other ranks' steps with no tokens of
+  // its own and returns once every rank has called it. Without ep_comm it returns at once.
+  Status ep_idle_until_all_done() const;
 
  private:
   // forward() (all_rows: logits of every token of the single sequence) and forward_batch().
   Status run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const;
+  // The step header: all-gathers this rank's state (token count, or -1: done); *all_done when
+  // every rank posted -1.
+  Status ep_step_header(int32_t mine, bool* all_done) const;
+  // The MoE layers of a step with no tokens on this rank (the other ranks' dispatches).
+  Status ep_empty_step() const;
   // Attention of layer `layer` for the N tokens of `seqs` (rows in sequence order, h [N, H]),
   // their absolute positions [N]; writes their K/V into each sequence's cache and out [N, H].
   void attention(const Qwen3MoeLayerWeights& w, int layer, const float* h, std::span<const BatchSeq> seqs,

@@ -160,6 +160,10 @@ class MoeLayerCuda {
   // Routing of the last forward, [capacity, k] (device).
   const int32_t* topk_ids() const { return topk_ids_; }
   const float* topk_weights() const { return topk_weights_; }
+  // GEMM2's fp32 rows [capacity * k, H] of the last kDown stage in kStore mode, pair t * k + s at
+  // row t * k + s, before the routed weights (expert parallelism sends them back to the token's
+  // rank, which combines them).
+  const float* expert_outputs() const { return y_; }
   // Packed bytes of one expert (gate_up + down, weights and scales): what a forward reads per
   // touched expert.
   size_t expert_bytes() const { return expert_bytes_; }

@@ -83,6 +83,10 @@ struct RunnerOptions {
   // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
   std::string gpu_memory_budget;
   std::string placement_file;
+  // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
+  // communicator; the runner's model is rank 0 (it runs every sequence), the other ranks hold
+  // their E / N experts and serve them each step. cuda: not yet (an error).
+  int ep = 1;
 };
 
 // Loads the model for `options.backend`. Errors name the offending flag.
