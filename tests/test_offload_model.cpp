@@ -183,6 +183,11 @@ TEST(ProfileExpertsCli, WritesAProfileThatPlacementReads) {
   r = run_moebius("profile-experts --model " + kDir + " --prompts " + prompts_text);  // no tokenizer.json in DIR
   EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.out.find("--tokenizer"), std::string::npos) << r.out;
+  // Offload flags need the CUDA backend: a clear error on the CPU one.
+  r = run_moebius("generate --model " + kDir + " --prompt-ids 1,2,3 --max-tokens 1 --gpu-memory-budget 2");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("expert offload needs --backend cuda"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--gpu-memory-budget"), std::string::npos) << r.out;
   for (const std::string& f : {prompts_ids, prompts_text, out}) std::filesystem::remove(f);
 }
 

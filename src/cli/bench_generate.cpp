@@ -160,7 +160,13 @@ Status run(const BenchGenerateOptions& o) {
       MOEBIUS_TRY(prefill(ids, 0, table));
       best = std::min(best, seconds_since(t0));
     }
-    const double pcie_bytes = static_cast<double>(m->last_step_cold_bytes(o.prefill));
+    double pcie_bytes = 0;
+    if (m->offloaded()) {  // one more prefill with the routing captured (untimed)
+      m->set_routing_capture(true);
+      MOEBIUS_TRY(prefill(ids, 0, table));
+      pcie_bytes = static_cast<double>(m->last_step_cold_bytes(std::min(o.prefill, m->max_tokens())));
+      m->set_routing_capture(false);
+    }
     blocks.release(table);
     const double tok_s = o.prefill / best;
     if (m->offloaded())
@@ -196,12 +202,14 @@ Status run(const BenchGenerateOptions& o) {
     if (m->graph_steps() - graphs_before != o.decode_steps)
       return Error("decode steps did not run as CUDA graph replays (internal)");
     const double tok_s = o.decode_steps / secs;
-    if (m->offloaded()) {  // the routing of a few more steps, read back one by one (untimed)
+    if (m->offloaded()) {  // the routing of a few more steps (eager, captured), read back one by one
       double pcie = 0;
+      m->set_routing_capture(true);
       for (int i = 0; i < kPcieSteps; ++i) {
         MOEBIUS_TRY(step(kWarmup + o.decode_steps + i));
         pcie += static_cast<double>(m->last_step_cold_bytes(1));
       }
+      m->set_routing_capture(false);
       pcie /= kPcieSteps;
       pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C, pcie / 1e6,
                                       pcie * tok_s / 1e9, 100.0 * pcie * tok_s / 1e9 / o.pcie_gbps));

@@ -478,6 +478,12 @@ Status Qwen3MoeCuda::add_moe_layer(
 Status Qwen3MoeCuda::setup_staging() {
   if (!offloaded()) return Ok{};
   const Qwen3MoeConfig& c = config_;
+  {  // routing capture for the PCIe byte count (set_routing_capture)
+    const size_t n = moe_layer_ids_.size() * static_cast<size_t>(opt_.max_tokens) *
+                     static_cast<size_t>(c.num_experts_per_tok);
+    MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(n * sizeof(int32_t), &plan_.workspace));
+    routing_capture_ = static_cast<int32_t*>(p);
+  }
   size_t slot_bytes = 0;
   uint64_t eb = 0;
   int max_cold = 0;
@@ -572,14 +578,17 @@ uint64_t Qwen3MoeCuda::last_step_cold_bytes(int rows) const {
   uint64_t bytes = 0;
   std::vector<int32_t> ids(static_cast<size_t>(rows) * static_cast<size_t>(k));
   std::vector<int64_t> n(static_cast<size_t>(config_.num_experts));
-  for (const Layer& L : layers_) {
-    if (!L.is_moe) continue;
+  MOEBIUS_ASSERT(routing_capture_ != nullptr && rows <= opt_.max_tokens);
+  const size_t per_layer = static_cast<size_t>(opt_.max_tokens) * static_cast<size_t>(k);
+  for (size_t i = 0; i < moe_layer_ids_.size(); ++i) {
+    const Layer& L = layers_[static_cast<size_t>(moe_layer_ids_[i])];
     const moe::MoeLayerCuda& m = L.moe.for_tokens(rows);
     if (m.uses_staging()) {  // the step copied the layer's whole cold region (one DMA)
       bytes += m.cold_bytes();
       continue;
     }
-    CUDA_CHECK(cudaMemcpy(ids.data(), m.topk_ids(), ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(ids.data(), routing_capture_ + i * per_layer, ids.size() * sizeof(int32_t),
+                          cudaMemcpyDeviceToHost));
     std::fill(n.begin(), n.end(), 0);
     for (int32_t e : ids)
       if (e >= 0 && e < config_.num_experts) ++n[static_cast<size_t>(e)];
@@ -887,6 +896,7 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
   const bool staging = !decode && !staged_layers_.empty() &&
                        layers_[static_cast<size_t>(staged_layers_.front())].moe.for_tokens(rows).uses_staging();
   size_t staged_j = 0;
+  int moe_index = 0;
   if (staging) {
     CUDA_CHECK(cudaEventRecord(stage_start_, s));
     CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, stage_start_, 0));
@@ -917,6 +927,13 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
       moe_layer.forward(h_, num_tokens, y_, s);
+      if (capture_routing_ && !decode)  // eager steps only (set_routing_capture turns graphs off)
+        CUDA_CHECK(cudaMemcpyAsync(routing_capture_ + static_cast<size_t>(moe_index) * opt_.max_tokens *
+                                                          static_cast<size_t>(c.num_experts_per_tok),
+                                   moe_layer.topk_ids(), sizeof(int32_t) * static_cast<size_t>(rows) *
+                                                             static_cast<size_t>(c.num_experts_per_tok),
+                                   cudaMemcpyDeviceToDevice, s));
+      ++moe_index;
       if (staged) {
         CUDA_CHECK(cudaEventRecord(stage_done_[staged_j % 2], s));
         issue_stage_copy(staged_j + 2);
@@ -963,7 +980,7 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   // A decode step whose logits are exactly one per sequence may run as a graph of B >= S rows
   // (its logit rows are then 0..S-1: [TAG_DECODE_GRAPH_LOGIT_ROWS]).
   int graph_index = -1;
-  if (in_batch.is_decode() && T == S && R == S) {
+  if (in_batch.is_decode() && T == S && R == S && !capture_routing_) {
     for (size_t g = 0; g < graphs_.size(); ++g)
       if (graphs_[g].batch >= S) {
         graph_index = static_cast<int>(g);

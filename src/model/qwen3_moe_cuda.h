@@ -227,11 +227,15 @@ class Qwen3MoeCuda {
   // and `resident` to pinned memory (MoeLayerCuda::swap_experts), enqueued on stream() between
   // steps. Only the expert address table changes for the kernels, so captured graphs stay valid.
   Status swap_experts(int layer, int cold, int resident);
-  // Bytes of cold experts the last step moved over PCIe: for a staged layer its whole cold region
-  // (the DMA); otherwise counted from the routing the layer left in its workspace, a cold expert
-  // routed to by n tokens being read ceil(n / block_m) times (once per token tile; an upper bound,
-  // since L2 may serve a repeat). Synchronizes the stream. `rows`: the step's rows (the graph batch for a
-  // decode graph step). Only the first `rows` routing rows are read (padding rows route too).
+  // Routing capture, for measuring PCIe bytes: while on, every step runs eagerly (no graph
+  // replay; the same MoE buckets and kernels) and each MoE layer's top-k ids are copied into a
+  // buffer of their own (the layers of a bucket share one workspace [TAG_MOE_WORKSPACE_POOL], so
+  // the workspace holds only the last layer's). Only for an offloaded model.
+  void set_routing_capture(bool on) { capture_routing_ = on && routing_capture_ != nullptr; }
+  // Bytes of cold experts the last step (run with routing capture on) moved over PCIe: for a
+  // staged layer its whole cold region (the DMA); otherwise from the layer's captured routing, a
+  // cold expert routed to by n tokens being read ceil(n / block_m) times (once per token tile; an
+  // upper bound, since L2 may serve a repeat). Synchronizes the stream. `rows`: the step's tokens.
   uint64_t last_step_cold_bytes(int rows) const;
 
   // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
@@ -320,6 +324,8 @@ class Qwen3MoeCuda {
   uint8_t* cold_host_ = nullptr;                   // the pinned region (host address)
   size_t cold_host_bytes_ = 0, cold_host_used_ = 0;
   uint8_t* swap_scratch_ = nullptr;                // one expert (device), for swap_experts
+  int32_t* routing_capture_ = nullptr;             // [MoE layers][max_tokens * k] (set_routing_capture)
+  bool capture_routing_ = false;
   uint64_t planned_staging_ = 0;                   // staging bytes the budget plan reserved
   // DMA staging [TAG_EXPERT_STAGING]: layer staged_layers_[j] copies into slot j % 2.
   cudaStream_t copy_stream_ = nullptr;
