@@ -123,9 +123,12 @@ TEST(EpDispatchGpu, KernelsMatchTheirCpuReferences) {
     // Return path: y_local rows -> regions; then the pairs' rows back from a ret_recv.
     std::vector<float> yl(static_cast<size_t>(c.N * S * H));
     for (size_t i = 0; i < yl.size(); ++i) yl[i] = static_cast<float>(i % 1013) * 0.5f;
-    std::vector<float> ret(yl.size(), std::nanf(""));
+    // Reference outputs start as the GPU poison (all bytes 0xFF), so untouched rows compare equal.
+    std::vector<float> ret(yl.size());
+    std::memset(ret.data(), 0xFF, ret.size() * sizeof(float));
     cpu::ep_return_pack_reference(yl.data(), counts.data(), me, c.N, S, H, ret.data());
-    std::vector<float> yp(static_cast<size_t>(S * H), std::nanf(""));
+    std::vector<float> yp(static_cast<size_t>(S * H));
+    std::memset(yp.data(), 0xFF, yp.size() * sizeof(float));
     cpu::ep_unpack_return_reference(yl.data(), ids.data(), pos.data(), c.T, c.k, c.E, c.N, S, H, yp.data());
     DeviceBuffer<float> dyl(yl.size()), dret(ret.size()), dyp(yp.size());
     dyl.upload(yl);
@@ -145,7 +148,7 @@ TEST(EpDispatchGpu, KernelsMatchTheirCpuReferences) {
     EXPECT_TRUE(bytes_are(gxl.data() + nl * H, static_cast<size_t>(c.N * S - nl) * H, 0xFF));
     EXPECT_TRUE(same_values(glids.data(), lids.data(), static_cast<size_t>(nl)));
     const auto gret = dret.download(), gyp = dyp.download();
-    EXPECT_TRUE(same_values(gret.data(), ret.data(), ret.size()));  // NaN == NaN bitwise: untouched rows
+    EXPECT_TRUE(same_values(gret.data(), ret.data(), ret.size()));  // bitwise: untouched rows stay poisoned
     EXPECT_TRUE(same_values(gyp.data(), yp.data(), yp.size()));
     EXPECT_TRUE(dxl.guards_intact() && dlids.guards_intact() && dret.guards_intact() && dyp.guards_intact());
   }
