@@ -218,23 +218,8 @@ TEST(EvalLogprobs, BadIdsAndOptionsAreErrors) {
 
 // ---- the real binary -------------------------------------------------------------------------
 
-struct CliRun {
-  int status = -1;
-  std::string out;  // stdout and stderr
-};
-
-CliRun run_moebius(const std::string& args) {
-  CliRun r;
-  const std::string cmd = std::string(MOEBIUS_BIN) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int st = ::pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+using testing::CliRun;
+CliRun run_moebius(const std::string& args) { return testing::run_shell(std::string(MOEBIUS_BIN) + " " + args); }
 
 TEST(EvalLogprobsCli, EndToEndThroughTheBinary) {
   if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";

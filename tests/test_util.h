@@ -1,7 +1,10 @@
 // Shared helpers for the test suite.
 #pragma once
 
+#include <sys/wait.h>
+
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -23,6 +26,24 @@ inline std::vector<float> random_normal(int64_t n, uint32_t seed, float stddev =
   std::vector<float> v(static_cast<size_t>(n));
   for (auto& x : v) x = d(rng);
   return v;
+}
+
+// A shell command's exit status (-1 when it did not exit normally) and its stdout and stderr.
+struct CliRun {
+  int status = -1;
+  std::string out;
+};
+inline CliRun run_shell(const std::string& command) {
+  CliRun r;
+  const std::string cmd = command + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int st = ::pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
 }
 
 }  // namespace moebius::testing
