@@ -260,10 +260,7 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
-  cmd->add_option("--gpu-memory-budget", o->gpu_memory_budget,
-                  "GiB of device memory for the model, or auto; the experts that do not fit are read from pinned "
-                  "host memory");
-  cmd->add_option("--placement", o->placement_file, "routing profile choosing the resident experts (default: uniform)");
+  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file);
   cmd->add_option("--cold-path", o->cold_path, "prefill: auto (cost model), zero-copy or staged")
       ->capture_default_str();
   cmd->add_option("--max-resident-experts", o->max_resident_experts,

@@ -3,7 +3,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+
 namespace moebius::cli {
+
+// Flags several commands share (common_options.cpp), registered with one name and help text.
+// --gpu-memory-budget GB|auto and --placement FILE (expert offload, docs/OFFLOAD.md).
+void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file);
+// --ep N (expert parallelism, docs/EXPERT_PARALLEL.md).
+void add_ep_option(CLI::App* cmd, int* ep);
 
 // `moebius bench moe`: time one MoE layer on a backend.
 void register_bench_moe(CLI::App& bench);

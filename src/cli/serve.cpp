@@ -179,14 +179,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' on /v1/*");
   cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
   cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
-  cmd->add_option("--gpu-memory-budget", o->runner.gpu_memory_budget,
-                  "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
-                  "pinned host memory (default: every expert on the GPU)");
-  cmd->add_option("--placement", o->runner.placement_file,
-                  "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
-  cmd->add_option("--ep", o->runner.ep,
-                  "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
-      ->capture_default_str();
+  add_offload_options(cmd, &o->runner.gpu_memory_budget, &o->runner.placement_file);
+  add_ep_option(cmd, &o->runner.ep);
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
       ->capture_default_str();

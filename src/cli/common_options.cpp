@@ -1,0 +1,19 @@
+// The flags several `moebius` commands share; declared in cli/commands.h.
+#include "cli/commands.h"
+
+namespace moebius::cli {
+
+void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file) {
+  cmd->add_option("--gpu-memory-budget", *gpu_memory_budget,
+                  "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
+                  "pinned host memory (default: every expert on the GPU)");
+  cmd->add_option("--placement", *placement_file,
+                  "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
+}
+
+void add_ep_option(CLI::App* cmd, int* ep) {
+  cmd->add_option("--ep", *ep, "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
+      ->capture_default_str();
+}
+
+}  // namespace moebius::cli
