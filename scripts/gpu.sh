@@ -46,8 +46,14 @@ trap stop_serve EXIT
 trap 'stop_serve; exit 143' TERM INT HUP
 
 declare -a rows
+# MOEBIUS_GPU_STEPS=REGEX runs only the steps whose name matches (e.g. 'bench-serve|bench-generate'
+# for a focused measurement); the others print "skip" in the summary.
 step() {  # step NAME COMMAND...
   local name=$1; shift
+  if [ -n "${MOEBIUS_GPU_STEPS:-}" ] && ! [[ $name =~ ^(${MOEBIUS_GPU_STEPS})$ ]]; then
+    rows+=("$(printf '%-24s %-5s %8s     %s' "$name" skip - 'not in MOEBIUS_GPU_STEPS')")
+    return 0
+  fi
   local t0=$(date +%s%N)
   "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -136,20 +142,20 @@ step tune-moe tune_moe
 # the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone. The full
 # set includes the per-instruction warp-state samples; tools/ncu_hot_sass.py prints the hottest
 # SASS lines of each kernel from the source page.
-ncu_decode() {
-  local rep="$OUT/ncu_decode"
-  ncu --clock-control none --kernel-name regex:"moe_route_small|moe_gemm_kernel" --launch-skip 30 --launch-count 3 \
-    --set full -f -o "$rep" "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
-    --tokens 1 --iters 2 >/dev/null || return 1
+ncu_decode() {  # MOEBIUS_NCU_TOKENS: the batch (default 1)
+  local rep="$OUT/ncu_decode" tokens=${MOEBIUS_NCU_TOKENS:-1}
+  ncu --clock-control none --kernel-name regex:"moe_route_small|moe_gemm_kernel|moe_gemm_rows_kernel" --launch-skip 30 \
+    --launch-count 3 --set full -f -o "$rep" "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b \
+    --format nvfp4 --tokens "$tokens" --iters 2 >/dev/null || return 1
   ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight --section WarpStateStats --section InstructionStats \
     --section Occupancy --section LaunchStats || return 1
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.sass.csv" || return 1
   python3 tools/ncu_hot_sass.py "$rep.sass.csv" 40
   rm -f "$rep.ncu-rep" "$rep.sass.csv"
-  # The SASS of the T=1 GEMM1 (nvfp4, one token tile, staged activations) for reading the k-loop.
+  # The SASS of the nvfp4 decode GEMMs (one-tile and row-tile kernels) for reading the k-loop.
   if command -v cuobjdump >/dev/null; then
-    cuobjdump -sass "$BUILD/moebius" | awk '/Function : .*moe_gemm_kernelILNS0_15MoeWeightFormatE1ELi1ELNS0_10moe_detail8EpilogueE0ELb0ELb1E/ {p = 1; print; next}
-      p && /Function :/ {exit} p {print}' > "$OUT/sass-gemm1-nvfp4.log"
+    cuobjdump -sass "$BUILD/moebius" | awk '/Function : .*moe_gemm_(rows_)?kernelILNS0_15MoeWeightFormatE1E/ {p = 1; print; next}
+      /Function :/ {p = 0} p {print}' > "$OUT/sass-gemm-nvfp4.log"
   fi
 }
 if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
@@ -294,16 +300,16 @@ raise SystemExit(0 if len(a["cases"]) == len(b["cases"]) and all(same) else 1)
 PY
 }
 [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && python3 -c "import transformers" 2>/dev/null && step chat-template-ref chat_template_ref
-cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
-cat "$OUT/bench-moe-cuda.log"
-cat "$OUT/tune-moe.log"
-cat "$OUT/bench-attention.log"
-cat "$OUT/bench-gemv.log"
-cat "$OUT/probes.log"
+[ -f "$OUT/gpu-op-tests.log" ] && cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
+[ -f "$OUT/bench-moe-cuda.log" ] && cat "$OUT/bench-moe-cuda.log"
+[ -f "$OUT/tune-moe.log" ] && cat "$OUT/tune-moe.log"
+[ -f "$OUT/bench-attention.log" ] && cat "$OUT/bench-attention.log"
+[ -f "$OUT/bench-gemv.log" ] && cat "$OUT/bench-gemv.log"
+[ -f "$OUT/probes.log" ] && cat "$OUT/probes.log"
 [ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"
-cat "$OUT/generate-tiny-cuda.log"
-cat "$OUT/eval-logprobs-tiny-cuda.log"
-cat "$OUT/bench-generate.log"
+[ -f "$OUT/generate-tiny-cuda.log" ] && cat "$OUT/generate-tiny-cuda.log"
+[ -f "$OUT/eval-logprobs-tiny-cuda.log" ] && cat "$OUT/eval-logprobs-tiny-cuda.log"
+[ -f "$OUT/bench-generate.log" ] && cat "$OUT/bench-generate.log"
 [ -f "$OUT/offload-gpu-tests.log" ] && cat "$OUT/offload-gpu-tests.log"
 [ -f "$OUT/bench-offload.log" ] && cat "$OUT/bench-offload.log"
 [ -f "$OUT/serve-tiny-cuda.log" ] && cat "$OUT/serve-tiny-cuda.log"
