@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <iterator>
 #include <random>
 
 #include "core/dtype.h"
@@ -144,6 +147,109 @@ TEST(ExpertLayout, PackMoeLayerRefusesExpertsOfMixedFormats) {
   auto p = pack_moe_layer(L);
   ASSERT_FALSE(p.ok());
   EXPECT_THAT(p.error().what(), ::testing::HasSubstr("expert 2"));
+}
+
+// The kernel's nvfp4 scale path (kernels/moe_dequant.cuh, nvfp4_step_scale) on the host: for every
+// non-NaN e4m3 block scale, the code's bf16 ((code << 4) | 0x6000) is |scale| x 2^74, and its
+// product with every e2m1 code in the subnormal-bit form is exact (what HMUL2 computes).
+TEST(ExpertLayout, Nvfp4ScaleCodeIsExactForEveryE4m3) {
+  for (int bits = 0; bits < 256; ++bits) {
+    if ((bits & 0x7F) == 0x7F) continue;  // NaN: refused at pack
+    const uint8_t code = nvfp4_scale_code(static_cast<uint8_t>(bits));
+    const float mag = std::fabs(e4m3_bits_to_float(static_cast<uint8_t>(bits)));
+    if (mag == 0.0f) {
+      EXPECT_EQ(code, 0) << bits;
+      continue;
+    }
+    ASSERT_EQ(nvfp4_scale_code_value(code), mag) << bits;
+    const float s = bf16_bits_to_float(static_cast<uint16_t>((code << 4) | kNvFp4ScaleCodeBf16Or));
+    ASSERT_EQ(s, std::ldexp(mag, kNvFp4ScaleCodeExp2)) << bits;
+    for (int c = 0; c < 16; ++c) {
+      // e2m1 code c with its magnitude on bf16 bits 6..8 and its sign on bit 15: c x 2^-126.
+      const uint16_t cb = static_cast<uint16_t>(((c & 7) << 6) | ((c & 8) << 12));
+      const float prod = bf16_bits_to_float(cb) * s;  // exact in fp32 ...
+      ASSERT_EQ(bf16_bits_to_float(float_to_bf16_bits(prod)), prod) << bits << " " << c;  // ... and in bf16
+      ASSERT_EQ(prod, std::ldexp(e2m1_bits_to_float(static_cast<uint8_t>(c)) * mag, kNvFp4ScaleCodeExp2 - 126));
+    }
+  }
+}
+
+// The kernel's nvfp4 register formation (rotations, masks, scale pairs; dequant_step) emulated on the
+// host over a packed matrix: every value equals unpack_to_float's, i.e. the checkpoint's.
+float rotl_pair_product(uint32_t word, int j, uint32_t scale_pair, int hi) {
+  auto rotl = [](uint32_t w, int r) { return r == 0 ? w : (w << r) | (w >> (32 - r)); };
+  uint32_t c = 0;
+  switch (j) {
+    case 0: c = word & 0x81C081C0u; break;
+    case 1: c = rotl(word, 4) & 0x81C081C0u; break;
+    case 2: c = rotl(word, 10) & 0x81C081C0u; break;
+    default: c = (rotl(word, 6) & 0x80C080C0u) | (rotl(word, 14) & 0x01000100u); break;
+  }
+  const int row_half = j & 1;  // registers 0, 2: row g (low scale half); 1, 3: row g + 8
+  const float s = bf16_bits_to_float(static_cast<uint16_t>(scale_pair >> (16 * row_half)));
+  return bf16_bits_to_float(static_cast<uint16_t>(c >> (16 * hi))) * s;
+}
+
+void expect_kernel_emulation_matches(const PackedMatrix& p) {
+  std::vector<float> want(static_cast<size_t>(p.rows_padded * p.cols_padded));
+  unpack_to_float(p, want.data());
+  for (int64_t tile = 0; tile < p.row_tiles(); ++tile)
+    for (int64_t c = 0; c < p.chunks(); ++c)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        uint32_t words[4], sc[2];
+        std::memcpy(words, p.weight.data() + ((tile * p.chunks() + c) * 32 + lane) * 16, 16);
+        std::memcpy(sc, p.scales.data() + (tile * p.chunks() + c) * 64 + g * 8, 8);
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t w = sc[s >> 1];
+          const uint32_t pair = (((s & 1) ? (w >> 4) : (w << 4)) & 0x0FF00FF0u) | 0x60006000u;
+          for (int j = 0; j < 4; ++j)
+            for (int hi = 0; hi < 2; ++hi) {
+              const int64_t row = tile * 16 + g + (j & 1) * 8;
+              const int64_t k = c * 64 + s * 16 + 2 * t + hi + (j >> 1) * 8;
+              const float v = rotl_pair_product(words[s], j, pair, hi) *
+                              std::ldexp(p.global_scale[(j & 1)], 126 - kNvFp4ScaleCodeExp2);
+              ASSERT_EQ(v, want[static_cast<size_t>(row * p.cols_padded + k)]) << "row " << row << " k " << k;
+            }
+        }
+      }
+}
+
+TEST(ExpertLayout, Nvfp4KernelEmulationMatchesWithEdgeScales) {
+  QuantMatrix m = random_matrix(WeightFormat::kNvFp4, 24, 96, 16, 31);
+  // Edge block scales the quantizer does not produce: +-0, negative, e4m3 subnormals, the largest.
+  const uint8_t edge[] = {0x00, 0x80, 0xB8, 0xC3, 0x01, 0x03, 0x05, 0x07, 0x87, 0x7E, 0xFE};
+  std::vector<uint8_t> scales(m.scales.begin(), m.scales.end());
+  for (size_t i = 0; i < scales.size(); i += 3) scales[i] = edge[(i / 3) % std::size(edge)];
+  m.scales = scales;
+  std::vector<float> ref(static_cast<size_t>(24 * 96));
+  dequantize_rows(m, 0, 24, ref.data());
+  auto p = pack_matrix(m);
+  ASSERT_TRUE(p.ok()) << p.error().what();
+  std::vector<float> got(static_cast<size_t>(p->rows_padded * p->cols_padded));
+  unpack_to_float(*p, got.data());
+  for (int64_t r = 0; r < 24; ++r)
+    for (int64_t k = 0; k < 96; ++k) {
+      const float a = got[static_cast<size_t>(r * p->cols_padded + k)], b = ref[static_cast<size_t>(r * 96 + k)];
+      ASSERT_EQ(a, b) << "row " << r << " k " << k;
+      ASSERT_EQ(std::signbit(a), std::signbit(b)) << "row " << r << " k " << k;  // -0 stays -0
+    }
+  expect_kernel_emulation_matches(*p);
+  QuantMatrix gate = random_matrix(WeightFormat::kNvFp4, 13, 64, 16, 32), up = random_matrix(WeightFormat::kNvFp4, 13, 64, 16, 33);
+  auto gu = pack_gate_up(gate, up);
+  ASSERT_TRUE(gu.ok());
+  expect_kernel_emulation_matches(*gu);
+}
+
+TEST(ExpertLayout, Nvfp4RefusesNanBlockScales) {
+  QuantMatrix m = random_matrix(WeightFormat::kNvFp4, 16, 64, 16, 41);
+  std::vector<uint8_t> scales(m.scales.begin(), m.scales.end());
+  scales[9] = 0xFF;
+  m.scales = scales;
+  auto p = pack_matrix(m);
+  ASSERT_FALSE(p.ok());
+  EXPECT_THAT(p.error().what(), ::testing::HasSubstr("NaN"));
+  EXPECT_THAT(p.error().what(), ::testing::HasSubstr("row 2, block 1"));
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Device helpers shared by the expert GEMM kernels (moe_gemm.cu, decode; moe_gemm_prefill.cu,
 // prefill): their kernel arguments and epilogue kinds, the cp.async / ldmatrix / mma.sync
 // wrappers, the in-register dequantization of one [TAG_EXPERT_TILE_LAYOUT] lane slice into A
-// fragments, the e4m3 block-scale table and the fused activations. Device code only; include it
+// fragments, the nvfp4 block-scale pairs and the fused activations. Device code only; include it
 // from .cu files, never from a launcher header.
 //
 // Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
@@ -9,16 +9,18 @@
 //              exact small integers. The group scale multiplies the fp32 accumulator when the
 //              group ends, so weights enter the mma exactly.
 //   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15
-//              (one shift and one mask for three of a word's four registers, see kNvFp4CodeBits),
+//              (a rotation and a mask per register, two for the fourth: moe::kNvFp4Rotation),
 //              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
 //              0; bf16 mul and mma keep subnormals, checked by dev/cuda/probe_bf16_subnormal.cu).
-//              It is multiplied by bf16(block scale * 2^64), an exact product (2 x 4 significant
-//              bits) in the normal range, and the accumulator by scale_2 * 2^62 at the end.
+//              It is multiplied by the block scale times 2^74, formed from the layout's u5m3 code
+//              in two integer ops (nvfp4_step_scale; an exact product of 2 x 4 significant bits in
+//              the normal range), and the accumulator by scale_2 * 2^52 at the end. The scale
+//              pair {row g, row g+8} sits in one register; each half multiplies its row's
+//              registers (HMUL2 with a .H0_H0 / .H1_H1 operand).
 //   bf16:      the words are the fragment.
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -63,10 +65,9 @@ inline constexpr int kSteps = kChunkK<F> / 16;
 template <MoeWeightFormat F>
 inline constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightFormat::kInt2;
 
-// 2^64 and 2^62: the nvfp4 block scales enter bf16 times 2^64 and the subnormal code trick
-// contributes 2^-126, so the accumulator is rescaled by scale_2 * 2^62 (= 2^126 / 2^64).
-inline constexpr float kTwo64 = 18446744073709551616.0f;
-inline constexpr float kTwo62 = 4611686018427387904.0f;
+// 2^52: the nvfp4 block scales enter bf16 times 2^74 (moe::kNvFp4ScaleCodeExp2) and the
+// subnormal code trick contributes 2^-126, so the accumulator is rescaled by scale_2 * 2^52.
+inline constexpr float kNvFp4AccScale = 4503599627370496.0f;  // 2^52 = 2^(126 - 74)
 
 __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
@@ -107,10 +108,19 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// A-fragment registers of k-step S of a chunk. nv_scale: nvfp4 bf16x2 block-scale pairs for rows
-// g and g+8 (ignored by the other formats).
+// The nvfp4 block-scale pair of k-step S of a chunk for lane group g: sc holds the lane's 8 scale
+// codes ([TAG_EXPERT_TILE_LAYOUT]); the result is bf16x2 {scale of row g, scale of row g+8} x 2^74.
+template <int S>
+__device__ __forceinline__ uint32_t nvfp4_step_scale(uint2 sc) {
+  const uint32_t w = S < 2 ? sc.x : sc.y;
+  const uint32_t v = (S & 1) ? (w >> 4) : (w << 4);
+  return (v & 0x0FF00FF0u) | 0x60006000u;  // code on bits 4..11 of each half, exponent + 192
+}
+
+// A-fragment registers of k-step S of a chunk. nv_sc: the lane's nvfp4 block-scale codes for the
+// chunk (ignored by the other formats).
 template <MoeWeightFormat F, int S>
-__device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv_scale)[2], uint32_t (&a)[4]) {
+__device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32_t (&a)[4]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   if constexpr (F == MoeWeightFormat::kBF16) {
 #pragma unroll
@@ -130,48 +140,20 @@ __device__ __forceinline__ void dequant_step(const uint4& w, const uint32_t (&nv
       const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
       a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
     }
-  } else {  // kNvFp4: the bit layout is moe::kNvFp4CodeBits (src/moe/expert_layout.h)
+  } else {  // kNvFp4: the bit layout is moe::kNvFp4Rotation (src/moe/expert_layout.h)
     const uint32_t wd = words[S];
     constexpr uint32_t kPair = 0x81C081C0u;  // bf16 bits 6..8 (magnitude) and 15 (sign), both halves
     const uint32_t c0 = wd & kPair;
-    const uint32_t c1 = (wd << 3) & kPair;
-    const uint32_t c2 = (wd << 6) & kPair;
-    const uint32_t c3 = ((wd >> 4) & 0x00C000C0u) | ((wd >> 5) & 0x01000100u) | ((wd << 1) & 0x80008000u);
-    a[0] = bf16x2_bits(__hmul2(as_bf16x2(c0), as_bf16x2(nv_scale[0])));  // row g
-    a[1] = bf16x2_bits(__hmul2(as_bf16x2(c1), as_bf16x2(nv_scale[1])));  // row g + 8
-    a[2] = bf16x2_bits(__hmul2(as_bf16x2(c2), as_bf16x2(nv_scale[0])));
-    a[3] = bf16x2_bits(__hmul2(as_bf16x2(c3), as_bf16x2(nv_scale[1])));
+    const uint32_t c1 = __funnelshift_l(wd, wd, 4) & kPair;
+    const uint32_t c2 = __funnelshift_l(wd, wd, 10) & kPair;
+    const uint32_t c3 = (__funnelshift_l(wd, wd, 6) & 0x80C080C0u) | (__funnelshift_l(wd, wd, 14) & 0x01000100u);
+    const __nv_bfloat162 sc = as_bf16x2(nvfp4_step_scale<S>(nv_sc));
+    const __nv_bfloat162 s_lo = __low2bfloat162(sc), s_hi = __high2bfloat162(sc);
+    a[0] = bf16x2_bits(__hmul2(as_bf16x2(c0), s_lo));  // row g
+    a[1] = bf16x2_bits(__hmul2(as_bf16x2(c1), s_hi));  // row g + 8
+    a[2] = bf16x2_bits(__hmul2(as_bf16x2(c2), s_lo));
+    a[3] = bf16x2_bits(__hmul2(as_bf16x2(c3), s_hi));
   }
-}
-
-// bf16x2 {v, v} with v = bf16(e4m3 value * 2^64), for every e4m3 byte: block scales become bf16
-// multipliers of both halves of a weight pair. Stored as pairs (1 KiB) so a k-step's scale is one
-// shared-memory load with no repacking. Every thread of the block takes part; the caller syncs
-// before the first read.
-__device__ __forceinline__ void build_e4m3_lut(uint32_t* lut) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    const __half_raw hr = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(i), __NV_E4M3);
-    const float v = __half2float(__half(hr)) * kTwo64;  // exact
-    const __nv_bfloat16 b = __float2bfloat16(v);        // exact: 4 significant bits
-    const uint32_t bits = *reinterpret_cast<const uint16_t*>(&b);
-    lut[i] = bits | (bits << 16);
-  }
-}
-
-// The nvfp4 block-scale pair of k-step S of a chunk for lane group g: sc holds the lane's 8 scale
-// bytes (row g blocks 0..3, row g+8 blocks 0..3); out = {row g, row g+8} as bf16x2 multipliers.
-template <int S>
-__device__ __forceinline__ void nvfp4_step_scale(const uint32_t* lut, uint2 sc, uint32_t (&out)[2]) {
-  out[0] = lut[(sc.x >> (8 * S)) & 0xFF];
-  out[1] = lut[(sc.y >> (8 * S)) & 0xFF];
-}
-
-// All four k-steps' pairs of one chunk at once (the decode kernel converts a chunk up front).
-__device__ __forceinline__ void nvfp4_step_scales(const uint32_t* lut, uint2 sc, uint32_t (&out)[4][2]) {
-  nvfp4_step_scale<0>(lut, sc, out[0]);
-  nvfp4_step_scale<1>(lut, sc, out[1]);
-  nvfp4_step_scale<2>(lut, sc, out[2]);
-  nvfp4_step_scale<3>(lut, sc, out[3]);
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }

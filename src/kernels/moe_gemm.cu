@@ -137,16 +137,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   const int g = lane >> 2, t = lane & 3;
   const MoeGemmDims& d = args.dims;
 
-  __shared__ uint32_t e4m3_lut[256];
   __shared__ float partial[kWarps][NT][32][4];
   __shared__ const __nv_bfloat16* s_row_src[kStageB ? NT * 8 : 1];
   extern __shared__ __align__(16) unsigned char s_dyn[];
   // kStageB: [stage_rows][stage_stride] activations; then, int formats: the group scales.
   __nv_bfloat16* s_act = reinterpret_cast<__nv_bfloat16*>(s_dyn);
   const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
-  // Prologue that needs nothing from the previous kernel: with PDL it runs while that kernel drains.
-  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
-
   // This warp's contiguous chunk range.
   const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
 
@@ -222,15 +218,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   }
 
   if constexpr (kStageB) {
-    __syncthreads();  // s_row_src (and the e4m3 table)
+    __syncthreads();  // s_row_src
     stage_activations<KC>(args, s_row_src, s_act, warp, lane);
     cp_async_wait<0>();
     __syncthreads();
   } else if constexpr (kIsIntF) {
     cp_async_wait<0>();  // the group scales
     __syncthreads();
-  } else if constexpr (F == MoeWeightFormat::kNvFp4) {
-    __syncthreads();  // the e4m3 table
   }
 
   // kSets independent accumulator sets, k-step s into set s % kSets, summed in a fixed order at
@@ -283,17 +277,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
     for (int p = 0; p < kPrefetch; ++p) {
       const int c = c0 + p;
       if (c >= c_end) break;
-      uint32_t nv_scales[kSteps<F>][2] = {};
-      if constexpr (F == MoeWeightFormat::kNvFp4) {
-        nvfp4_step_scales(e4m3_lut, sv[p], nv_scales);
-      }
+      const uint2 nv_sc = F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0, 0);
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
         // The k-step's position in the (fully unrolled) batch picks its set: a constant after
         // unrolling, so acc[set] stays in registers.
         const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
-        dequant_step<F, S>(wv[p], nv_scales[S], a);
+        dequant_step<F, S>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
           const int group = k0 / d.group_size;
@@ -338,8 +329,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
     for (int i = 0; i < 4; ++i) partial[warp][tt][lane][i] = acc[0][tt][i];
   __syncthreads();
   if (warp != 0) return;
-  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
-  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
 #pragma unroll
   for (int tt = 0; tt < NT; ++tt) {
     float c[4];
@@ -356,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 
 // Row tiles per block for one token tile ([TAG_DECODE_ROW_TILES]). moe_gemm_kernel gives every
 // block one 16-row weight tile: at T = 8-64 the grid is 5k-15k short blocks whose fixed costs
-// (e4m3 table, the dependent chain tile_expert -> expert pointers -> first weights, activation
+// (the dependent chain tile_expert -> expert pointers -> first weights, activation
 // staging, reduction) leave the SM's memory pipe idle between them (GEMM1 at T = 8 read 45% of the
 // HBM rate; docs/PERF.md run I4). This kernel walks `rows_per_block` consecutive row tiles of one
 // expert (contiguous weights) with ONE prologue, and keeps the next row tile's weights in flight
@@ -376,7 +367,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   const int rt_begin = blockIdx.x * rows_per_block;
   const int rt_end = min(rt_begin + rows_per_block, d.row_tiles);
 
-  __shared__ uint32_t e4m3_lut[256];
   __shared__ float partial[2][kWarps][32][4];  // double-buffered by row-tile parity: one sync per tile
   __shared__ const __nv_bfloat16* s_row_src[8];
   extern __shared__ __align__(16) unsigned char s_dyn[];
@@ -384,8 +374,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   // Int formats: the group scales of all this block's row tiles, [tiles][groups][16] fp16 (the
   // tile layout stores consecutive row tiles' scales contiguously).
   const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
-  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
-
   const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
   ExpertMatrixPtrs ptrs;
   uint4 wa[P], wb[P];
@@ -434,14 +422,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
     const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
     s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
   }
-  __syncthreads();  // s_row_src (and the e4m3 table)
+  __syncthreads();  // s_row_src
   stage_activations<KC>(args, s_row_src, s_act, warp, lane);
   cp_async_wait<0>();  // the activations (and the int group scales)
   __syncthreads();
   const int r = g < args.stage_rows ? g : 0;  // padding rows read row 0 (see moe_gemm_kernel)
   const __nv_bfloat16* b_row = s_act + r * args.stage_stride + 2 * t;
-  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
-  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
 
   // One row tile from the registers wv/sv: this warp's partial sums into partial[buf], then the
   // block meets once and warp 0 reduces in warp order and stores.
@@ -469,13 +457,12 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
     for (int p = 0; p < P; ++p) {
       const int c = c_begin + p;
       if (c >= c_end) break;
-      uint32_t nv_scales[kSteps<F>][2] = {};
-      if constexpr (F == MoeWeightFormat::kNvFp4) nvfp4_step_scales(e4m3_lut, sv[p], nv_scales);
+      const uint2 nv_sc = F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0, 0);
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
         const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
-        dequant_step<F, S>(wv[p], nv_scales[S], a);
+        dequant_step<F, S>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
           const int group = k0 / d.group_size;

@@ -33,7 +33,7 @@ enum class MoeWeightFormat : uint8_t { kBF16, kNvFp4, kInt4, kInt2 };
 // [TAG_EXPERT_PTR_TABLE] One expert's matrix: device or mapped-pinned addresses.
 struct ExpertMatrixPtrs {
   const void* weight = nullptr;   // tile layout, 16-byte aligned
-  const void* scales = nullptr;   // nvfp4: e4m3 tiles (8-byte aligned); int: fp16 tiles (4-byte aligned); bf16: null
+  const void* scales = nullptr;   // nvfp4: u5m3 scale-code tiles (8-byte aligned); int: fp16 tiles (4-byte aligned); bf16: null
   float global_scale[2] = {1.0f, 1.0f};  // NVFP4 scale_2 of tile rows 0-7 and 8-15
 };
 

@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Gem
   if (expert < 0) return;  // [TAG_MOE_GRAPH_CAPACITY] past the live tiles
 
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint32_t e4m3_lut[256];
   __shared__ int32_t pair_ids[BN];
   __shared__ const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
 
@@ -126,7 +125,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Gem
   const MoeGemmDims& d = args.dims;
   const int row_tile0 = blockIdx.x * kBlockRowTiles;
 
-  if constexpr (F == MoeWeightFormat::kNvFp4) build_e4m3_lut(e4m3_lut);
   for (int r = tid; r < BN; r += kThreads) {
     const int pos = tile * BN + r;
     const int pair = args.tiles.padded_pair_ids[pos];
@@ -274,9 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Gem
       uint32_t a[kWarpRowTiles][4];
 #pragma unroll
       for (int m = 0; m < kWarpRowTiles; ++m) {
-        uint32_t nv[2] = {0, 0};
-        if constexpr (F == MoeWeightFormat::kNvFp4) nvfp4_step_scale<S>(e4m3_lut, nv_sc[m], nv);
-        dequant_step<F, S>(w[m], nv, a[m]);
+        dequant_step<F, S>(w[m], F == MoeWeightFormat::kNvFp4 ? nv_sc[m] : make_uint2(0, 0), a[m]);
       }
       const uint32_t b_addr = acts + (((2 * s + lm_khalf) ^ lm_swz) * 16);
 #pragma unroll
@@ -330,8 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_kernel(const Gem
 
   // Epilogue: acc[m][n] = {row g, tokens 2t, 2t+1; row g+8, tokens 2t, 2t+1} of tile my_rt[m],
   // n8 token tile n.
-  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kTwo62 : 1.0f;
-  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kTwo62 : 1.0f;
+  const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
+  const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
 #pragma unroll
   for (int m = 0; m < kWarpRowTiles; ++m) {
     if (!my_ok[m]) continue;

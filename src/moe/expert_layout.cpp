@@ -1,5 +1,6 @@
 #include "moe/expert_layout.h"
 
+#include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -35,6 +36,10 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
+// Byte offset, within a lane group's 8 scale bytes of a chunk, of tile row g + 8 * half, block b
+// ([TAG_EXPERT_TILE_LAYOUT]: [g b0, g b1, g+8 b0, g+8 b1, g b2, g b3, g+8 b2, g+8 b3]).
+constexpr int nvfp4_scale_byte(int g, int half, int b) { return g * 8 + (b >> 1) * 4 + half * 2 + (b & 1); }
+
 // The packed code of (source row, k) for the kernel: bf16 bits, e2m1 code, or unsigned int q.
 // Padding (no row, or k past K) packs to the value that dequantizes to 0.
 uint32_t stored_code(KernelFormat f, const SourceRow& src, int64_t k) {
@@ -43,8 +48,16 @@ uint32_t stored_code(KernelFormat f, const SourceRow& src, int64_t k) {
   switch (f) {
     case KernelFormat::kBF16:
       return pad ? 0u : load_u16(m->weight.data() + (src.row * m->cols + k) * 2);
-    case KernelFormat::kNvFp4:
-      return pad ? 0u : nvfp4::get_code(m->weight.data() + src.row * (m->cols / 2), k);
+    case KernelFormat::kNvFp4: {
+      if (pad) return 0u;
+      uint32_t code = nvfp4::get_code(m->weight.data() + src.row * (m->cols / 2), k);
+      // The tile layout keeps |block scale| ([TAG_EXPERT_TILE_LAYOUT]): the scale's sign moves
+      // onto the codes, and a zero scale zeroes their magnitudes (the products stay bit-identical).
+      const uint8_t scale = m->scales[static_cast<size_t>(src.row * (m->cols / 16) + k / 16)];
+      if ((scale & 0x80u) != 0) code ^= 0x8u;
+      if ((scale & 0x7Fu) == 0) code &= 0x8u;
+      return code;
+    }
     case KernelFormat::kInt4:
       return pad ? 8u : gptq::get_q(m->weight.data(), m->rows, k, src.row, 4);
     case KernelFormat::kInt2:
@@ -55,6 +68,14 @@ uint32_t stored_code(KernelFormat f, const SourceRow& src, int64_t k) {
 
 Status check_supported(const QuantMatrix& m, KernelFormat f) {
   MOEBIUS_TRY(m.validate());
+  if (f == KernelFormat::kNvFp4) {
+    // The tile layout's scale code has no NaN (nvfp4_scale_code); a NaN block scale is a broken
+    // checkpoint, not a value to compute with.
+    for (size_t i = 0; i < m.scales.size(); ++i)
+      if ((m.scales[i] & 0x7Fu) == 0x7Fu)
+        return Error::format("nvfp4 weight_scale is NaN (e4m3 0x{:02X}) at row {}, block {}", m.scales[i],
+                             static_cast<int64_t>(i) / (m.cols / 16), static_cast<int64_t>(i) % (m.cols / 16));
+  }
   if (f == KernelFormat::kInt4 || f == KernelFormat::kInt2) {
     if (m.group_size % 16 != 0)
       return Error::format("group size {} is not a multiple of 16, which the CUDA kernels need", m.group_size);
@@ -91,7 +112,7 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
                 words[j] |= v << (16 * hi);
                 break;
               case KernelFormat::kNvFp4:
-                for (int b = 0; b < 4; ++b) words[s] |= ((v >> b) & 1u) << (kNvFp4CodeBits[j][b] + 16 * hi);
+                for (int b = 0; b < 4; ++b) words[s] |= ((v >> b) & 1u) << nvfp4_code_bit(j, hi, b);
                 break;
               case KernelFormat::kInt4:
                 words[s] |= v << (4 * (j + 4 * hi));
@@ -110,7 +131,7 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
   }
 
   if (f == KernelFormat::kNvFp4) {
-    // [tile][chunk][g][row g blocks 0..3, row g+8 blocks 0..3]; padding scale 0 (codes are 0).
+    // [tile][chunk][g][8 B] in nvfp4_scale_byte order; padding scale 0 (codes are 0).
     p.scales.assign(static_cast<size_t>(tiles * chunks * 64), 0);
     for (int64_t tile = 0; tile < tiles; ++tile) {
       for (int r = 0; r < kTileRows; ++r) {
@@ -120,8 +141,8 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t c = b / 4;
           const int g = r & 7, half = r >> 3;
-          p.scales[static_cast<size_t>((tile * chunks + c) * 64 + g * 8 + half * 4 + b % 4)] =
-              s.m->scales[static_cast<size_t>(s.row * blocks + b)];
+          p.scales[static_cast<size_t>((tile * chunks + c) * 64 + nvfp4_scale_byte(g, half, static_cast<int>(b % 4)))] =
+              nvfp4_scale_code(s.m->scales[static_cast<size_t>(s.row * blocks + b)]);
         }
       }
     }
@@ -144,6 +165,24 @@ PackedMatrix pack_rows(KernelFormat f, int64_t rows, int64_t cols, int group_siz
 }
 
 }  // namespace
+
+uint8_t nvfp4_scale_code(uint8_t e4m3_bits) {
+  const int exp = (e4m3_bits >> 3) & 0xF, man = e4m3_bits & 7;
+  if (exp == 0 && man == 0) return 0;
+  if (exp != 0) return static_cast<uint8_t>(((exp - 7 + 9) << 3) | man);  // 2^(exp-7) (1 + man/8)
+  // Subnormal: man/8 * 2^-6, normalised (man has at most 3 significant bits).
+  int e = -9, v = man;  // man * 2^-9
+  while (v >= 2) {
+    v >>= 1;
+    ++e;
+  }
+  const int frac = (man << (3 - (e + 9))) & 7;  // the bits below the leading one, as eighths
+  return static_cast<uint8_t>(((e + 9) << 3) | frac);
+}
+
+float nvfp4_scale_code_value(uint8_t code) {
+  return std::ldexp(1.0f + static_cast<float>(code & 7) / 8.0f, (code >> 3) - 9);
+}
 
 PackedMatrix packed_shape(KernelFormat format, int64_t rows, int64_t cols, int group_size) {
   PackedMatrix p;
@@ -293,10 +332,10 @@ void unpack_to_float(const PackedMatrix& p, float* out) {
                 break;
               case KernelFormat::kNvFp4: {
                 uint8_t code = 0;
-                for (int b = 0; b < 4; ++b) code |= ((words[s] >> (kNvFp4CodeBits[j][b] + 16 * hi)) & 1u) << b;
-                const uint8_t sc = p.scales[static_cast<size_t>((tile * chunks + c) * 64 + (pos.row & 7) * 8 +
-                                                                (pos.row >> 3) * 4 + s)];
-                v = (e2m1_bits_to_float(code) * e4m3_bits_to_float(sc)) * p.global_scale[pos.row >> 3];
+                for (int b = 0; b < 4; ++b) code |= ((words[s] >> nvfp4_code_bit(j, hi, b)) & 1u) << b;
+                const uint8_t sc = p.scales[static_cast<size_t>((tile * chunks + c) * 64 +
+                                                                nvfp4_scale_byte(pos.row & 7, pos.row >> 3, s))];
+                v = (e2m1_bits_to_float(code) * nvfp4_scale_code_value(sc)) * p.global_scale[pos.row >> 3];
                 break;
               }
               case KernelFormat::kInt4:

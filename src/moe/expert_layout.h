@@ -19,19 +19,26 @@
 //                      (w >> 4j) & 0x000F000F | 0x43004300 is bf16x2 (128 + q_lo, 128 + q_hi).
 //                      q is the unsigned GPTQ value; the symmetric zero point is 8.
 //     kNvFp4 KC = 64:  word s = k-step s, but the four bits of each e2m1 code (m, e0, e1, sign) are
-//                      scattered so that registers 0-2 need one shift and one mask each
-//                      (kNvFp4CodeBits): the magnitude must land on bf16 bits 6..8 and the sign
-//                      on bit 15 of each half, and three of the four registers can be stored at
-//                      left shifts 0, 3 and 6 of that pattern; the fourth uses the remaining
-//                      bits {10, 11, 13, 14} and three shifts. 11 integer ops per word instead of
-//                      16 for contiguous nibbles (no 4 shifts of the pattern tile 16 bits).
+//                      scattered so that each register is a rotation and a mask of the word
+//                      (nvfp4_code_bit): the magnitude must land on bf16 bits 6..8 and the sign
+//                      on bit 15 of each half. Registers 0-2 are the word rotated left by 0, 4
+//                      and 10 and masked; register 3 takes the remaining bits through rotations
+//                      6 and 14 (four rotations of one 4-bit pattern cannot tile 16 bits, so one
+//                      register needs two). 9 integer ops per word (was 11 with plain shifts).
 //     kInt2  KC = 128: word i holds k-steps 2i and 2i+1; crumb 4u+j holds a(2j) and crumb
 //                      8+4u+j holds a(2j+1) of step 2i+u, so (w >> 2(4u+j)) & 0x00030003 works
 //                      like int4. Zero point 2.
 //
 //   scales, per format:
-//     kNvFp4  [rows_padded / 16][cols_padded / 64][8 g][8 B]: e4m3 block scales; byte s is row g
-//             block s of the chunk, byte 4+s is row g+8 block s. One 8-byte load per lane.
+//     kNvFp4  [rows_padded / 16][cols_padded / 64][8 g][8 B]: block scales as u5m3 codes
+//             (nvfp4_scale_code), in the order [g b0, g b1, g+8 b0, g+8 b1, g b2, g b3, g+8 b2,
+//             g+8 b3] (row g or g+8, block b of the chunk). One 8-byte load per lane; k-step s's
+//             pair (rows g, g+8) is bytes (s & 1) and 2 + (s & 1) of word s / 2, so
+//             ((word << 4 or >> 4) & 0x0FF00FF0) | 0x60006000 is the bf16x2 {scale_g, scale_g+8}
+//             times 2^74 in two integer ops: no table, no shared memory.
+//             The code holds |scale|: a negative block scale flips the sign bits of its 16
+//             e2m1 codes instead, and a zero scale clears their magnitude bits (code 0 then
+//             reads as 2^-9), which gives the same products bit for bit. NaN scales are refused.
 //     kIntB   [rows_padded / 16][groups][16 rows] fp16: the group scale of each tile row.
 //     kBF16   none.
 //   global_scale[2]: NVFP4 weight_scale_2 of tile rows 0-7 and 8-15 (gate and up for the fused
@@ -57,13 +64,28 @@ enum class KernelFormat : uint8_t { kBF16, kNvFp4, kInt4, kInt2 };
 inline constexpr int kTileRows = 16;
 inline constexpr int kTileBytes = 512;  // 32 lanes x 16 B
 
-// kNvFp4: bit position, within each 16-bit half of a k-step's word, of e2m1 code bit b (0: mantissa,
-// 1: exponent bit 0, 2: exponent bit 1, 3: sign) of register j (fragment values a(2j) in the low
-// half, a(2j+1) at +16). The kernel (kernels/moe_dequant.cuh, dequant_step) extracts register j as
-//   j = 0: w & 0x81C081C0          j = 1: (w << 3) & 0x81C081C0      j = 2: (w << 6) & 0x81C081C0
-//   j = 3: ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & 0x80008000)
+// kNvFp4: the left rotation that register j (fragment values a(2j) in the low half, a(2j+1) at
+// +16) of the kernel's dequantization (kernels/moe_dequant.cuh, dequant_step) applies to the word
+// for e2m1 code bit b (0: mantissa, 1: exponent bit 0, 2: exponent bit 1, 3: sign):
+//   j = 0: w & 0x81C081C0            j = 1: rotl(w, 4) & 0x81C081C0    j = 2: rotl(w, 10) & 0x81C081C0
+//   j = 3: (rotl(w, 6) & 0x80C080C0) | (rotl(w, 14) & 0x01000100)
 // which puts the magnitude on bf16 bits 6..8 and the sign on bit 15 of each half.
-inline constexpr int kNvFp4CodeBits[4][4] = {{6, 7, 8, 15}, {3, 4, 5, 12}, {0, 1, 2, 9}, {10, 11, 13, 14}};
+inline constexpr int kNvFp4Rotation[4][4] = {{0, 0, 0, 0}, {4, 4, 4, 4}, {10, 10, 10, 10}, {6, 6, 14, 6}};
+// The bf16 bit, within a half, that code bit b lands on.
+inline constexpr int kNvFp4TargetBit[4] = {6, 7, 8, 15};
+// Where code bit b of register j, half `hi`, is stored in the 32-bit word: the bit the rotation
+// brings to the target (rotations cross the halves, so the high half's bits may sit in the low one).
+constexpr int nvfp4_code_bit(int j, int hi, int b) {
+  return (kNvFp4TargetBit[b] + 16 * hi - kNvFp4Rotation[j][b] + 32) % 32;
+}
+// The tile layout's block-scale code for an e4m3 magnitude (the sign bit is ignored): a positive
+// value 2^e (1 + m/8), e in [-9, 8] (e4m3 subnormals included: at most 3 significant bits), is
+// ((e + 9) << 3) | m; zero is 0. Inverse: nvfp4_scale_code_value.
+uint8_t nvfp4_scale_code(uint8_t e4m3_bits);
+float nvfp4_scale_code_value(uint8_t code);
+// The bf16 bits that the kernel forms from a code ((code << 4) | 0x6000): the value times 2^74.
+inline constexpr uint16_t kNvFp4ScaleCodeBf16Or = 0x6000;
+inline constexpr int kNvFp4ScaleCodeExp2 = 74;
 
 // K elements per 16-byte lane chunk.
 constexpr int chunk_k(KernelFormat f) {
