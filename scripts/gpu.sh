@@ -103,6 +103,18 @@ bench_cuda() {
   "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 4096 --gemm-path wgmma --block-m 64 || return 1
 }
 step bench-moe-cuda bench_cuda
+# The decode kernel's row tiles per block swept (MOEBIUS_ROWS_SWEEP=1): the data behind
+# decode_rows_per_block's table (src/kernels/moe_gemm.cu), per format, 1 = the one-tile kernel.
+rows_sweep() {
+  for fmt in nvfp4 int4 int2; do
+    for r in 1 2 4 8; do
+      echo "== $fmt rows per block $r"
+      MOEBIUS_DECODE_ROWS_PER_BLOCK=$r "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt \
+        --tokens 1,8,16,64,128 | grep -E '^ +[0-9]+ +decode|stages' || return 1
+    done
+  done
+}
+[ "${MOEBIUS_ROWS_SWEEP:-0}" = 1 ] && step rows-sweep rows_sweep
 
 # Expert parallelism (docs/PERF.md): the EP layer's dispatch/combine and whole-layer time at EP=1
 # (one GPU: NCCL's self-sends, the overhead against the single-GPU layer), and at EP=2 and EP=4
@@ -302,6 +314,7 @@ PY
 [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && python3 -c "import transformers" 2>/dev/null && step chat-template-ref chat_template_ref
 [ -f "$OUT/gpu-op-tests.log" ] && cat "$OUT/gpu-op-tests.log" | grep -E "nmse|FAILED|Failure|PASSED" | head -120
 [ -f "$OUT/bench-moe-cuda.log" ] && cat "$OUT/bench-moe-cuda.log"
+[ -f "$OUT/rows-sweep.log" ] && cat "$OUT/rows-sweep.log"
 [ -f "$OUT/tune-moe.log" ] && cat "$OUT/tune-moe.log"
 [ -f "$OUT/bench-attention.log" ] && cat "$OUT/bench-attention.log"
 [ -f "$OUT/bench-gemv.log" ] && cat "$OUT/bench-gemv.log"
