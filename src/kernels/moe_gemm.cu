@@ -89,34 +89,40 @@ __device__ __forceinline__ void stage_activations(const GemmKernelArgs& args, co
   cp_async_commit();
 }
 
+// The epilogue of one token column of a 16-row weight tile: lo / hi are tile rows g and g + 8 for
+// the token at padded position pos (pair: its (token, slot) pair, < 0 for padding). Already scaled.
+template <Epilogue EPI>
+__device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, float lo, float hi, int pos, int pair,
+                                                    int row_tile, int g) {
+  const MoeGemmDims& d = args.dims;
+  if (pair < 0) return;
+  if constexpr (EPI == Epilogue::kGateUp) {
+    const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
+    if (i < d.n_out) args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, lo, hi));
+  } else {
+    const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
+    if constexpr (EPI == Epilogue::kDownStore) {
+      float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+      if (n_lo < d.n_out) yrow[n_lo] = lo;
+      if (n_hi < d.n_out) yrow[n_hi] = hi;
+    } else {
+      const float w = args.topk_weights[pair];
+      __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
+      if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * lo));
+      if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * hi));
+    }
+  }
+}
+
 // The epilogue of one n8 token tile of a 16-row weight tile: c[0], c[1] are tile row g, tokens 2t
 // and 2t+1 (padded positions pos0 + 2t, +1); c[2], c[3] tile row g + 8. Already scaled.
 template <Epilogue EPI>
 __device__ __forceinline__ void store_outputs(const GemmKernelArgs& args, const float (&c)[4], int pos0, int row_tile,
                                               int g, int t) {
-  const MoeGemmDims& d = args.dims;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int pos = pos0 + 2 * t + j;
-    const int pair = args.tiles.padded_pair_ids[pos];
-    if (pair < 0) continue;
-    if constexpr (EPI == Epilogue::kGateUp) {
-      const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
-      if (i < d.n_out)
-        args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c[j], c[2 + j]));
-    } else {
-      const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
-      if constexpr (EPI == Epilogue::kDownStore) {
-        float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
-        if (n_lo < d.n_out) yrow[n_lo] = c[j];
-        if (n_hi < d.n_out) yrow[n_hi] = c[2 + j];
-      } else {
-        const float w = args.topk_weights[pair];
-        __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
-        if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * c[j]));
-        if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * c[2 + j]));
-      }
-    }
+    store_output_column<EPI>(args, c[j], c[2 + j], pos, args.tiles.padded_pair_ids[pos], row_tile, g);
   }
 }
 
@@ -355,7 +361,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // continuously. Only one token tile (block_m 8), activations staged, and a warp's chunk range
 // within one batch (P chunks): then a k-step's accumulator set and the reduction order are those
 // of moe_gemm_kernel, so the two kernels' outputs are bit-identical.
-template <MoeWeightFormat F, Epilogue EPI, int P>
+//
+// kExact: every warp has exactly P chunks (chunks == 4 P; Qwen3-30B-A3B: GEMM1 8, GEMM2 3), so
+// the chunk guards, their branches and the address arithmetic fold away: the decode GEMM is
+// bound by the issue of its instruction stream (docs/PERF.md run K1: ~6.8 cycles per instruction
+// per warp at 3-4 warps per scheduler), and GEMM2's 12 mma per warp and row tile carried ~19
+// instructions of overhead each. The per-tile epilogue is split over warps 0 and 1 (one token
+// column each) and the tile's pair ids are read once per block: warp 0 alone, with a global
+// load of the pair ids in every tile, was the slowest warp of each tile.
+template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact>
 __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
@@ -369,12 +383,14 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
 
   __shared__ float partial[2][kWarps][32][4];  // double-buffered by row-tile parity: one sync per tile
   __shared__ const __nv_bfloat16* s_row_src[8];
+  __shared__ int s_pair[8];
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __nv_bfloat16* s_act = reinterpret_cast<__nv_bfloat16*>(s_dyn);
   // Int formats: the group scales of all this block's row tiles, [tiles][groups][16] fp16 (the
   // tile layout stores consecutive row tiles' scales contiguously).
   const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
-  const int c_begin = (d.chunks * warp) / kWarps, c_end = (d.chunks * (warp + 1)) / kWarps;
+  const int c_begin = kExact ? warp * P : (d.chunks * warp) / kWarps;
+  const int c_end = kExact ? c_begin + P : (d.chunks * (warp + 1)) / kWarps;
   ExpertMatrixPtrs ptrs;
   uint4 wa[P], wb[P];
   uint2 sa[P], sb[P];
@@ -383,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       const int c = c_begin + p;
-      if (c < c_end) {
+      if (kExact || c < c_end) {
         wv[p] = load_weights(wbase + static_cast<int64_t>(c) * 32);
         if constexpr (F == MoeWeightFormat::kNvFp4)
           sv[p] = __ldg(static_cast<const uint2*>(ptrs.scales) + (static_cast<int64_t>(rt) * d.chunks + c) * 8 + g);
@@ -416,13 +432,15 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   }
 
   const int bm = args.tiles.block_m;
-  if (threadIdx.x < args.stage_rows) {
+  if (threadIdx.x < 8) {
     const int pos = tile * bm + threadIdx.x;
     const int pair = args.tiles.padded_pair_ids[pos];
+    s_pair[threadIdx.x] = pair;
     const int64_t row = EPI == Epilogue::kGateUp ? pair / args.tiles.top_k : pos;
-    s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
+    if (threadIdx.x < args.stage_rows)
+      s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
   }
-  __syncthreads();  // s_row_src
+  __syncthreads();  // s_row_src, s_pair
   stage_activations<KC>(args, s_row_src, s_act, warp, lane);
   cp_async_wait<0>();  // the activations (and the int group scales)
   __syncthreads();
@@ -430,6 +448,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   const __nv_bfloat16* b_row = s_act + r * args.stage_stride + 2 * t;
   const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
+  const int my_pair = s_pair[2 * t + (warp & 1)];  // the token column this warp stores (warps 0, 1)
 
   // One row tile from the registers wv/sv: this warp's partial sums into partial[buf], then the
   // block meets once and warp 0 reduces in warp order and stores.
@@ -456,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
 #pragma unroll
     for (int p = 0; p < P; ++p) {
       const int c = c_begin + p;
-      if (c >= c_end) break;
+      if (!kExact && c >= c_end) break;
       const uint2 nv_sc = F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0, 0);
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
@@ -480,23 +499,22 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
       }(std::make_integer_sequence<int, kSteps<F>>{});
     }
     if constexpr (kIsIntF) {
-      if (c_end > c_begin) flush_group(current_group);
+      if (kExact || c_end > c_begin) flush_group(current_group);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[buf][warp][lane][i] = acc[0][i] + acc[1][i];
     // Warp 0 read this buffer for tile rt - 2 before the sync of tile rt - 1, which every warp
     // passed before these writes: one barrier per tile suffices.
     __syncthreads();
-    if (warp == 0) {
-      float c[4];
+    if (warp < 2) {  // warp j stores token column 2t + j (rows g and g + 8), summed in warp order
+      const int j = warp;
+      float lo = 0.0f, hi = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += partial[buf][w][lane][i];
-        c[i] = sum * (i < 2 ? gs_lo : gs_hi);
+      for (int w = 0; w < kWarps; ++w) {
+        lo += partial[buf][w][lane][j];
+        hi += partial[buf][w][lane][2 + j];
       }
-      store_outputs<EPI>(args, c, tile * bm, rt, g, t);
+      store_output_column<EPI>(args, lo * gs_lo, hi * gs_hi, tile * bm + 2 * t + j, my_pair, rt, g);
     }
   };
 
@@ -570,10 +588,17 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   if (nt == 1 && stage && rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP) {
     const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows_per_block);
     MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-    auto* kernel = moe_gemm_rows_kernel<F, EPI, kRowsP>;
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const dim3 rows_grid((args.dims.row_tiles + rows_per_block - 1) / rows_per_block, args.tiles.grid_tiles);
-    launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
+    auto go_rows = [&](auto kernel) {
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
+    };
+    // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8) and GEMM2 (K = 768: 3).
+    const bool even = args.dims.chunks % kWarps == 0;
+    const int per_warp = args.dims.chunks / kWarps;
+    if (even && per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true>);
+    else if (EPI != Epilogue::kGateUp && even && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true>);
+    else go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, false>);
     return;
   }
   auto go = [&](auto kernel, size_t smem) {
