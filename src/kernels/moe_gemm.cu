@@ -13,9 +13,8 @@
 // each dequantized fragment for block_m / 8 mma.
 //
 // Activations: when the tile's live rows (min(block_m, capacity)) of padded K fit 72 KB, the block
-// stages them in shared memory (loaded after the first weight loads are issued, so the two
-// latencies overlap; k-permuted so a lane's B fragments are contiguous, [TAG_STAGED_B_ORDER]) and
-// the k-loop reads B fragments there. Reading them from global memory in
+// stages them in shared memory with cp.async (issued after the first weight loads, so the two
+// latencies overlap) and the k-loop reads B fragments there. Reading them from global memory in
 // the k-loop, as the first version did, put an L1/L2 round trip in front of every mma (ncu:
 // GEMM1 at T=1 spent most of its 17 cycles per issue waiting on L1TEX; docs/PERF.md). Larger
 // tiles (32-64 tokens at K = 2048) keep the global-memory path.
@@ -68,60 +67,26 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
   }
 }
 
-// [TAG_STAGED_B_ORDER] Staged activation rows are k-permuted within each 64-column group so that a
-// lane's B fragments are contiguous: the column pair (word) n = 8 s + 4 h + t of a group (k-step s
-// of the group; h = 0 for columns 2t, 2t+1 and 1 for 2t+8, 2t+9, the mma B fragment's b0 and b1
-// of lane 4g + t) is stored at word 8 t + 2 s + h. Lane t then reads its b0/b1 of a k-step as one
-// 8-byte load, and of a whole 64-column chunk (4 k-steps) as two 16-byte loads, instead of two
-// 4-byte loads per k-step (1.5 fewer instructions per mma in an instruction-bound loop;
-// docs/PERF.md run K1). Rows are groups * 64 + 8 elements apart (stage_stride): 4 words past a
-// multiple of 32 banks, so the 16-byte loads of rows g and g + 1 in one quarter-warp hit disjoint
-// banks.
-inline constexpr int kStageGroupK = 64;
-__host__ __device__ constexpr int staged_row_k(int padded_k) {
-  return (padded_k + kStageGroupK - 1) / kStageGroupK * kStageGroupK;
-}
-
 // Stage a tile's live activation rows (row sources in s_row_src, nullptr for padding), K padded
-// with zeros to the weights' padded columns, in the [TAG_STAGED_B_ORDER] order, so the k-loop reads
-// its B fragments from shared memory (one round trip for the whole tile instead of one L1/L2
-// round trip per k-step, which ncu showed on the critical path). One task = one row's 64-column
-// group: eight 16-byte loads, eight 16-byte stores of the permuted words. Tasks go row-fastest
-// across the lanes, so with several rows the stores of a quarter-warp fall in different banks.
-// The caller syncs before reading.
+// with zeros to the weights' padded columns, so the k-loop reads its B fragments from shared
+// memory (one round trip for the whole tile instead of one L1/L2 round trip per k-step, which ncu
+// showed on the critical path). stage_stride = padded K + 8 elements: the 8 rows of a B fragment
+// load land 4 banks apart. Commits one cp.async group; the caller waits and syncs.
+template <int KC>
 __device__ __forceinline__ void stage_activations(const GemmKernelArgs& args, const __nv_bfloat16* const* s_row_src,
-                                                  __nv_bfloat16* s_act) {
+                                                  __nv_bfloat16* s_act, int warp, int lane) {
   const MoeGemmDims& d = args.dims;
-  const int rows = args.stage_rows;
-  const int groups = staged_row_k(args.stage_stride - 8) / kStageGroupK;
-  for (int task = threadIdx.x; task < rows * groups; task += kThreads) {
-    const int r = task % rows, grp = task / rows;
+  const int pieces = d.chunks * (KC / 8);  // 16-byte pieces per padded row
+  for (int r = warp; r < args.stage_rows; r += kWarps) {
     const __nv_bfloat16* src = s_row_src[r];
-    const int k0 = grp * kStageGroupK;
-    uint4 piece[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int k = k0 + 8 * q;
-      if (src != nullptr && k + 8 <= d.k) {
-        piece[q] = *reinterpret_cast<const uint4*>(src + k);
-      } else {  // past K or padding: zeros; a piece that straddles K, element by element
-        uint16_t e[8] = {};
-        if (src != nullptr)
-          for (int i = 0; i < 8 && k + i < d.k; ++i) e[i] = reinterpret_cast<const uint16_t*>(src)[k + i];
-        piece[q] = make_uint4(e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16), e[4] | (uint32_t{e[5]} << 16),
-                              e[6] | (uint32_t{e[7]} << 16));
-      }
-    }
-    // Piece q holds the words 4q..4q+3 = (s = q / 2, h = q % 2) for t = 0..3; word t of pieces
-    // 0-3 (s = 0, 1) and 4-7 (s = 2, 3) are lane t's two 16-byte slots.
-    uint4* dst = reinterpret_cast<uint4*>(s_act + static_cast<int64_t>(r) * args.stage_stride + k0);
-    auto word = [](const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; };
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      dst[2 * t] = make_uint4(word(piece[0], t), word(piece[1], t), word(piece[2], t), word(piece[3], t));
-      dst[2 * t + 1] = make_uint4(word(piece[4], t), word(piece[5], t), word(piece[6], t), word(piece[7], t));
+    const uint32_t dst = smem_u32(s_act + static_cast<int64_t>(r) * args.stage_stride);
+    for (int p = lane; p < pieces; p += 32) {
+      const int k = p * 8;
+      const int bytes = src == nullptr ? 0 : max(0, min(16, 2 * (d.k - k)));
+      cp_async16(dst + p * 16, bytes > 0 ? static_cast<const void*>(src + k) : static_cast<const void*>(args.act_in), bytes);
     }
   }
+  cp_async_commit();
 }
 
 // The epilogue of one token column of a 16-row weight tile: lo / hi are tile rows g and g + 8 for
@@ -260,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 
   if constexpr (kStageB) {
     __syncthreads();  // s_row_src
-    stage_activations(args, s_row_src, s_act);
-    if constexpr (kIsIntF) cp_async_wait<0>();  // the group scales
+    stage_activations<KC>(args, s_row_src, s_act, warp, lane);
+    cp_async_wait<0>();
     __syncthreads();
   } else if constexpr (kIsIntF) {
     cp_async_wait<0>();  // the group scales
@@ -307,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 #pragma unroll
     for (int tt = 0; tt < NT; ++tt) {
       const int r = tt * 8 + g;
-      b_smem_row[tt] = (r < args.stage_rows ? r : 0) * args.stage_stride + 16 * t;  // [TAG_STAGED_B_ORDER]
+      b_smem_row[tt] = (r < args.stage_rows ? r : 0) * args.stage_stride + 2 * t;
     }
   }
 
@@ -338,10 +303,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
         for (int tt = 0; tt < NT; ++tt) {
           uint32_t b0 = 0, b1 = 0;
           if constexpr (kStageB) {
-            // k-step s = (k0 / 16) % 4 of group k0 / 64: words 2 s, 2 s + 1 (elements 4 s) of the lane's 8.
-            const uint2 q = *reinterpret_cast<const uint2*>(s_act + b_smem_row[tt] + (k0 & ~63) + ((k0 >> 2) & 12));
-            b0 = q.x;
-            b1 = q.y;
+            const uint32_t* q = reinterpret_cast<const uint32_t*>(s_act + b_smem_row[tt] + k0);
+            b0 = q[0];
+            b1 = q[4];
           } else {
             load_b<kOddK>(b_rows[tt], k0, t, d.k, b0, b1);
           }
@@ -477,11 +441,11 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
       s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
   }
   __syncthreads();  // s_row_src, s_pair
-  stage_activations(args, s_row_src, s_act);
-  if constexpr (kIsIntF) cp_async_wait<0>();  // the group scales
+  stage_activations<KC>(args, s_row_src, s_act, warp, lane);
+  cp_async_wait<0>();  // the activations (and the int group scales)
   __syncthreads();
   const int r = g < args.stage_rows ? g : 0;  // padding rows read row 0 (see moe_gemm_kernel)
-  const __nv_bfloat16* b_row = s_act + r * args.stage_stride + 16 * t;  // [TAG_STAGED_B_ORDER]
+  const __nv_bfloat16* b_row = s_act + r * args.stage_stride + 2 * t;
   const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
   const int my_pair = s_pair[2 * t + (warp & 1)];  // the token column this warp stores (warps 0, 1)
@@ -513,37 +477,22 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
       const int c = c_begin + p;
       if (!kExact && c >= c_end) break;
       const uint2 nv_sc = F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0, 0);
-      // The chunk's B words, [TAG_STAGED_B_ORDER]: k-step S's b0, b1 are bw[2 S], bw[2 S + 1].
-      uint32_t bw[2 * kSteps<F>];
-      if constexpr (KC >= kStageGroupK) {
-#pragma unroll
-        for (int q = 0; q < KC / 32; ++q) {
-          const uint4 v = *reinterpret_cast<const uint4*>(b_row + c * KC + (q >> 1) * kStageGroupK + (q & 1) * 8);
-          bw[4 * q] = v.x;
-          bw[4 * q + 1] = v.y;
-          bw[4 * q + 2] = v.z;
-          bw[4 * q + 3] = v.w;
-        }
-      } else {
-        const int k0 = c * KC;
-        const uint2 v = *reinterpret_cast<const uint2*>(b_row + (k0 & ~63) + ((k0 >> 2) & 12));
-        bw[0] = v.x;
-        bw[1] = v.y;
-      }
       auto do_step = [&](auto step_tag) {
         constexpr int S = decltype(step_tag)::value;
         const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
         dequant_step<F, S>(wv[p], nv_sc, a);
+        const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
-          const int group = (c * KC + S * 16) / d.group_size;
+          const int group = k0 / d.group_size;
           if (group != current_group) {
             flush_group(current_group);
             current_group = group;
           }
         }
-        if constexpr (kIsIntF) mma_bf16(grp[set], a, bw[2 * S], bw[2 * S + 1]);
-        else mma_bf16(acc[set], a, bw[2 * S], bw[2 * S + 1]);
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
+        if constexpr (kIsIntF) mma_bf16(grp[set], a, q[0], q[4]);
+        else mma_bf16(acc[set], a, q[0], q[4]);
       };
       [&]<int... S>(std::integer_sequence<int, S...>) {
         (do_step(std::integral_constant<int, S>{}), ...);
@@ -588,9 +537,13 @@ constexpr int kMaxStageBytes = 72 * 1024;
 // block count. Measured on the H200 (docs/PERF.md run J1, Qwen3-30B-A3B, rows per block 1/2/4/8
 // swept at T = 1-128): nvfp4 GEMM1 and both formats' GEMM2 are fastest at 2 up to ~2 waves of the
 // one-tile kernel (T = 1: gemm1 9.97 -> 9.07 us, gemm2 5.04 -> 4.55), 4 up to ~16k blocks
-// (T = 8-16) and 8 above (T = 64: gemm1 116 -> 101, gemm2 70 -> 51). The int GEMM1 lost at every
-// T >= 8 (int4 T = 8: 58.6 -> 66-70 us) and keeps 1, and so does int2 (K = 768 is 1-2 chunks
-// per warp in GEMM2; the layer went 26.4 -> 29.3 us at T = 1, run J2).
+// (T = 8-16) and 8 above (T = 64: gemm1 116 -> 101, gemm2 70 -> 51). The int GEMM1 lost with the
+// first row-tile kernel, but since its exact-chunk instances (run K3) the int4 and int2 GEMM1 win
+// with the same table: run K4's sweep, whose staging change (reverted) slowed both kernels, had
+// int4 gemm1 at T = 1 / 64 on 2 / 8 row tiles at 10.7 / 131 us against 12.7 / 147 for the one-tile
+// kernel in run K3 without it (int2: 10.4 / 127 against 11.6 / 146), and run K5 measures the
+// switch. The int2 GEMM2 keeps 1 (K = 768 is 1-2 of its 128-wide chunks per warp: 7.1 us at
+// T = 1 on one row tile, 9.5 on two).
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
 // MoeTiles::rows_per_block (the autotuner's choice) overrides both.
 int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
@@ -619,7 +572,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   const int nt = args.tiles.block_m / 8;
   const int max_rows = args.tiles.max_tile_rows > 0 ? std::min(args.tiles.max_tile_rows, args.tiles.block_m)
                                                      : args.tiles.block_m;
-  const int64_t stride = staged_row_k(args.dims.chunks * kChunkK<F>) + 8;  // [TAG_STAGED_B_ORDER]
+  const int64_t stride = static_cast<int64_t>(args.dims.chunks) * kChunkK<F> + 8;
   const int64_t stage_bytes = max_rows * stride * 2;
   const bool aligned = args.in_stride % 8 == 0 && reinterpret_cast<uintptr_t>(args.act_in) % 16 == 0;
   const bool stage = aligned && stage_bytes <= kMaxStageBytes;
@@ -634,7 +587,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
   constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
   const int rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
-      decode_rows_per_block((kIsInt<F> && EPI == Epilogue::kGateUp) || F == MoeWeightFormat::kInt2,
+      decode_rows_per_block(F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp,
                             args.dims.row_tiles, args.tiles.grid_tiles);
   if (nt == 1 && stage && rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP) {
     const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows_per_block);
