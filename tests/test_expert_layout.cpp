@@ -249,7 +249,7 @@ TEST(ExpertLayout, Nvfp4RefusesNanBlockScales) {
   auto p = pack_matrix(m);
   ASSERT_FALSE(p.ok());
   EXPECT_THAT(p.error().what(), ::testing::HasSubstr("NaN"));
-  EXPECT_THAT(p.error().what(), ::testing::HasSubstr("row 2, block 1"));
+  EXPECT_THAT(p.error().what(), ::testing::HasSubstr("block scale [2, 1]"));
 }
 
 }  // namespace

@@ -81,6 +81,13 @@ Status QuantMatrix::validate() const {
         return Error::format("nvfp4 matrix: K = {} is not a multiple of {}", cols, nvfp4::kBlockSize);
       MOEBIUS_TRY(expect_bytes(weight, rows * cols / 2, "weight"));
       MOEBIUS_TRY(expect_bytes(scales, rows * (cols / nvfp4::kBlockSize), "weight_scale"));
+      // A NaN block scale (e4m3 0x7F / 0xFF) is a broken checkpoint, not a value to compute with:
+      // it would turn its whole output row into NaN (and the CUDA tile layout has no code for it).
+      for (size_t i = 0; i < scales.size(); ++i)
+        if ((scales[i] & 0x7Fu) == 0x7Fu)
+          return Error::format("nvfp4 matrix: block scale [{}, {}] is NaN (0x{:02X})",
+                               static_cast<int64_t>(i) / (cols / nvfp4::kBlockSize),
+                               static_cast<int64_t>(i) % (cols / nvfp4::kBlockSize), scales[i]);
       if (scale_2.empty() || scale_2.front().row_begin != 0)
         return Error("nvfp4 matrix: scale_2 segments must start at row 0");
       for (size_t i = 0; i < scale_2.size(); ++i) {
