@@ -10,6 +10,29 @@ namespace {
 
 size_t row_bytes(EpPayload p, int64_t H) { return static_cast<size_t>(H) * (p == EpPayload::kF32 ? 4 : 2); }
 
+// Byte counts and offsets per rank of one all_to_all_v of `row` bytes per pair: the dispatch sends
+// this rank's pairs and receives its experts' (forward), the return sends the received rows back
+// (transposed counts).
+struct ExchangeBytes {
+  std::vector<size_t> send, send_off, recv, recv_off;
+};
+ExchangeBytes exchange_bytes(const EpStepPlan& plan, int N, size_t row, bool forward) {
+  ExchangeBytes b{std::vector<size_t>(static_cast<size_t>(N)), std::vector<size_t>(static_cast<size_t>(N)),
+                  std::vector<size_t>(static_cast<size_t>(N)), std::vector<size_t>(static_cast<size_t>(N))};
+  for (int d = 0; d < N; ++d) {
+    const size_t u = static_cast<size_t>(d);
+    const size_t out_n = static_cast<size_t>(forward ? plan.send_count(d) : plan.recv_count(d));
+    const size_t in_n = static_cast<size_t>(forward ? plan.recv_count(d) : plan.send_count(d));
+    const int64_t out_begin = forward ? plan.send_begin[u] : plan.recv_begin[u];
+    const int64_t in_begin = forward ? plan.recv_begin[u] : plan.send_begin[u];
+    b.send[u] = out_n * row;
+    b.send_off[u] = static_cast<size_t>(out_begin) * row;
+    b.recv[u] = in_n * row;
+    b.recv_off[u] = static_cast<size_t>(in_begin) * row;
+  }
+  return b;
+}
+
 }  // namespace
 
 Status validate_ep_layer(const cpu::MoeLayerReference& layer, int size) {
@@ -52,15 +75,9 @@ Status ep_moe_experts_cpu(parallel::Communicator& comm, const cpu::MoeShape& sha
   }
   const int64_t R = plan.num_received();
   std::vector<uint8_t> recv(static_cast<size_t>(R) * rec);
-  std::vector<size_t> sb(static_cast<size_t>(N)), so(sb.size()), rbytes(sb.size()), ro(sb.size());
-  for (int d = 0; d < N; ++d) {
-    const size_t u = static_cast<size_t>(d);
-    sb[u] = static_cast<size_t>(plan.send_count(d)) * rec;
-    so[u] = static_cast<size_t>(plan.send_begin[u]) * rec;
-    rbytes[u] = static_cast<size_t>(plan.recv_count(d)) * rec;
-    ro[u] = static_cast<size_t>(plan.recv_begin[u]) * rec;
-  }
-  MOEBIUS_TRY(comm.all_to_all_v(send.data(), sb, so, recv.data(), rbytes, ro));
+  const ExchangeBytes dispatch = exchange_bytes(plan, N, rec, /*forward=*/true);
+  MOEBIUS_TRY(comm.all_to_all_v(send.data(), dispatch.send, dispatch.send_off, recv.data(), dispatch.recv,
+                                dispatch.recv_off));
 
   // Local experts: every received pair is a "token" routed to one local expert with weight 1, so
   // the reference's combine leaves its FC2 row as it is (0 + 1 * y == y).
@@ -89,14 +106,8 @@ Status ep_moe_experts_cpu(parallel::Communicator& comm, const cpu::MoeShape& sha
   // Return: the FC2 rows go back in received order; counts transposed.
   const size_t yb = static_cast<size_t>(H) * sizeof(float);
   std::vector<float> back(static_cast<size_t>(plan.num_pairs * H));
-  for (int d = 0; d < N; ++d) {
-    const size_t u = static_cast<size_t>(d);
-    sb[u] = static_cast<size_t>(plan.recv_count(d)) * yb;
-    so[u] = static_cast<size_t>(plan.recv_begin[u]) * yb;
-    rbytes[u] = static_cast<size_t>(plan.send_count(d)) * yb;
-    ro[u] = static_cast<size_t>(plan.send_begin[u]) * yb;
-  }
-  MOEBIUS_TRY(comm.all_to_all_v(yr.data(), sb, so, back.data(), rbytes, ro));
+  const ExchangeBytes ret = exchange_bytes(plan, N, yb, /*forward=*/false);
+  MOEBIUS_TRY(comm.all_to_all_v(yr.data(), ret.send, ret.send_off, back.data(), ret.recv, ret.recv_off));
 
   // Combine on the token's rank, in slot order, in fp32 (as moe_experts_reference does).
   std::vector<int64_t> where(static_cast<size_t>(plan.num_pairs));  // pair -> row of `back`
