@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -239,6 +241,27 @@ TEST(ExpertLayout, Nvfp4KernelEmulationMatchesWithEdgeScales) {
   auto gu = pack_gate_up(gate, up);
   ASSERT_TRUE(gu.ok());
   expect_kernel_emulation_matches(*gu);
+}
+
+// validate() finds a NaN block scale at every position (the scan takes 8 bytes at a time: word
+// starts, middles and the tail past the last whole word), and lets 0x7E / 0xFE (448) through.
+TEST(ExpertLayout, Nvfp4ValidateFindsANanScaleAtEveryPosition) {
+  QuantMatrix m = random_matrix(WeightFormat::kNvFp4, 3, 112, 16, 43);  // 21 scales: 2 words + 5
+  const std::vector<uint8_t> orig(m.scales.begin(), m.scales.end());
+  for (size_t i = 0; i < orig.size(); ++i) {
+    for (uint8_t v : {uint8_t{0x7F}, uint8_t{0xFF}}) {
+      std::vector<uint8_t> scales = orig;
+      scales[i] = v;
+      m.scales = scales;
+      const Status st = m.validate();
+      ASSERT_FALSE(st.ok()) << i;
+      EXPECT_THAT(st.error().what(), ::testing::HasSubstr(fmt::format("block scale [{}, {}] is NaN", i / 7, i % 7)));
+    }
+    std::vector<uint8_t> scales = orig;
+    scales[i] = i % 2 ? 0x7E : 0xFE;
+    m.scales = scales;
+    EXPECT_TRUE(m.validate().ok()) << i;
+  }
 }
 
 TEST(ExpertLayout, Nvfp4RefusesNanBlockScales) {
