@@ -173,4 +173,30 @@ __device__ __forceinline__ float activation(const MoeActivationParams& act, floa
   return 0.0f;
 }
 
+// The epilogue of one token column of a 16-row weight tile, shared by the three GEMM kernel
+// families: lo / hi are tile rows g and g + 8 for
+// the token at padded position pos (pair: its (token, slot) pair, < 0 for padding). Already scaled.
+template <Epilogue EPI>
+__device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, float lo, float hi, int pos, int pair,
+                                                    int row_tile, int g) {
+  const MoeGemmDims& d = args.dims;
+  if (pair < 0) return;
+  if constexpr (EPI == Epilogue::kGateUp) {
+    const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
+    if (i < d.n_out) args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, lo, hi));
+  } else {
+    const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
+    if constexpr (EPI == Epilogue::kDownStore) {
+      float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+      if (n_lo < d.n_out) yrow[n_lo] = lo;
+      if (n_hi < d.n_out) yrow[n_hi] = hi;
+    } else {
+      const float w = args.topk_weights[pair];
+      __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
+      if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(w * lo));
+      if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(w * hi));
+    }
+  }
+}
+
 }  // namespace moebius::kernels::moe_detail

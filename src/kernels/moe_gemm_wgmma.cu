@@ -571,26 +571,8 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
       for (int jj = 0; jj < 2; ++jj) {
         const int r = j * 8 + 2 * t + jj;
         const int pair = pair_ids[r];
-        if (pair < 0) continue;
-        const int pos = tile * BN + r;
-        const float c_lo = acc[mf][4 * j + jj] * gs_lo, c_hi = acc[mf][4 * j + 2 + jj] * gs_hi;
-        if constexpr (EPI == Epilogue::kGateUp) {
-          const int i = my_rt[mf] * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate index i
-          if (i < d.n_out)
-            args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, c_lo, c_hi));
-        } else {
-          const int n_lo = my_rt[mf] * 16 + g, n_hi = n_lo + 8;
-          if constexpr (EPI == Epilogue::kDownStore) {
-            float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
-            if (n_lo < d.n_out) yrow[n_lo] = c_lo;
-            if (n_hi < d.n_out) yrow[n_hi] = c_hi;
-          } else {
-            const float wt = args.topk_weights[pair];
-            __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;
-            if (n_lo < d.n_out) atomicAdd(orow + n_lo, __float2bfloat16(wt * c_lo));
-            if (n_hi < d.n_out) atomicAdd(orow + n_hi, __float2bfloat16(wt * c_hi));
-          }
-        }
+        store_output_column<EPI>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi, tile * BN + r, pair,
+                                 my_rt[mf], g);
       }
     }
   }
