@@ -173,6 +173,23 @@ ncu_decode() {  # MOEBIUS_NCU_TOKENS: the batch (default 1)
 if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   step ncu-decode ncu_decode
 fi
+# Hardware counters for the prefill GEMMs (MOEBIUS_NCU_PREFILL=1): the wgmma kernel's GEMM1 and
+# GEMM2 at T = MOEBIUS_NCU_PREFILL_TOKENS (default 4096), Qwen3-30B-A3B nvfp4: what bounds it
+# (tensor pipe, issue, L2, barriers) against the 70%-of-peak target.
+ncu_prefill() {
+  local rep="$OUT/ncu_prefill" tokens=${MOEBIUS_NCU_PREFILL_TOKENS:-4096}
+  ncu --clock-control none --kernel-name regex:"moe_gemm_wgmma_kernel" --launch-skip 4 --launch-count 2 --set full \
+    -f -o "$rep" "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 \
+    --tokens "$tokens" --iters 2 >/dev/null || return 1
+  ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis || return 1
+  ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.sass.csv" || return 1
+  python3 tools/ncu_hot_sass.py "$rep.sass.csv" 40
+  rm -f "$rep.ncu-rep" "$rep.sass.csv"
+}
+if [ "${MOEBIUS_NCU_PREFILL:-0}" = 1 ] && command -v ncu >/dev/null; then
+  step ncu-prefill ncu_prefill
+fi
 
 # Per-kernel device time of whole-model decode steps (MOEBIUS_NCU_MODEL=1): which kernels the
 # 4.2 ms per token of Qwen3-30B-A3B decode goes to (docs/PERF.md). Short context so the prefill
@@ -320,6 +337,7 @@ PY
 [ -f "$OUT/bench-gemv.log" ] && cat "$OUT/bench-gemv.log"
 [ -f "$OUT/probes.log" ] && cat "$OUT/probes.log"
 [ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"
+[ -f "$OUT/ncu-prefill.log" ] && cat "$OUT/ncu-prefill.log"
 [ -f "$OUT/generate-tiny-cuda.log" ] && cat "$OUT/generate-tiny-cuda.log"
 [ -f "$OUT/eval-logprobs-tiny-cuda.log" ] && cat "$OUT/eval-logprobs-tiny-cuda.log"
 [ -f "$OUT/bench-generate.log" ] && cat "$OUT/bench-generate.log"
