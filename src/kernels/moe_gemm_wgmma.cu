@@ -30,7 +30,7 @@
 // tiles' activations and experts' weights in L2; dead tiles skipped). The producer runs ahead
 // across items: the next item's first stages load during the current item's last stages and
 // epilogue, so neither the pipeline fill nor the epilogue's stores leave the ring idle.
-// setmaxnreg moves registers from the producer (56 per thread) to the consumers (224): a block of
+// setmaxnreg moves registers from the producer (104 per thread) to the consumers (200): a block of
 // 12 warps starts at 168 each, because the register file is split between the 4 SM
 // sub-partitions and each holds 3 of the 12 warps.
 //   Consumer warpgroup c (warps 4c..4c+3) owns two m64 row groups, rows 128c..128c+127 of the
@@ -39,15 +39,16 @@
 //   flop is (256 * K * weight bytes + N * K * 2) / (2 * 256 * N * K); for nvfp4 at N = 128 that
 //   is 1 byte per ~160 flops, which keeps the L2 well below its bandwidth at the tensor peak;
 //   and 256 divides 2*I and H of every Qwen3/DeepSeek MoE.
-//   The producer warpgroup only copies: weight chunks (verbatim, 16 B per lane: the lane
-//   slices), nvfp4 block scales, and the activation rows gathered through padded_pair_ids, all
-//   with 16-byte cp.async (pair -1 and k >= K zero-filled by the copy, src-size < 16). TMA cannot
-//   gather rows, and cp.async keeps one copy path for every format.
+//   The producer warpgroup only copies: weight chunks (verbatim) and nvfp4 block scales with one
+//   TMA bulk copy per row tile and stage (no tensor map: each is one contiguous run), and the
+//   activation rows gathered through padded_pair_ids with 16-byte cp.async (pair -1 and k >= K
+//   zero-filled by the copy, src-size < 16; a bulk copy can neither gather nor swizzle).
 // Pipeline: S stages in a shared-memory ring (S = 4 for bf16 at N = 128, up to 8), each one
 // k-slice of 64 (int2: 128, one chunk) of the weights, scales and activations. Two mbarriers
-// per stage: full (128 arrivals: each producer thread's cp.async.mbarrier.arrive.noinc, which
-// fires when that thread's copies have landed) and empty (8 arrivals: one per consumer warp once the
-// wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
+// per stage: full (129 arrivals: each producer thread's cp.async.mbarrier.arrive.noinc, which
+// fires when that thread's copies have landed, plus producer lane 0's arrive.expect_tx with the
+// stage's bulk-copy bytes, whose landing completes the transaction count) and empty (8
+// arrivals: one per consumer warp once the wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
 // are generic-proxy writes, wgmma reads through the async proxy), then per k-step: dequantize
 // into the A double buffer, wgmma.fence, 2 wgmma, commit, wait_group 1. The wait keeps one
 // wgmma group in flight while the next step dequantizes, and guarantees the group that read the
@@ -101,11 +102,12 @@ constexpr int kProducerThreads = 128;                 // 1 warpgroup
 constexpr int kThreads = kConsumerWarps * 32 + kProducerThreads;
 // setmaxnreg: the register file is split per SM sub-partition (16K registers, warps assigned
 // round-robin), so 12 warps get 168 registers each at launch; the producer warpgroup gives most
-// of its back (it needs few) and the consumers take them: 56 + 2 x 224 = 504 <= 3 x 168. (Measured
-// with ptxas -v: the consumers fit in 184 without spills or wgmma serialization, the producer
-// spills at 40.)
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
+// of its back and the consumers take them: 104 + 2 x 200 = 504 <= 3 x 168. (Bracketed with ptxas
+// -v: the consumers fit in 184 without spills or wgmma serialization; the producer keeps its
+// activation row pointers in registers for a whole item, 8 x 64 bits, and spills at 96 in the
+// instances with 8 rows per thread.)
+constexpr int kProducerRegs = 104;
+constexpr int kConsumerRegs = 200;
 static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168 && kConsumerRegs % 8 == 0 && kProducerRegs % 8 == 0,
               "setmaxnreg counts must fit the launch allocation and be multiples of 8");
 constexpr int kMF = 2;                                // m64 row groups per consumer warpgroup
@@ -180,6 +182,29 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Arrives on the barrier and adds `bytes` to the transaction count of its current phase: the phase
+// then also waits for that many bytes of bulk copies (complete_tx) to land.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n"
+      "}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+
+// One bulk copy global -> shared through the TMA unit (no tensor map: a contiguous run of `bytes`,
+// a multiple of 16, both addresses 16-byte aligned); its bytes count down the barrier's
+// transaction count when they land. One instruction moves a whole 512 B - 2 KiB tile slice, where
+// cp.async needs one per 16 bytes plus the address arithmetic.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
 
 // Orders generic-proxy shared-memory writes (the cp.async copies) before async-proxy reads
 // (wgmma's B operand).
@@ -312,9 +337,22 @@ __device__ __forceinline__ bool producer_any(bool v) {
 // For each of the block's work items: the tile's metadata, then every k-stage of the item's
 // weights, scales and gathered activations (the first BN or BN / 2 token rows: the consumers read
 // no others) into the ring, whose position carries over from item to item, so the next item's
-// first stages load during the current item's last stages and epilogue. Producer thread p copies
-// 16-byte lane slice p % 32 of weight chunks (so each chunk lands verbatim), and piece
-// p % pieces of every (128 / pieces)-th activation row.
+// first stages load during the current item's last stages and epilogue.
+//
+// The producer's instruction count per stage bounds the whole kernel (PERF.md run L1: ~550 warp
+// instructions per producer warp and stage with per-16-byte cp.async for everything, against the
+// 1024 tensor cycles of a stage at the peak), so the per-stage work is cut to the copies:
+//   weights and nvfp4 scales: bulk copies through the TMA unit, one per row tile (its stage's
+//     chunks are one contiguous run: [TAG_EXPERT_TILE_LAYOUT]), issued by the lanes of warp 0 (lane
+//     l < 16: tile l's weights, 16 <= l < 32: tile l - 16's scales) after lane 0 arrives on the
+//     stage's full barrier with the byte count (expect_tx). A stage that ends past K (bf16 with
+//     K % 64 != 0 only: the other formats' stages are whole chunks) takes the 16-byte cp.async path
+//     instead, whose zero fill keeps stale shared memory (possibly NaN bits) out of the products.
+//   activations: 16-byte cp.async per piece (the rows are gathered through the pair ids and the
+//     128-byte swizzle scatters the pieces, which a bulk copy cannot do). Thread p copies piece
+//     q = p % pieces of rows r0 + i * rows_per_pass, r0 = p / pieces; the row pointers (with the
+//     piece's offset) sit in registers for the whole item, and the swizzled piece q ^ (r & 7) is
+//     the same for all of a thread's rows (rows_per_pass is a multiple of 8).
 template <MoeWeightFormat F, int BN, Epilogue EPI>
 __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* ring, TileMeta<BN>* meta, uint32_t full0,
                                         uint32_t empty0, uint32_t meta_full0, uint32_t meta_empty0, int row_blocks,
@@ -324,8 +362,14 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
   const int lane = p & 31, pw = p >> 5;
   const MoeGemmDims& d = args.dims;
   constexpr int kRowsPerPass = kProducerThreads / L::kRowPieces;
+  constexpr int kMyRows = BN / kRowsPerPass;  // activation rows per thread and stage (at most)
+  static_assert(kRowsPerPass % 8 == 0, "a thread's rows must share their swizzle phase");
+  constexpr int kTileBytes = L::kChunks * kChunkBytes;  // one row tile's weights per stage
+  constexpr bool kScales = F == MoeWeightFormat::kNvFp4;
   const int q = p % L::kRowPieces;  // this thread's piece column of every row it copies
-  const int panel = q / 8, piece = q % 8;
+  const int r0 = p / L::kRowPieces;
+  // Offset of this thread's first row's piece inside a stage: panel q / 8, row r0, piece swizzled.
+  const uint32_t act_off = (q / 8) * (BN * 128) + r0 * 128 + (((q % 8) ^ (r0 & 7)) * 16);
   int slot = 0, g = 0;  // ring position and stages issued, over all items
   uint32_t phase = 0;
   int it = 0;
@@ -345,51 +389,81 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
       m.act_rows[p] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
       upper = p >= BN / 2 && pair >= 0;
     }
-    // The barrier also orders every producer thread's act_rows writes before the copies below.
+    // The barrier also orders every producer thread's act_rows writes before the reads below.
     const bool any_upper = producer_any(upper);
     const bool half = BN == 128 && !any_upper;
     if (p == 0) m.half = half;
     mbar_arrive(meta_full0 + 8 * b);
     ++it;
 
+    // This thread's activation rows for the item: source of its piece at k = 0, and which rows
+    // are live (pair -1 rows are zero-filled; the source is then any valid address).
+    const int rows = half ? BN / 2 : BN;
+    const char* src_row[kMyRows];
+    uint32_t live = 0;
+#pragma unroll
+    for (int i = 0; i < kMyRows; ++i) {
+      const int r = r0 + i * kRowsPerPass;
+      const __nv_bfloat16* row = r < rows ? m.act_rows[r] : nullptr;
+      live |= (row != nullptr ? 1u : 0u) << i;
+      src_row[i] = reinterpret_cast<const char*>(row != nullptr ? row : args.act_in) + q * 16;
+    }
+
     const ExpertMatrixPtrs ptrs = args.experts[item.expert];
     const uint8_t* wglobal = static_cast<const uint8_t*>(ptrs.weight);
-    const int rows = half ? BN / 2 : BN;
+    // Warp 0's bulk copy of the item: lane l < 16 row tile l's weights, l >= 16 its scales.
+    const int my_tile = lane & 15, my_rt = item.row_tile0 + my_tile;
+    const bool my_tile_ok = my_rt < d.row_tiles;
+    const bool scale_lane = lane >= 16;
+    const uint8_t* bulk_src =
+        scale_lane ? static_cast<const uint8_t*>(ptrs.scales) + static_cast<int64_t>(my_rt) * d.chunks * 64
+                   : wglobal + static_cast<int64_t>(my_rt) * d.chunks * kChunkBytes;
+    const uint32_t bulk_bytes = scale_lane ? 64u : static_cast<uint32_t>(kTileBytes);
+    const uint32_t bulk_dst_off = scale_lane ? L::kActs + L::kWeights + my_tile * 64 : L::kActs + my_tile * kTileBytes;
+    const bool bulk_lane = my_tile_ok && (!scale_lane || kScales);
+    const int live_tiles = min(kBlockRowTiles, d.row_tiles - item.row_tile0);
+    const uint32_t stage_tx = static_cast<uint32_t>(live_tiles) * (kTileBytes + (kScales ? 64 : 0));
+
     for (int ks = 0; ks < n_stages; ++ks, ++g) {
       // Slot reuse: wait until the consumers released the stage that last used it.
       if (g >= L::kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
       uint8_t* base = ring + slot * L::kBytes;
-      // Weights: [16 tiles][chunks][512 B]; the stage's chunks of a tile are contiguous in
-      // global memory. Chunk i = tile * chunks + c is copied by the 32 threads of warp i % 4.
-#pragma unroll 4
-      for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
-        const int tl = i / L::kChunks, c = i % L::kChunks;
-        const int rt = item.row_tile0 + tl, chunk = ks * L::kChunks + c;
-        const bool ok = rt < d.row_tiles && chunk < d.chunks;
-        const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
-        cp_async16(smem_u32(base + L::kActs + (i * 32 + lane) * 16), ok ? src : wglobal, ok ? 16 : 0);
-      }
-      if constexpr (F == MoeWeightFormat::kNvFp4) {  // [16 tiles][64 B]: the stage's one chunk
-        if (p < kBlockRowTiles * 4) {
-          const int rt = item.row_tile0 + p / 4;
-          const bool ok = rt < d.row_tiles;
-          const uint8_t* src = static_cast<const uint8_t*>(ptrs.scales) +
-                               (static_cast<int64_t>(rt) * d.chunks + ks) * 64 + (p % 4) * 16;
-          cp_async16(smem_u32(base + L::kActs + L::kWeights + p * 16), ok ? src : wglobal, ok ? 16 : 0);
+      const uint32_t base_s = smem_u32(base);
+      const uint32_t full = full0 + 8 * slot;
+      const bool whole = (ks + 1) * L::kChunks <= d.chunks;  // every chunk of the stage exists
+      if (pw == 0) {
+        if (whole) {
+          if (lane == 0) mbar_arrive_expect_tx(full, stage_tx);
+          __syncwarp();
+          if (bulk_lane)
+            bulk_copy_g2s(base_s + bulk_dst_off,
+                          bulk_src + static_cast<int64_t>(ks) * (scale_lane ? 64 : kTileBytes), bulk_bytes, full);
+        } else if (lane == 0) {
+          mbar_arrive(full);  // this stage's weights come through cp.async below
         }
       }
-      // Activations: row r, piece q (k = ks*KS + 8q .. +7) at panel q/8, row r, piece (q%8) ^ (r&7).
+      if (!whole) {
+        // The K tail (bf16): 16-byte copies with zero fill, chunk i = tile * chunks + c by warp i % 4.
+        for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
+          const int tl = i / L::kChunks, c = i % L::kChunks;
+          const int rt = item.row_tile0 + tl, chunk = ks * L::kChunks + c;
+          const bool ok = rt < d.row_tiles && chunk < d.chunks;
+          const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
+          cp_async16(base_s + L::kActs + (i * 32 + lane) * 16, ok ? src : wglobal, ok ? 16 : 0);
+        }
+      }
+      // Activations: k = ks * KS + 8q .. +7 of each of this thread's rows.
       const int k = ks * L::KS + q * 8;
       const int k_bytes = max(0, min(16, 2 * (d.k - k)));
-      uint8_t* acts = base + panel * (BN * 128);
-#pragma unroll 4
-      for (int r = p / L::kRowPieces; r < rows; r += kRowsPerPass) {
-        const __nv_bfloat16* row = m.act_rows[r];
-        const int bytes = row == nullptr ? 0 : k_bytes;
-        cp_async16(smem_u32(acts + r * 128 + ((piece ^ (r & 7)) * 16)),
-                   bytes > 0 ? static_cast<const void*>(row + k) : static_cast<const void*>(wglobal), bytes);
+      const int64_t k_off = static_cast<int64_t>(ks) * L::KS * 2;
+#pragma unroll
+      for (int i = 0; i < kMyRows; ++i) {
+        if (r0 + i * kRowsPerPass < rows) {
+          const int bytes = (live >> i) & 1 ? k_bytes : 0;
+          cp_async16(base_s + act_off + i * kRowsPerPass * 128, src_row[i] + (bytes > 0 ? k_off : 0), bytes);
+        }
       }
-      cp_async_mbar_arrive_noinc(full0 + 8 * slot);
+      cp_async_mbar_arrive_noinc(full);
       if (++slot == L::kStages) {
         slot = 0;
         phase ^= 1;
@@ -598,7 +672,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
   const uint32_t meta_full0 = smem_u32(&meta_full_bar[0]), meta_empty0 = smem_u32(&meta_empty_bar[0]);
   if (tid == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(full0 + 8 * s, kProducerThreads);  // one cp.async arrival per producer thread
+      // One cp.async arrival per producer thread, and producer lane 0's arrival that carries the
+      // stage's bulk-copy byte count (or a plain arrival for a cp.async-only stage).
+      mbar_init(full0 + 8 * s, kProducerThreads + 1);
       mbar_init(empty0 + 8 * s, kConsumerWarps);   // one arrival per consumer warp
     }
     for (int b = 0; b < 2; ++b) {
