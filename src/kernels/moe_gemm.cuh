@@ -60,6 +60,10 @@ struct MoeTiles {
   // ([TAG_DECODE_ROW_TILES]); 0 = the launcher's heuristic. Ignored where the row-tile kernel does
   // not apply (larger token tiles, unstaged activations, a warp's K range over one load batch).
   int rows_per_block = 0;
+  // wgmma prefill kernel: two zeroed ints of device memory for its dynamic work-item schedule
+  // (moe_gemm_wgmma.cu; the kernel leaves them zeroed again), or null for the static schedule.
+  // One pair per launch in flight: launches that may overlap need their own pairs.
+  int32_t* work_counter = nullptr;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

@@ -291,30 +291,70 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[N / 2], const uint32_t (&a
 
 // ---- work items and per-tile metadata ---------------------------------------------------------
 
-// The persistent schedule: block b takes work items w = b, b + gridDim.x, ... of grid_tiles x row
-// blocks, row block fastest (the blocks running at one time share a few tiles' activations and
-// experts' weights in L2). Items of tiles whose tile_expert is -1 are skipped
-// [TAG_MOE_GRAPH_CAPACITY]; producer and consumers walk the same sequence.
+// The persistent schedule walks work items of grid_tiles x row blocks, row block fastest (the
+// blocks running at one time share a few tiles' activations and experts' weights in L2). Items
+// of tiles whose tile_expert is -1 are skipped [TAG_MOE_GRAPH_CAPACITY].
+//   Static (tiles.work_counter null): block b takes items b, b + gridDim.x, ...
+//   Dynamic (tiles.work_counter set): block b takes item b first, then whatever the next
+//     atomicAdd on work_counter[0] hands out (+ gridDim.x). Items differ in cost (a tile with no
+//     live token in its second half runs at N = 64) and the static split leaves the SMs that drew
+//     more or heavier items running alone at the end (PERF.md run L1: 13% of the SM cycles idle in
+//     GEMM1 at T = 4096). The counter resets itself: each block's producer, after its last fetch,
+//     counts itself in work_counter[1], and the block that completes the count zeroes both, so the
+//     next launch (stream-ordered, or after pdl_wait) starts from 0 without a memset node.
+// Only the producer fetches; it publishes each item in the tile metadata, so the consumers walk
+// the same sequence. Results do not depend on which block computes an item (each output element is
+// one item's), so both schedules are bit-identical.
 struct WorkItem {
   int tile, row_tile0, expert;
 };
 
-__device__ __forceinline__ bool load_item(const GemmKernelArgs& args, int w, int row_blocks, WorkItem& item) {
-  item.tile = w / row_blocks;
-  item.row_tile0 = (w % row_blocks) * kBlockRowTiles;
-  item.expert = args.tiles.tile_expert[item.tile];
-  return item.expert >= 0;
-}
-
 // What the producer learns of a tile and the consumers need, double-buffered by item parity:
 // filled by the producer after meta_empty, published by meta_full (128 arrivals), released by the
-// consumers after their epilogue (meta_empty, 8 arrivals).
+// consumers after their epilogue (meta_empty, 8 arrivals). valid = 0 ends the block's work.
 template <int BN>
 struct TileMeta {
   int32_t pair_ids[BN];
   const __nv_bfloat16* act_rows[BN];  // gathered row of each token slot, or null
   int half;                           // 1: N = BN / 2 (no live token in the tile's second half)
+  int valid;
+  WorkItem item;
 };
+
+// The producer's item source (one thread, producer thread 0, uses it).
+struct ItemCursor {
+  int* counter;  // tiles.work_counter, or null for the static schedule
+  int next;      // the item after the current one: static w + gridDim.x, or a fetched index
+  __device__ int fetch(int w) const {
+    return counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(counter, 1) : w + static_cast<int>(gridDim.x);
+  }
+  // The next live item from `next` on, or an index >= items; then prefetches the one after it.
+  __device__ int advance(const GemmKernelArgs& args, int items, int row_blocks, WorkItem& item) {
+    int w = next;
+    for (; w < items; w = fetch(w)) {
+      item.tile = w / row_blocks;
+      item.row_tile0 = (w % row_blocks) * kBlockRowTiles;
+      item.expert = args.tiles.tile_expert[item.tile];
+      if (item.expert >= 0) break;
+    }
+    if (w < items) next = fetch(w);  // an atomic's latency overlaps this item's copies
+    return w;
+  }
+  // After the last fetch: count this block done; the last block resets the counter.
+  __device__ void finish() const {
+    if (counter == nullptr) return;
+    __threadfence();
+    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      counter[0] = 0;
+      counter[1] = 0;
+    }
+  }
+};
+
+// Barrier of the 128 producer threads (named barrier 1; barrier 0 is __syncthreads').
+__device__ __forceinline__ void producer_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kProducerThreads) : "memory");
+}
 
 // OR of `v` over the 128 producer threads (named barrier 1; barrier 0 is __syncthreads').
 __device__ __forceinline__ bool producer_any(bool v) {
@@ -374,12 +414,21 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
   uint32_t phase = 0;
   int it = 0;
   const int items = args.tiles.grid_tiles * row_blocks;
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
-    WorkItem item;
-    if (!load_item(args, w, row_blocks, item)) continue;
+  ItemCursor cursor{args.tiles.work_counter, static_cast<int>(blockIdx.x)};
+  for (;; ++it) {
     const int b = it & 1;
     TileMeta<BN>& m = meta[b];
     if (it >= 2) mbar_wait(meta_empty0 + 8 * b, ((it >> 1) + 1) & 1);  // item it - 2 is done with it
+    if (p == 0) {
+      m.valid = cursor.advance(args, items, row_blocks, m.item) < items;
+      if (!m.valid) cursor.finish();
+    }
+    producer_sync();  // the item, for every producer thread
+    if (!m.valid) {
+      mbar_arrive(meta_full0 + 8 * b);  // the consumers' end
+      break;
+    }
+    const WorkItem item = m.item;
     bool upper = false;
     if (p < BN) {
       const int pos = item.tile * BN + p;
@@ -394,7 +443,6 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
     const bool half = BN == 128 && !any_upper;
     if (p == 0) m.half = half;
     mbar_arrive(meta_full0 + 8 * b);
-    ++it;
 
     // This thread's activation rows for the item: source of its piece at k = 0, and which rows
     // are live (pair -1 rows are zero-filled; the source is then any valid address).
@@ -696,16 +744,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int lane = tid & 31;
-  int slot = 0, it = 0;
+  int slot = 0;
   uint32_t phase = 0;
-  const int items = args.tiles.grid_tiles * row_blocks;
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
-    WorkItem item;
-    if (!load_item(args, w, row_blocks, item)) continue;
+  for (int it = 0;; ++it) {
     const int b = it & 1;
     mbar_wait(meta_full0 + 8 * b, (it >> 1) & 1);
     __syncwarp();
     const TileMeta<BN>& m = meta[b];
+    if (!m.valid) break;  // block-uniform: the producer has no more items
+    const WorkItem item = m.item;
     const ExpertMatrixPtrs ptrs = args.experts[item.expert];
     bool done = false;
     if constexpr (BN == 128) {
@@ -720,7 +767,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
                                    n_stages, slot, phase);
     __syncwarp();
     if (lane == 0) mbar_arrive(meta_empty0 + 8 * b);  // this warp's epilogue read the metadata
-    ++it;
   }
 #else
   // Not an sm_90a device pass: never launched (moe_gemm_wgmma_available() is false there).
@@ -741,9 +787,20 @@ int sm_count() {
   return cached[dev];
 }
 
+// MOEBIUS_WGMMA_STATIC_SCHEDULE=1 (any value but "" and "0") ignores MoeTiles::work_counter: the
+// static schedule, for comparing the two on one binary.
+bool static_schedule_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("MOEBIUS_WGMMA_STATIC_SCHEDULE");
+    return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+  }();
+  return forced;
+}
+
 template <MoeWeightFormat F, int BN, Epilogue EPI>
-void launch_kernel(const GemmKernelArgs& args, cudaStream_t stream) {
+void launch_kernel(GemmKernelArgs args, cudaStream_t stream) {
   using L = WgLayout<F, BN>;
+  if (static_schedule_forced()) args.tiles.work_counter = nullptr;
   auto* kernel = &moe_gemm_wgmma_kernel<F, BN, EPI>;
   // Above 48 KiB a block needs the opt-in; not a stream operation, so legal during capture.
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal));

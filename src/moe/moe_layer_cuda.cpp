@@ -401,6 +401,7 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   take(padded_pair_ids_, static_cast<size_t>(max_padded_));
   take(tile_expert_, static_cast<size_t>(max_tiles_));
   take(num_tiles_, 1);
+  take(work_counters_, 4);
   take(h_, static_cast<size_t>(max_padded_) * h_stride_);  // zeroed: columns past I are never written
   take(y_, static_cast<size_t>(cap) * k * H);
   if (opt.workspace_pool) {
@@ -725,9 +726,11 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                 padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
       return;
     case MoeStage::kGateUp:
+      tiles.work_counter = work_counters_;
       gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
       return;
     case MoeStage::kDown:
+      tiles.work_counter = work_counters_ + 2;
       if (store) {
         down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore,
              y_, H, nullptr, nullptr, 0, stream);

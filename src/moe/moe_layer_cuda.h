@@ -290,6 +290,9 @@ class MoeLayerCuda {
   int32_t* padded_pair_ids_ = nullptr;  // [max_padded]
   int32_t* tile_expert_ = nullptr;      // [max_tiles]
   int32_t* num_tiles_ = nullptr;        // [1]
+  // [4]: the wgmma GEMM1 and GEMM2 work-item counters (MoeTiles::work_counter), zeroed; layers
+  // sharing the workspace run one after another, and each launch leaves its pair zeroed.
+  int32_t* work_counters_ = nullptr;
   __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
   float* y_ = nullptr;                  // [cap * k, H]
 };

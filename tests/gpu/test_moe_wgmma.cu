@@ -8,7 +8,8 @@
 //      must never read (activation columns past K, h rows of padding slots): a read of them
 //      turns a result into NaN. Tiles with their live rows at the end (not the align's prefix)
 //      and -1 tiles past the live ones ([TAG_MOE_GRAPH_CAPACITY]) are included, and each GEMM
-//      is rerun on a 2- or 3-block persistent grid (many work items per block), bit-identical.
+//      is rerun on a 2- or 3-block persistent grid (many work items per block), bit-identical, and
+//      on the dynamic schedule (MoeTiles::work_counter), which must leave its counter zeroed.
 //   2. Layer level (MoeWgmmaLayer*): MoeLayerCuda forced onto MoeGemmPath::kPrefillWgmma against
 //      the CPU oracle (normalised MSE, as test_moe_layer.cu), for every format, B in {1, 3, 64,
 //      256, 1000, 4096}, E in {8, 128}, top-k in {1, 2, 8}, odd shapes, skewed routing and all
@@ -321,6 +322,27 @@ void run_kernel_case(const KernelCase& c, PackedExperts& P, int64_t T, int bm, b
   kernels::moe_gemm_wgmma_set_grid_cap(0);
   stream.sync();
   EXPECT_EQ(0, std::memcmp(h.data(), dh.download().data(), h.size() * 2)) << label << " GEMM1 rerun (2 blocks) differs";
+  // The dynamic schedule (work counter): bit-identical on the full grid and on 2 blocks, twice
+  // each on the same counter pair, which every launch must leave zeroed for the next.
+  DeviceBuffer<int32_t> d_counter(2);
+  CUDA_CHECK(cudaMemsetAsync(d_counter.data(), 0, 2 * sizeof(int32_t), stream));
+  kernels::MoeTiles dyn_tiles = tiles;
+  dyn_tiles.work_counter = d_counter.data();
+  auto expect_counter_reset = [&](const char* what) {
+    const auto c = d_counter.download();
+    EXPECT_TRUE(c[0] == 0 && c[1] == 0) << label << " " << what << ": work counter left at " << c[0] << ", " << c[1];
+  };
+  for (int cap : {0, 2, 0, 2}) {
+    dh.poison(0xFF, stream);
+    kernels::moe_gemm_wgmma_set_grid_cap(cap);
+    kernels::launch_moe_gemm_wgmma_gate_up(kf, P.table13.data(), P.dims13, dyn_tiles, dx.data(),
+                                          static_cast<int>(x_stride), act, dh.data(), static_cast<int>(h_stride), stream);
+    kernels::moe_gemm_wgmma_set_grid_cap(0);
+    stream.sync();
+    EXPECT_EQ(0, std::memcmp(h.data(), dh.download().data(), h.size() * 2))
+        << label << " GEMM1 on the dynamic schedule (grid cap " << cap << ") differs";
+    expect_counter_reset("GEMM1");
+  }
 
   // ---- GEMM2 input: fresh h with NaN in padding rows and in columns >= I (never read).
   std::vector<uint16_t> h2(static_cast<size_t>(padded * h_stride), kBf16Poison);
@@ -381,6 +403,18 @@ void run_kernel_case(const KernelCase& c, PackedExperts& P, int64_t T, int bm, b
   kernels::moe_gemm_wgmma_set_grid_cap(0);
   stream.sync();
   EXPECT_EQ(0, std::memcmp(y.data(), dy.download().data(), y.size() * 4)) << label << " GEMM2 rerun (3 blocks) differs";
+  for (int cap : {0, 3}) {
+    dy.poison(0xFF, stream);
+    kernels::moe_gemm_wgmma_set_grid_cap(cap);
+    kernels::launch_moe_gemm_wgmma_down(kf, P.table2.data(), P.dims2, dyn_tiles, dh.data(), static_cast<int>(h_stride),
+                                       kernels::MoeCombineMode::kStore, dy.data(), static_cast<int>(y_stride), nullptr,
+                                       nullptr, 0, stream);
+    kernels::moe_gemm_wgmma_set_grid_cap(0);
+    stream.sync();
+    EXPECT_EQ(0, std::memcmp(y.data(), dy.download().data(), y.size() * 4))
+        << label << " GEMM2 on the dynamic schedule (grid cap " << cap << ") differs";
+    expect_counter_reset("GEMM2");
+  }
 
   // ---- kAtomic: out [T, H] bf16, zeroed, += bf16(w * y) per pair.
   std::vector<float> wts(static_cast<size_t>(T * k));
