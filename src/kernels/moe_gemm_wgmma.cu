@@ -39,16 +39,16 @@
 //   flop is (256 * K * weight bytes + N * K * 2) / (2 * 256 * N * K); for nvfp4 at N = 128 that
 //   is 1 byte per ~160 flops, which keeps the L2 well below its bandwidth at the tensor peak;
 //   and 256 divides 2*I and H of every Qwen3/DeepSeek MoE.
-//   The producer warpgroup only copies: weight chunks (verbatim) and nvfp4 block scales with one
-//   TMA bulk copy per row tile and stage (no tensor map: each is one contiguous run), and the
-//   activation rows gathered through padded_pair_ids with 16-byte cp.async (pair -1 and k >= K
-//   zero-filled by the copy, src-size < 16; a bulk copy can neither gather nor swizzle).
+//   The producer warpgroup only copies: weight chunks (verbatim, 16 B per lane: the lane
+//   slices), nvfp4 block scales, and the activation rows gathered through padded_pair_ids, all
+//   with 16-byte cp.async from sources held in registers for a whole item (pair -1 and k >= K
+//   zero-filled by the copy, src-size < 16). TMA cannot gather rows, and its bulk copies of the
+//   512-byte tile slices measured slower (PERF.md run L2).
 // Pipeline: S stages in a shared-memory ring (S = 4 for bf16 at N = 128, up to 8), each one
 // k-slice of 64 (int2: 128, one chunk) of the weights, scales and activations. Two mbarriers
-// per stage: full (129 arrivals: each producer thread's cp.async.mbarrier.arrive.noinc, which
-// fires when that thread's copies have landed, plus producer lane 0's arrive.expect_tx with the
-// stage's bulk-copy bytes, whose landing completes the transaction count) and empty (8
-// arrivals: one per consumer warp once the wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
+// per stage: full (128 arrivals: each producer thread's cp.async.mbarrier.arrive.noinc, which
+// fires when that thread's copies have landed) and empty (8 arrivals: one per consumer warp once
+// the wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
 // are generic-proxy writes, wgmma reads through the async proxy), then per k-step: dequantize
 // into the A double buffer, wgmma.fence, 2 wgmma, commit, wait_group 1. The wait keeps one
 // wgmma group in flight while the next step dequantizes, and guarantees the group that read the
@@ -182,29 +182,6 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// Arrives on the barrier and adds `bytes` to the transaction count of its current phase: the phase
-// then also waits for that many bytes of bulk copies (complete_tx) to land.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile(
-      "{\n"
-      ".reg .b64 state;\n"
-      "mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n"
-      "}\n" ::"r"(bar),
-      "r"(bytes)
-      : "memory");
-}
-
-// One bulk copy global -> shared through the TMA unit (no tensor map: a contiguous run of `bytes`,
-// a multiple of 16, both addresses 16-byte aligned); its bytes count down the barrier's
-// transaction count when they land. One instruction moves a whole 512 B - 2 KiB tile slice, where
-// cp.async needs one per 16 bytes plus the address arithmetic.
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 
 // Orders generic-proxy shared-memory writes (the cp.async copies) before async-proxy reads
 // (wgmma's B operand).
@@ -379,20 +356,21 @@ __device__ __forceinline__ bool producer_any(bool v) {
 // no others) into the ring, whose position carries over from item to item, so the next item's
 // first stages load during the current item's last stages and epilogue.
 //
-// The producer's instruction count per stage bounds the whole kernel (PERF.md run L1: ~550 warp
-// instructions per producer warp and stage with per-16-byte cp.async for everything, against the
-// 1024 tensor cycles of a stage at the peak), so the per-stage work is cut to the copies:
-//   weights and nvfp4 scales: bulk copies through the TMA unit, one per row tile (its stage's
-//     chunks are one contiguous run: [TAG_EXPERT_TILE_LAYOUT]), issued by the lanes of warp 0 (lane
-//     l < 16: tile l's weights, 16 <= l < 32: tile l - 16's scales) after lane 0 arrives on the
-//     stage's full barrier with the byte count (expect_tx). A stage that ends past K (bf16 with
-//     K % 64 != 0 only: the other formats' stages are whole chunks) takes the 16-byte cp.async path
-//     instead, whose zero fill keeps stale shared memory (possibly NaN bits) out of the products.
-//   activations: 16-byte cp.async per piece (the rows are gathered through the pair ids and the
-//     128-byte swizzle scatters the pieces, which a bulk copy cannot do). Thread p copies piece
-//     q = p % pieces of rows r0 + i * rows_per_pass, r0 = p / pieces; the row pointers (with the
-//     piece's offset) sit in registers for the whole item, and the swizzled piece q ^ (r & 7) is
-//     the same for all of a thread's rows (rows_per_pass is a multiple of 8).
+// The producer's issue rate bounds the whole kernel (PERF.md run L1: ~550 warp instructions per
+// producer warp and stage when every 16-byte copy recomputed its addresses and re-read its row
+// pointer from shared memory, against the 1024 tensor cycles of a stage at the peak; run L2: TMA
+// bulk copies of the 512-byte tile slices were slower still, the per-lane bulk copies serialize
+// through the uniform datapath and the copy unit). So everything stays 16-byte cp.async, and the
+// sources are fixed per thread for a whole item and held in registers, advanced by a constant
+// per stage:
+//   weights: warp pw copies lane slice `lane` of the chunks of row tiles pw, pw + 4, pw + 8,
+//     pw + 12 (a tile's chunks of one stage are contiguous: [TAG_EXPERT_TILE_LAYOUT]);
+//   nvfp4 scales: thread p < 64 copies 16-byte piece p % 4 of tile p / 4's 64-byte scale chunk;
+//   activations: thread p copies piece q = p % pieces of rows r0 + i * rows_per_pass,
+//     r0 = p / pieces; the swizzled piece q ^ (r & 7) is the same for all of a thread's rows
+//     (rows_per_pass is a multiple of 8).
+// Pair -1 rows, row tiles past the matrix and chunks past K are zero-filled by the copy
+// (src-size 0), so stale shared memory (possibly NaN bits) never enters a product.
 template <MoeWeightFormat F, int BN, Epilogue EPI>
 __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* ring, TileMeta<BN>* meta, uint32_t full0,
                                         uint32_t empty0, uint32_t meta_full0, uint32_t meta_empty0, int row_blocks,
@@ -429,6 +407,7 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
       break;
     }
     const WorkItem item = m.item;
+    const ExpertMatrixPtrs ptrs = args.experts[item.expert];  // loads beside the pair ids
     bool upper = false;
     if (p < BN) {
       const int pos = item.tile * BN + p;
@@ -457,48 +436,43 @@ __device__ __forceinline__ void produce(const GemmKernelArgs& args, uint8_t* rin
       src_row[i] = reinterpret_cast<const char*>(row != nullptr ? row : args.act_in) + q * 16;
     }
 
-    const ExpertMatrixPtrs ptrs = args.experts[item.expert];
     const uint8_t* wglobal = static_cast<const uint8_t*>(ptrs.weight);
-    // Warp 0's bulk copy of the item: lane l < 16 row tile l's weights, l >= 16 its scales.
-    const int my_tile = lane & 15, my_rt = item.row_tile0 + my_tile;
-    const bool my_tile_ok = my_rt < d.row_tiles;
-    const bool scale_lane = lane >= 16;
-    const uint8_t* bulk_src =
-        scale_lane ? static_cast<const uint8_t*>(ptrs.scales) + static_cast<int64_t>(my_rt) * d.chunks * 64
-                   : wglobal + static_cast<int64_t>(my_rt) * d.chunks * kChunkBytes;
-    const uint32_t bulk_bytes = scale_lane ? 64u : static_cast<uint32_t>(kTileBytes);
-    const uint32_t bulk_dst_off = scale_lane ? L::kActs + L::kWeights + my_tile * 64 : L::kActs + my_tile * kTileBytes;
-    const bool bulk_lane = my_tile_ok && (!scale_lane || kScales);
-    const int live_tiles = min(kBlockRowTiles, d.row_tiles - item.row_tile0);
-    const uint32_t stage_tx = static_cast<uint32_t>(live_tiles) * (kTileBytes + (kScales ? 64 : 0));
+    // This thread's weight slices: tile pw + 4j, lane slice `lane`, chunk 0 of the stage.
+    constexpr int kMyTiles = kBlockRowTiles / 4;
+    const char* src_w[kMyTiles];
+    uint32_t tile_ok = 0;
+#pragma unroll
+    for (int j = 0; j < kMyTiles; ++j) {
+      const int rt = item.row_tile0 + pw + 4 * j;
+      tile_ok |= (rt < d.row_tiles ? 1u : 0u) << j;
+      src_w[j] = reinterpret_cast<const char*>(wglobal) +
+                 ((static_cast<int64_t>(rt < d.row_tiles ? rt : 0) * d.chunks) * 32 + lane) * 16;
+    }
+    // nvfp4: piece p % 4 of tile p / 4's scale chunk (threads p < 64).
+    const bool scale_thread = kScales && p < kBlockRowTiles * 4 && item.row_tile0 + p / 4 < d.row_tiles;
+    const char* src_s = static_cast<const char*>(kScales ? ptrs.scales : ptrs.weight) +
+                        (scale_thread ? (static_cast<int64_t>(item.row_tile0 + p / 4) * d.chunks * 64 + (p % 4) * 16) : 0);
 
     for (int ks = 0; ks < n_stages; ++ks, ++g) {
       // Slot reuse: wait until the consumers released the stage that last used it.
       if (g >= L::kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
-      uint8_t* base = ring + slot * L::kBytes;
-      const uint32_t base_s = smem_u32(base);
+      const uint32_t base_s = smem_u32(ring + slot * L::kBytes);
       const uint32_t full = full0 + 8 * slot;
-      const bool whole = (ks + 1) * L::kChunks <= d.chunks;  // every chunk of the stage exists
-      if (pw == 0) {
-        if (whole) {
-          if (lane == 0) mbar_arrive_expect_tx(full, stage_tx);
-          __syncwarp();
-          if (bulk_lane)
-            bulk_copy_g2s(base_s + bulk_dst_off,
-                          bulk_src + static_cast<int64_t>(ks) * (scale_lane ? 64 : kTileBytes), bulk_bytes, full);
-        } else if (lane == 0) {
-          mbar_arrive(full);  // this stage's weights come through cp.async below
+      // Weights: [16 tiles][chunks][512 B] in the stage; chunk c of the stage exists if
+      // ks * chunks_per_stage + c < chunks (only bf16's last stage can fall short).
+      const int64_t w_off = static_cast<int64_t>(ks) * kTileBytes;
+#pragma unroll
+      for (int j = 0; j < kMyTiles; ++j) {
+#pragma unroll
+        for (int c = 0; c < L::kChunks; ++c) {
+          const bool ok = ((tile_ok >> j) & 1) && ks * L::kChunks + c < d.chunks;
+          cp_async16(base_s + L::kActs + (((pw + 4 * j) * L::kChunks + c) * 32 + lane) * 16,
+                     src_w[j] + (ok ? w_off + c * kChunkBytes : 0), ok ? 16 : 0);
         }
       }
-      if (!whole) {
-        // The K tail (bf16): 16-byte copies with zero fill, chunk i = tile * chunks + c by warp i % 4.
-        for (int i = pw; i < kBlockRowTiles * L::kChunks; i += kProducerThreads / 32) {
-          const int tl = i / L::kChunks, c = i % L::kChunks;
-          const int rt = item.row_tile0 + tl, chunk = ks * L::kChunks + c;
-          const bool ok = rt < d.row_tiles && chunk < d.chunks;
-          const uint8_t* src = wglobal + ((static_cast<int64_t>(rt) * d.chunks + chunk) * 32 + lane) * 16;
-          cp_async16(base_s + L::kActs + (i * 32 + lane) * 16, ok ? src : wglobal, ok ? 16 : 0);
-        }
+      if constexpr (kScales) {  // [16 tiles][64 B]: the stage's one chunk
+        if (p < kBlockRowTiles * 4)
+          cp_async16(base_s + L::kActs + L::kWeights + p * 16, src_s + (scale_thread ? ks * 64 : 0), scale_thread ? 16 : 0);
       }
       // Activations: k = ks * KS + 8q .. +7 of each of this thread's rows.
       const int k = ks * L::KS + q * 8;
@@ -720,9 +694,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
   const uint32_t meta_full0 = smem_u32(&meta_full_bar[0]), meta_empty0 = smem_u32(&meta_empty_bar[0]);
   if (tid == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // One cp.async arrival per producer thread, and producer lane 0's arrival that carries the
-      // stage's bulk-copy byte count (or a plain arrival for a cp.async-only stage).
-      mbar_init(full0 + 8 * s, kProducerThreads + 1);
+      mbar_init(full0 + 8 * s, kProducerThreads);  // one cp.async arrival per producer thread
       mbar_init(empty0 + 8 * s, kConsumerWarps);   // one arrival per consumer warp
     }
     for (int b = 0; b < 2; ++b) {
