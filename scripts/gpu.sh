@@ -186,6 +186,11 @@ ncu_prefill() {
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.sass.csv" || return 1
   python3 tools/ncu_hot_sass.py "$rep.sass.csv" 40
   rm -f "$rep.ncu-rep" "$rep.sass.csv"
+  # The SASS of the nvfp4 wgmma kernels (gzipped: too large to come back plain).
+  if command -v cuobjdump >/dev/null; then
+    cuobjdump -sass "$BUILD/moebius" | awk '/Function : .*moe_gemm_wgmma_kernelILNS0_15MoeWeightFormatE1E/ {p = 1; print; next}
+      /Function :/ {p = 0} p {print}' | gzip -c > "$OUT/sass-wgmma-nvfp4.log.gz"
+  fi
 }
 if [ "${MOEBIUS_NCU_PREFILL:-0}" = 1 ] && command -v ncu >/dev/null; then
   step ncu-prefill ncu_prefill
