@@ -59,14 +59,21 @@ def main():
         if execd is not None:
             by_op = defaultdict(float)
             for r in rows:
-                op = r[src].strip().split(" ")[0]
-                if op.startswith("@"):
-                    op = r[src].strip().split(" ")[1] if len(r[src].strip().split(" ")) > 1 else op
+                words = r[src].split()  # predicated lines have several spaces after the guard
+                op = words[0] if words else ""
+                if op.startswith("@") and len(words) > 1:
+                    op = words[1]
                 by_op[op.split(".")[0]] += num(r[execd])
             total_exec = sum(by_op.values())
             print(f"   warp instructions executed: {total_exec:.0f}; by opcode:")
             for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])[:20]:
                 print(f"     {op:12s} {n:12.0f}  {100 * n / max(total_exec, 1):5.1f}%")
+        # Where the warps wait, summed over the kernel: the stall_* columns (not-issued samples).
+        reasons = [(i, c) for i, c in enumerate(h) if c.startswith("stall_") and c.endswith("(Not Issued)")]
+        if reasons:
+            sums = sorted(((sum(num(r[i]) for r in rows), c[6:-13]) for i, c in reasons), reverse=True)
+            total = sum(v for v, _ in sums) or 1
+            print("   not-issued stall reasons: " + ", ".join(f"{c} {100 * v / total:.0f}%" for v, c in sums[:8] if v > 0))
         if samp is not None:
             print(f"   hottest {top} lines (samples all / not-issued, executed):")
             for r in sorted(rows, key=lambda r: -num(r[samp]))[:top]:
