@@ -77,7 +77,7 @@ if [ -x "$BUILD/tests/moebius_gpu_tests" ]; then
 fi
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step gpu-op-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1
 probes() {  # the dev/cuda hardware probes that answer open questions in docs/PERF.md
-  for p in probe_pdl_graph probe_decode_stream probe_route_decode probe_zero_copy; do
+  for p in probe_pdl_graph probe_decode_stream probe_route_decode probe_zero_copy probe_router_gemm; do
     [ -x "$BUILD/dev_$p" ] && { echo "== $p"; "$BUILD/dev_$p" || return 1; }
   done
   return 0

@@ -40,6 +40,7 @@ __device__ __forceinline__ void stamp(int phase) {
 #include "kernels/cuda_check.h"
 #include "kernels/moe_route.cuh"
 #include "kernels/pdl.cuh"
+#include "probe_util.h"
 
 namespace {
 
@@ -59,45 +60,10 @@ __global__ void empty_cluster_kernel(int* sink, int do_sync) {
   if (threadIdx.x == 1023) *sink = 0;
 }
 
-// us per launch of `enqueue` in a graph of `n` back-to-back launches, median of 5 timings.
-double time_chain(const std::function<void(cudaStream_t)>& enqueue, int n = 32) {
-  cudaStream_t s;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < n; ++i) enqueue(s);
-  CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(ge, s));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int rep = 0; rep < 5; ++rep) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int i = 0; i < 20; ++i) CUDA_CHECK(cudaGraphLaunch(ge, s));
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CUDA_CHECK(cudaGraphExecDestroy(ge));
-  CUDA_CHECK(cudaGraphDestroy(g));
-  CUDA_CHECK(cudaStreamDestroy(s));
-  return 1e3 * t[2] / (20.0 * n);
-}
-
 }  // namespace
 
 int main() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("no CUDA device\n");
-    return 0;
-  }
+  if (!dev_probe::has_device()) return 0;
   constexpr int H = 2048, E = 128, K = 8, cap_max = 16, block_m = 8;
   k::RouteParams p;
   p.num_experts = E;
@@ -105,19 +71,9 @@ int main() {
   p.scoring = k::RouteScoring::kSoftmax;
   p.renormalize = true;
   // Random inputs (never zeros: METHOD.md).
-  std::vector<__nv_bfloat16> hx(cap_max * H), hw(static_cast<size_t>(E) * H);
   uint32_t st = 12345;
-  auto rnd = [&] {
-    st = st * 1664525u + 1013904223u;
-    return static_cast<float>(st >> 8) / 16777216.0f - 0.5f;
-  };
-  for (auto& v : hx) v = __float2bfloat16(rnd());
-  for (auto& v : hw) v = __float2bfloat16(rnd() * 0.1f);
-  __nv_bfloat16 *x, *w;
-  CUDA_CHECK(cudaMalloc(&x, hx.size() * 2));
-  CUDA_CHECK(cudaMalloc(&w, hw.size() * 2));
-  CUDA_CHECK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(w, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+  __nv_bfloat16* x = dev_probe::random_bf16(static_cast<size_t>(cap_max) * H, 1.0f, st);
+  __nv_bfloat16* w = dev_probe::random_bf16(static_cast<size_t>(E) * H, 0.1f, st);
   const int64_t max_tiles = k::moe_align_max_tiles(cap_max, K, E, block_m);
   const int64_t max_padded = k::moe_align_max_padded(cap_max, K, E, block_m);
   float *logits, *wts;
@@ -139,7 +95,7 @@ int main() {
     CUDA_CHECK(cudaMemcpy(ntok, &T, sizeof(int), cudaMemcpyHostToDevice));
     const int cap = T;
     auto row = [&](const char* name, const std::function<void(cudaStream_t)>& f) {
-      std::printf("%-44s %6d %10.2f\n", name, T, time_chain(f));
+      std::printf("%-44s %6d %10.2f\n", name, T, dev_probe::time_chain(f));
     };
     row("fused route_small (router+topk+align)", [&](cudaStream_t s) {
       k::launch_moe_route_small(x, H, w, H, nullptr, ntok, cap, p, block_m, logits, ids, wts, off, sorted, poff, pids,

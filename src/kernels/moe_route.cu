@@ -905,23 +905,6 @@ __global__ void __launch_bounds__(kSmallThreads)
   MOEBIUS_ROUTE_PHASE_STAMP(8);
 }
 
-// ------------------------------------------------------------------------------------------------
-// Identity routing (dense GEMMs through the grouped kernels)
-// ------------------------------------------------------------------------------------------------
-
-__global__ void moe_identity_tiles_kernel(const int32_t* __restrict__ num_tokens, int capacity, int block_m,
-                                          int grid_tiles, int32_t* __restrict__ pair_ids,
-                                          int32_t* __restrict__ tile_expert) {
-  pdl_wait();
-  pdl_launch_dependents();
-  const int T = live_tokens(num_tokens, capacity);
-  const int n = grid_tiles * block_m;
-  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) {
-    pair_ids[p] = p < T ? p : -1;
-    if (p % block_m == 0) tile_expert[p / block_m] = p < T ? 0 : -1;
-  }
-}
-
 }  // namespace
 
 void launch_moe_route_topk(const __nv_bfloat16* logits, const float* correction_bias, const int32_t* num_tokens,
@@ -977,16 +960,6 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
   else
     launch_pdl(moe_router_logits_kernel<false>, grid, dim3(kRouterWarps * 32), 0, stream, x, x_stride, router_weight,
                num_tokens, capacity, hidden, num_experts, logits);
-}
-
-void launch_moe_identity_tiles(const int32_t* num_tokens, int capacity, int block_m, int grid_tiles,
-                               int32_t* pair_ids, int32_t* tile_expert, cudaStream_t stream) {
-  MOEBIUS_LAUNCH_ASSERT(block_m >= 1 && grid_tiles >= 0 && capacity >= 0, "bad identity tiles shape");
-  MOEBIUS_LAUNCH_ASSERT(static_cast<int64_t>(grid_tiles) * block_m < (int64_t{1} << 30), "too many rows");
-  if (grid_tiles == 0) return;
-  const int n = grid_tiles * block_m;
-  launch_pdl(moe_identity_tiles_kernel, dim3(std::min((n + 255) / 256, 1024)), dim3(256), 0, stream, num_tokens,
-             capacity, block_m, grid_tiles, pair_ids, tile_expert);
 }
 
 bool moe_route_small_supported(int capacity, const RouteParams& p) {

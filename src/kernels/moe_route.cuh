@@ -105,13 +105,6 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
                               const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
                               cudaStream_t stream);
 
-// The identity routing, for running a dense GEMM (the router) through the grouped expert GEMMs:
-// pair_ids[p] = p < T ? p : -1 for p < grid_tiles * block_m, and tile_expert[j] = 0 for tiles
-// that hold a live token, -1 after ([TAG_MOE_GRAPH_CAPACITY]: T = *num_tokens, clamped to
-// capacity). pair_ids [grid_tiles * block_m] int32, tile_expert [grid_tiles] int32.
-void launch_moe_identity_tiles(const int32_t* num_tokens, int capacity, int block_m, int grid_tiles,
-                               int32_t* pair_ids, int32_t* tile_expert, cudaStream_t stream);
-
 // Fused small-batch routing: router logits + kernel A + kernel B (padded) in ONE launch, for
 // decode. The outputs are exactly those of launch_moe_router_logits, launch_moe_route_topk and
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).

@@ -386,9 +386,9 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
   offload::BudgetRequest r;
   r.budget = budget;
   const uint64_t H = static_cast<uint64_t>(c.hidden_size);
-  // Per MoE layer besides its experts: the router twice (row-major and tile layout), the two
-  // address tables, and a correction bias at most.
-  const uint64_t router = 4 * static_cast<uint64_t>(E) * H + 2 * sizeof(kernels::ExpertMatrixPtrs) * E + 4 * E + 4 * 256;
+  // Per MoE layer besides its experts: the bf16 router, the two address tables, and a correction
+  // bias at most.
+  const uint64_t router = 2 * static_cast<uint64_t>(E) * H + 2 * sizeof(kernels::ExpertMatrixPtrs) * E + 4 * E + 4 * 256;
   r.non_expert_weights = plan_.weights() + static_cast<uint64_t>(L) * router;
   r.kv_cache = sizeof(__nv_bfloat16) * 2 *
                static_cast<uint64_t>(kernels::kv_cache_pool_elems(opt_.num_blocks, c.num_key_value_heads,
@@ -740,7 +740,7 @@ uint64_t Qwen3MoeStagedWeights::host_bytes() const {
     n += b(l.input_norm) + b(l.post_norm) + b(l.q_norm) + b(l.k_norm) + b(l.wqkv) + b(l.wo) + b(l.gate_up) +
          b(l.down);
     if (l.moe) {
-      n += b(l.moe->router) + l.moe->router_tiles.weight.size();
+      n += b(l.moe->router);
       for (const moe::PackedMatrix& p : l.moe->w13) n += p.weight.size() + p.scales.size();
       for (const moe::PackedMatrix& p : l.moe->w2) n += p.weight.size() + p.scales.size();
     }

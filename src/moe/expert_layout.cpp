@@ -260,15 +260,6 @@ Result<PackedMatrix> pack_gate_up(const QuantMatrix& gate, const QuantMatrix& up
   return p;
 }
 
-PackedMatrix pack_router(std::span<const uint16_t> bits, int64_t num_experts, int64_t hidden) {
-  MOEBIUS_ASSERT(bits.size() == static_cast<size_t>(num_experts * hidden));
-  QuantMatrixStorage storage;
-  storage.weight.resize(bits.size() * 2);
-  std::memcpy(storage.weight.data(), bits.data(), storage.weight.size());
-  const QuantMatrix m = make_owning_matrix(WeightFormat::kBF16, num_experts, hidden, 0, std::move(storage));
-  return pack_matrix(m).value();  // bf16 packs at any shape
-}
-
 Result<PackedMoeLayer> pack_moe_layer(const cpu::MoeLayerReference& layer) {
   MOEBIUS_TRY(layer.validate());
   PackedMoeLayer p;
@@ -295,7 +286,6 @@ Result<PackedMoeLayer> pack_moe_layer(const cpu::MoeLayerReference& layer) {
   }
   p.router.resize(layer.router_weight.size());
   for (size_t i = 0; i < p.router.size(); ++i) p.router[i] = float_to_bf16_bits(layer.router_weight[i]);
-  p.router_tiles = pack_router(p.router, E, layer.shape.hidden);
   p.routing = layer.router;
   p.activation = layer.options.activation;
   return p;

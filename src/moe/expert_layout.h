@@ -135,14 +135,10 @@ struct PackedMoeLayer {
   KernelFormat format = KernelFormat::kBF16;
   std::vector<PackedMatrix> w13;  // [E] pack_gate_up(gate, up)
   std::vector<PackedMatrix> w2;   // [E] pack_matrix(down)
-  std::vector<uint16_t> router;   // [E, H] bf16 bits of the router weight (the GEMV reads these)
-  PackedMatrix router_tiles;      // the same in the bf16 tile layout (the tensor-core router GEMM)
+  std::vector<uint16_t> router;   // [E, H] bf16 bits of the router weight, row-major
   cpu::RouterConfig routing;      // scoring, renormalization, groups, correction bias
   cpu::ActivationConfig activation;
 };
-
-// The router weight [E, H] (bf16 bits) in the bf16 tile layout, as one "expert" of E rows.
-PackedMatrix pack_router(std::span<const uint16_t> bits, int64_t num_experts, int64_t hidden);
 
 // Packs `layer` (validated first). Every expert must pack to the same format and sizes as expert
 // 0; the error names the expert otherwise.

@@ -14,6 +14,7 @@
 #include "kernels/moe_combine.cuh"
 #include "kernels/moe_gemm_prefill.cuh"
 #include "kernels/moe_gemm_wgmma.cuh"
+#include "kernels/moe_router_gemm.cuh"
 
 namespace moebius::moe {
 
@@ -45,9 +46,6 @@ int64_t tokens_per_expert(int capacity, int top_k, int num_experts) {
 }
 
 // Decode: a tile should hold about the average tokens per expert.
-// Token tile of the tensor-core router GEMM (a prefill block_m every format supports).
-constexpr int kRouterBlockM = 64;
-
 int pick_block_m(int capacity, int top_k, int num_experts) {
   const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
   return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
@@ -192,17 +190,6 @@ Status MoeLayerCuda::allocate(const cpu::MoeShape& shape, KernelFormat format, c
   MOEBIUS_ALLOC(table13_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(table2_, kernels::ExpertMatrixPtrs, E);
   MOEBIUS_ALLOC(router_weight_, __nv_bfloat16, static_cast<size_t>(E) * H);
-  // The router also in the bf16 tile layout, for the tensor-core router GEMM at large capacities
-  // (kTensorCoreRouterMinTokens); 2*E*H bytes beside the row-major copy the GEMV reads.
-  if (H % 8 == 0) {
-    const PackedMatrix rp = packed_shape(KernelFormat::kBF16, E, H, 0);
-    router_dims_ = {static_cast<int>(rp.row_tiles()), static_cast<int>(H), static_cast<int>(rp.chunks()), 0, 0, E};
-    MOEBIUS_ALLOC(router_packed_, uint8_t, packed_weight_bytes(rp));
-    MOEBIUS_ALLOC(router_table_, kernels::ExpertMatrixPtrs, 1);
-    kernels::ExpertMatrixPtrs t;
-    t.weight = router_packed_;
-    CUDA_CHECK(cudaMemcpy(router_table_, &t, sizeof(t), cudaMemcpyHostToDevice));
-  }
 #undef MOEBIUS_ALLOC
   for (int e = 0; e < E; ++e) set_table_entry(e);
   return allocate_workspace(opt);
@@ -386,12 +373,6 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
     layout += fmt::format(" {}", bytes);
     place.push_back([&ptr, off](uint8_t* base) { ptr = reinterpret_cast<T*>(base + off); });
   };
-  tc_router_ = cap >= kTensorCoreRouterMinTokens && router_packed_ != nullptr;
-  if (tc_router_) {
-    router_grid_tiles_ = (cap + kRouterBlockM - 1) / kRouterBlockM;
-    take(router_pair_ids_, static_cast<size_t>(router_grid_tiles_) * kRouterBlockM);
-    take(router_tile_expert_, static_cast<size_t>(router_grid_tiles_));
-  }
   take(logits_, static_cast<size_t>(cap) * E);
   take(topk_ids_, static_cast<size_t>(cap) * k);
   take(topk_weights_, static_cast<size_t>(cap) * k);
@@ -415,13 +396,6 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
   return Ok{};
-}
-
-void MoeLayerCuda::upload_packed_router(const PackedMatrix& tiles) {
-  if (router_packed_ == nullptr) return;
-  MOEBIUS_ASSERT(tiles.format == KernelFormat::kBF16 && tiles.rows == shape_.num_experts &&
-                 tiles.cols == shape_.hidden);
-  CUDA_CHECK(cudaMemcpy(router_packed_, tiles.weight.data(), tiles.weight.size(), cudaMemcpyHostToDevice));
 }
 
 Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaOptions& opt) const {
@@ -458,9 +432,6 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::share_weights(const MoeCudaO
   L->dcs2_ = dcs2_;
   L->router_weight_ = router_weight_;
   L->correction_bias_ = correction_bias_;
-  L->router_packed_ = router_packed_;
-  L->router_table_ = router_table_;
-  L->router_dims_ = router_dims_;
   MOEBIUS_TRY(L->allocate_workspace(opt));
   return L;
 }
@@ -574,7 +545,6 @@ void MoeLayerCuda::upload(const PackedMoeLayer& p) {
   CUDA_CHECK(cudaMemcpy(table2_, res_->table2.data(), sizeof(kernels::ExpertMatrixPtrs) * E, cudaMemcpyHostToDevice));
   write_staged_tables();  // they carry the same global scales
   CUDA_CHECK(cudaMemcpy(router_weight_, p.router.data(), p.router.size() * 2, cudaMemcpyHostToDevice));
-  upload_packed_router(p.router_tiles);
   if (correction_bias_ != nullptr)
     CUDA_CHECK(cudaMemcpy(correction_bias_, p.routing.correction_bias.data(), sizeof(float) * E,
                           cudaMemcpyHostToDevice));
@@ -625,11 +595,6 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
     }
   }
   kernels::launch_fill_random_bf16(L->router_weight_, static_cast<size_t>(E) * s.hidden, 0.05f, seed + 2, st);
-  if (L->router_packed_ != nullptr) {  // the same random router, also in the tile layout
-    std::vector<uint16_t> rw(static_cast<size_t>(E) * s.hidden);
-    CUDA_CHECK(cudaMemcpy(rw.data(), L->router_weight_, rw.size() * 2, cudaMemcpyDeviceToHost));
-    L->upload_packed_router(pack_router(rw, E, s.hidden));
-  }
   CUDA_CHECK(cudaMemcpy(L->table13_, L->res_->table13.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
                         cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(L->table2_, L->res_->table2.data(), sizeof(kernels::ExpertMatrixPtrs) * E,
@@ -699,23 +664,11 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                       stream);
       return;
     case MoeStage::kRouterLogits:
-      if (tc_router_ && reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // the GEMM gathers 16-byte pieces
-        // Every token its own pair of "expert" 0 (the router), then the prefill GEMM's kStore:
-        // y[pair = token][e] = W_router[e] . x[token] is exactly logits [T, E] fp32.
-        kernels::launch_moe_identity_tiles(num_tokens, cap, kRouterBlockM, router_grid_tiles_, router_pair_ids_,
-                                           router_tile_expert_, stream);
-        kernels::MoeTiles rt;
-        rt.padded_pair_ids = router_pair_ids_;
-        rt.tile_expert = router_tile_expert_;
-        rt.block_m = kRouterBlockM;
-        rt.grid_tiles = router_grid_tiles_;
-        rt.top_k = 1;
-        kernels::launch_moe_gemm_prefill_down(kernels::MoeWeightFormat::kBF16, router_table_, router_dims_, rt, x, H,
-                                              kernels::MoeCombineMode::kStore, logits_, E, nullptr, nullptr, 0,
-                                              stream);
-      } else {
+      // x is the caller's: a forward whose rows are not 16-byte aligned takes the GEMV.
+      if (cap >= kRouterGemmMinTokens && kernels::moe_router_gemm_supported(x, H, H, E))
+        kernels::launch_moe_router_gemm(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      else
         kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
-      }
       return;
     case MoeStage::kTopK:
       kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_,

@@ -57,13 +57,13 @@ inline constexpr int kPrefillMinTokensPerExpert = 16;
 // 175.1 us).
 inline constexpr int kFusedRoutingMaxTokens = 4;
 
-// The router logits run as a tensor-core GEMM (the prefill GEMM kernel on the router weight
-// packed as one bf16 "expert", every token its own pair) when the capacity is at least this;
-// below it the warp-per-expert GEMV (moe_route.cuh). Measured on the H200 (docs/PERF.md,
-// 2026-12-02, H=2048, E=128): the GEMV takes 16 / 19 / 64 / 216 us at T = 64 / 256 / 1024 / 4096,
-// the tensor-core GEMM 36.6 us at every T: its 128 router rows make one 256-row block per
-// 64-token tile, which walks all of K alone. A split-K router GEMM would win at every T >= 64.
-inline constexpr int kTensorCoreRouterMinTokens = 1024;
+// The router logits run on the tensor-core router GEMM (kernels/moe_router_gemm.cuh) when the
+// capacity is at least this and the shapes allow it (moe_router_gemm_supported), else on the
+// warp-per-expert GEMV (moe_route.cuh). On the H200 (Qwen3-30B-A3B, docs/PERF.md) the GEMV took
+// 6.6 us at T = 64 and 14.2 us at T = 256 (run I2), and 64 / 216 us at T = 1024 / 4096 in an
+// earlier run; the GEMM has NOT been measured yet, so 256 is a guess to be replaced by the
+// crossover (dev/cuda/probe_router_gemm.cu times both).
+inline constexpr int kRouterGemmMinTokens = 256;
 
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
@@ -219,9 +219,6 @@ class MoeLayerCuda {
   ExpertAddr kernel_addr(int e) const;
   // Points expert e's table entries (host mirrors) at kernel_addr(e); global scales unchanged.
   void set_table_entry(int e);
-  // The router in the tile layout (pack_router), for the tensor-core router; nothing when this
-  // layer keeps no such copy.
-  void upload_packed_router(const PackedMatrix& tiles);
   // Every weight of `packed` into this layer's buffers (checked by check_compatible).
   void upload(const PackedMoeLayer& packed);
   Status allocate_workspace(const MoeCudaOptions& opt);
@@ -231,7 +228,6 @@ class MoeLayerCuda {
   MoeCudaOptions opt_;
   int block_m_ = 8;
   bool fused_routing_ = false;
-  bool tc_router_ = false;  // router logits on the tensor cores (kTensorCoreRouterMinTokens)
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;
@@ -271,14 +267,6 @@ class MoeLayerCuda {
   uint8_t *cw13_ = nullptr, *cs13_ = nullptr, *cw2_ = nullptr, *cs2_ = nullptr;
   uint8_t *dcw13_ = nullptr, *dcs13_ = nullptr, *dcw2_ = nullptr, *dcs2_ = nullptr;
   __nv_bfloat16* router_weight_ = nullptr;  // [E, H]
-  // Tensor-core router: the router weight in the bf16 tile layout, a one-entry pointer table, and
-  // the identity routing (pair = token, expert 0) its GEMM runs over.
-  uint8_t* router_packed_ = nullptr;
-  kernels::ExpertMatrixPtrs* router_table_ = nullptr;  // [1] device
-  kernels::MoeGemmDims router_dims_;
-  int router_grid_tiles_ = 0;
-  int32_t* router_pair_ids_ = nullptr;    // [router_grid_tiles * 64]
-  int32_t* router_tile_expert_ = nullptr;  // [router_grid_tiles]
   float* correction_bias_ = nullptr;        // [E] or null
   // Workspace, sized to capacity.
   float* logits_ = nullptr;          // [cap, E]
