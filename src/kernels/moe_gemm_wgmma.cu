@@ -50,11 +50,11 @@
 // fires when that thread's copies have landed) and empty (8 arrivals: one per consumer warp once
 // the wgmma that read the stage are complete). Consumers: wait full, fence.proxy.async (the copies
 // are generic-proxy writes, wgmma reads through the async proxy), then per k-step: dequantize
-// into a ring of 4 A buffers, wgmma.fence, 2 wgmma, commit, wait_group 2. The wait keeps two
-// wgmma groups in flight while the next step dequantizes, and guarantees the group that read the
-// buffer about to be rewritten has finished; it also means the previous stage is fully consumed
-// after the second step of a stage, where the empty barrier is released (an item's last stage:
-// after its final wait_group 0, before the epilogue). Per-tile metadata (pair ids, row
+// into the A double buffer, wgmma.fence, 2 wgmma, commit, wait_group 1. The wait keeps one
+// wgmma group in flight while the next step dequantizes, and guarantees the group that read the
+// other A buffer has finished before it is rewritten; it also means the previous stage is fully
+// consumed after the first step of a stage, where the empty barrier is released (an item's last
+// stage: after its final wait_group 0, before the epilogue). Per-tile metadata (pair ids, row
 // pointers, N) is double-buffered by item between producer and consumers, with its own pair of
 // mbarriers.
 // Shared memory per stage: [activations: 64-k panels of BN rows x 128 B][weights: 16 tiles x
@@ -113,15 +113,6 @@ static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168 && kConsumerRegs % 8 
 constexpr int kMF = 2;                                // m64 row groups per consumer warpgroup
 constexpr int kBlockRowTiles = 2 * kMF * 4;           // 16 row tiles = 256 weight rows
 constexpr int kChunkBytes = 512;
-// The consumers' wgmma pipeline: after committing k-step s a warpgroup waits until at most
-// kWgmmaInFlight groups are pending, then dequantizes step s + 1 into A buffer (s + 1) %
-// kABuffers, last read by group s + 1 - kABuffers, which that wait has retired
-// (kABuffers >= kWgmmaInFlight + 1). With one group in flight (run L3) each step's dequant waited
-// for the previous group's whole latency; two keep the tensor pipe fed across it. The buffers
-// cost 16 registers per extra step (2 m64 groups x 4 registers x 2 steps).
-constexpr int kWgmmaInFlight = 2;
-constexpr int kABuffers = 4;
-static_assert(kABuffers >= kWgmmaInFlight + 1, "a buffer must be retired before it is rewritten");
 constexpr int kMaxStages = 8;
 
 // K per stage: one 64-k panel of activations (int2: a 128-k chunk, two panels).
@@ -143,8 +134,7 @@ struct WgLayout {
   static constexpr int kTotal = kStages * kBytes + 1024;  // + slack to align the ring to 1 KiB
   static_assert(kStages >= 3, "the pipeline needs at least 3 stages");
   static_assert(kActs % 1024 == 0, "activation panels must keep 1 KiB alignment");
-  static_assert(kSteps % kABuffers == 0 && kSteps >= kWgmmaInFlight,
-                "the A-buffer ring and the slot release are per-stage compile-time positions");
+  static_assert(kSteps % 2 == 0, "the A double buffer alternates by step parity");
   static_assert(kProducerThreads % kRowPieces == 0, "activation copy split");
 };
 
@@ -580,7 +570,7 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
     if constexpr (kInt) fence_regs(grp[mf]);
   }
 
-  uint32_t a[kABuffers][kMF][4];  // A fragments, a ring over the k-steps (step s: buffer s % kABuffers)
+  uint32_t a[2][kMF][4];  // A fragments, double-buffered by k-step parity
   uint4 w[kMF];
   uint2 nv_sc[kMF];
   int prev_slot = 0;
@@ -593,7 +583,7 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
 
     auto do_step = [&](auto step_tag) {
       constexpr int s = decltype(step_tag)::value;
-      constexpr int c = s / kSteps<F>, S = s % kSteps<F>, buf = s % kABuffers;
+      constexpr int c = s / kSteps<F>, S = s % kSteps<F>, buf = s & 1;
       if constexpr (S == 0) {
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
@@ -618,15 +608,15 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
         else wgmma_bf16<N>(acc[mf], a[buf][mf], desc, scale_d);
       }
       wgmma_commit();
-      wgmma_wait<kWgmmaInFlight>();
+      wgmma_wait<1>();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         if constexpr (kInt) fence_regs(grp[mf]);
         else fence_regs(acc[mf]);
       }
-      if constexpr (s == kWgmmaInFlight - 1) {
-        // Every wgmma of the item's previous stage has completed (only this stage's first
-        // kWgmmaInFlight groups may be pending): release its slot to the producer.
+      if constexpr (s == 0) {
+        // Every wgmma of the item's previous stage has completed (only this step's group may be
+        // pending): release its slot to the producer.
         if (ks > 0 && lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
         __syncwarp();
       }
