@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
@@ -255,13 +256,6 @@ int blocks_per_sm(const void* kernel, size_t smem) {
   return blocks;
 }
 
-int num_sms() {
-  int device = 0, n = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 }  // namespace
 
 size_t dense_gemv_smem_bytes(int M, int K) {
@@ -296,7 +290,7 @@ void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16*
   MOEBIUS_LAUNCH_ASSERT(tiles < (int64_t{1} << 30), "dense_gemv: N too large");
   GemvArgs a{x, ldx, w, y, ldy, M, N, K, static_cast<int>(tiles), columns_per_warp(K)};
   auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT> : dense_gemv_kernel<2, OutT>;
-  const int64_t resident = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)) * num_sms();
+  const int64_t resident = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)) * current_device_sm_count();
   const int grid = static_cast<int>(std::min<int64_t>(tiles, resident));
   launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, a);
 }

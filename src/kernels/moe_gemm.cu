@@ -31,6 +31,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/moe_dequant.cuh"
 #include "kernels/pdl.cuh"
 
@@ -528,14 +529,7 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
   }();
   if (forced > 0) return forced;
   if (one_row_tile) return 1;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  static std::atomic<int> sm_count[64] = {};  // per device; a driver query per launch is not free
-  int sms = device < 64 ? sm_count[device].load(std::memory_order_relaxed) : 0;
-  if (sms == 0) {
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (device < 64) sm_count[device].store(sms, std::memory_order_relaxed);
-  }
+  const int sms = current_device_sm_count();
   const int64_t blocks = static_cast<int64_t>(row_tiles) * grid_tiles;
   const int64_t wave = 6LL * sms;  // the one-tile kernel's resident blocks (kMinBlocksPerSm)
   return blocks <= 2 * wave ? 2 : blocks <= 16 * 1024 ? 4 : 8;

@@ -81,6 +81,7 @@
 #include <utility>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/moe_dequant.cuh"
 #include "kernels/pdl.cuh"
 
@@ -749,15 +750,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_wgmma_kernel(const GemmK
 
 std::atomic<int> g_grid_cap{0};  // moe_gemm_wgmma_set_grid_cap
 
-// Streaming multiprocessors of the current device (the persistent grid), cached per device.
-int sm_count() {
-  static int cached[64] = {};
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) dev = 0;
-  if (cached[dev] == 0) CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
-  return cached[dev];
-}
 
 // MOEBIUS_WGMMA_STATIC_SCHEDULE=1 (any value but "" and "0") ignores MoeTiles::work_counter: the
 // static schedule, for comparing the two on one binary.
@@ -781,7 +773,7 @@ void launch_kernel(GemmKernelArgs args, cudaStream_t stream) {
   const int64_t items = static_cast<int64_t>(args.tiles.grid_tiles) *
                         ((args.dims.row_tiles + kBlockRowTiles - 1) / kBlockRowTiles);
   const int cap = g_grid_cap.load(std::memory_order_relaxed);
-  const int blocks = static_cast<int>(std::min<int64_t>(items, cap > 0 ? cap : sm_count()));
+  const int blocks = static_cast<int>(std::min<int64_t>(items, cap > 0 ? cap : current_device_sm_count()));
   launch_pdl(kernel, dim3(blocks), dim3(kThreads), L::kTotal, stream, args);
 }
 

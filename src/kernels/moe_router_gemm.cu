@@ -51,6 +51,7 @@
 #include <cstdint>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 #include "kernels/moe_dequant.cuh"
 #include "kernels/pdl.cuh"
 
@@ -236,13 +237,6 @@ __global__ void __launch_bounds__(L::kThreads)
       }
 }
 
-int multiprocessor_count() {
-  int device = 0, n = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 template <class L>
 int64_t grid_blocks(int capacity, int num_experts) {
   return static_cast<int64_t>((capacity + L::kTokens - 1) / L::kTokens) *
@@ -286,7 +280,7 @@ RouterGemmTile router_gemm_pick_tile(int capacity, int num_experts) {
   if (num_experts <= 64) return RouterGemmTile::k64x16;
   // The fewest L2 bytes per logit (largest tile) whose grid still fills 3/4 of the SMs; with
   // fewer tokens, 64 x 16, the most blocks. Unmeasured (see the header).
-  const int64_t fill = multiprocessor_count() * 3 / 4;
+  const int64_t fill = current_device_sm_count() * 3 / 4;
   if (grid_blocks<Tile128x64>(capacity, num_experts) >= fill) return RouterGemmTile::k128x64;
   if (grid_blocks<Tile128x32>(capacity, num_experts) >= fill) return RouterGemmTile::k128x32;
   if (grid_blocks<Tile128x16>(capacity, num_experts) >= fill) return RouterGemmTile::k128x16;
