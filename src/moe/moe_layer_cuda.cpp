@@ -627,6 +627,17 @@ void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tok
     enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids, topk_weights, out, stream);
 }
 
+void enqueue_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
+                           const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
+                           cudaStream_t stream) {
+  if (capacity >= kRouterGemmMinTokens && kernels::moe_router_gemm_supported(x, x_stride, hidden, num_experts))
+    kernels::launch_moe_router_gemm(x, x_stride, router_weight, num_tokens, capacity, hidden, num_experts, logits,
+                                    stream);
+  else
+    kernels::launch_moe_router_logits(x, x_stride, router_weight, num_tokens, capacity, hidden, num_experts, logits,
+                                      stream);
+}
+
 void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens,
                                  const int32_t* topk_ids, const float* topk_weights, __nv_bfloat16* out,
                                  cudaStream_t stream) {
@@ -664,11 +675,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
                                       stream);
       return;
     case MoeStage::kRouterLogits:
-      // x is the caller's: a forward whose rows are not 16-byte aligned takes the GEMV.
-      if (cap >= kRouterGemmMinTokens && kernels::moe_router_gemm_supported(x, H, H, E))
-        kernels::launch_moe_router_gemm(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
-      else
-        kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      enqueue_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
       return;
     case MoeStage::kTopK:
       kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_,

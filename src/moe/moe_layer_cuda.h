@@ -59,11 +59,17 @@ inline constexpr int kFusedRoutingMaxTokens = 4;
 
 // The router logits run on the tensor-core router GEMM (kernels/moe_router_gemm.cuh) when the
 // capacity is at least this and the shapes allow it (moe_router_gemm_supported), else on the
-// warp-per-expert GEMV (moe_route.cuh). On the H200 (Qwen3-30B-A3B, docs/PERF.md) the GEMV took
-// 6.6 us at T = 64 and 14.2 us at T = 256 (run I2), and 64 / 216 us at T = 1024 / 4096 in an
-// earlier run; the GEMM has NOT been measured yet, so 256 is a guess to be replaced by the
-// crossover (dev/cuda/probe_router_gemm.cu times both).
+// warp-per-expert GEMV (moe_route.cuh). Measured on the H200 (docs/PERF.md run L4,
+// dev_probe_router_gemm, Qwen3-30B-A3B): GEMV 5.9 / 13.1 / 46.5 us at T = 64 / 256 / 1024, GEMM
+// 9.3 / 9.4 / 9.6 us (latency-bound below ~1024 tokens), so the crossover lies between 64 and 256.
 inline constexpr int kRouterGemmMinTokens = 256;
+
+// logits [capacity, E] fp32 = x . W^T for the live tokens, on the GEMM or the GEMV by the rule
+// above. x [capacity, x_stride] bf16 (the caller's: rows that are not 16-byte aligned take the
+// GEMV), W [E, hidden] bf16. Shared by the single-GPU and the expert-parallel layers.
+void enqueue_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
+                           const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
+                           cudaStream_t stream);
 
 struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry

@@ -190,7 +190,7 @@ Status MoeLayerEpCuda::enqueue_phase(EpPhase phase, const __nv_bfloat16* x, cons
   comm_->set_stream(stream);
   switch (phase) {
     case EpPhase::kRoute:
-      kernels::launch_moe_router_logits(x, H, router_weight_, num_tokens, C, H, E, logits_, stream);
+      enqueue_router_logits(x, H, router_weight_, num_tokens, C, H, E, logits_, stream);
       kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, C, route_, topk_ids_, topk_weights_,
                                      stream);
       kernels::launch_ep_plan(topk_ids_, num_tokens, C, k, E, N_, send_pos_, send_counts_, send_meta_, stream);
