@@ -12,6 +12,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "core/dtype.h"
 #include "cpu/ep_pack.h"
@@ -252,19 +253,21 @@ TEST(MoeLayerEpGpu, OneRankOverNcclMatchesTheOracleAndTheSingleGpuLayer) {
   MOEBIUS_REQUIRE_GPU();
   for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kBF16}) {
     const cpu::MoeLayerReference L = make_layer(f, kEpGeometry, 32, 5);
-    for (int64_t T : {int64_t{0}, int64_t{1}, int64_t{13}, int64_t{64}}) {
+    // (T, capacity): capacity 320 takes the tensor-core router GEMM (kRouterGemmMinTokens) in both
+    // layers, 64 the GEMV.
+    for (auto [T, cap] : {std::pair<int64_t, int>{0, 64}, {1, 64}, {13, 64}, {64, 64}, {300, 320}}) {
       for (bool graph : {false, true}) {
-        const std::string what = std::string(weight_format_name(f)) + " T=" + std::to_string(T) +
-                                 (graph ? " graph" : " eager");
-        const auto res = run_ep(L, 1, {T}, 64, graph);
-        check_against_oracle(L, res, {T}, 64, what);
+        const std::string what = std::string(weight_format_name(f)) + " T=" + std::to_string(T) + " capacity " +
+                                 std::to_string(cap) + (graph ? " graph" : " eager");
+        const auto res = run_ep(L, 1, {T}, cap, graph);
+        check_against_oracle(L, res, {T}, cap, what);
         if (T == 0 || !res[0].error.empty()) continue;
         // The single-GPU layer routes the same tokens the same way.
         MoeCudaOptions o;
-        o.capacity = 64;
+        o.capacity = cap;
         auto single = MoeLayerCuda::create(L, o);
         ASSERT_TRUE(single.ok()) << single.error().what();
-        auto x = random_x(64, L.shape.hidden, 100);
+        auto x = random_x(cap, L.shape.hidden, 100);
         x.resize(static_cast<size_t>(T * L.shape.hidden));
         const LayerRun s = run_gpu(**single, x, T);
         EXPECT_EQ(s.ids, res[0].ids) << what;
