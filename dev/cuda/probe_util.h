@@ -11,6 +11,7 @@
 #include <functional>
 #include <vector>
 
+#include "cli/graph_timer.h"
 #include "kernels/cuda_check.h"
 
 namespace dev_probe {
@@ -39,35 +40,19 @@ inline __nv_bfloat16* random_bf16(size_t n, float scale, uint32_t& state) {
   return d;
 }
 
-// us per launch of `enqueue` in a graph of `n` back-to-back launches, median of 5 timings.
+// us per launch of `enqueue` in a graph of `n` back-to-back launches, median of 5 timings (each
+// a capture, 3 warm-up replays and 20 timed ones: cli::time_graph_us, the benchmarks' timer).
 inline double time_chain(const std::function<void(cudaStream_t)>& enqueue, int n = 32) {
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < n; ++i) enqueue(s);
-  CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(ge, s));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> t;
-  for (int rep = 0; rep < 5; ++rep) {
-    CUDA_CHECK(cudaEventRecord(e0, s));
-    for (int i = 0; i < 20; ++i) CUDA_CHECK(cudaGraphLaunch(ge, s));
-    CUDA_CHECK(cudaEventRecord(e1, s));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
+  std::vector<double> t;
+  for (int rep = 0; rep < 5; ++rep)
+    t.push_back(moebius::cli::time_graph_us(s, 20, n, [&] {
+      for (int i = 0; i < n; ++i) enqueue(s);
+    }));
   std::sort(t.begin(), t.end());
-  CUDA_CHECK(cudaGraphExecDestroy(ge));
-  CUDA_CHECK(cudaGraphDestroy(g));
   CUDA_CHECK(cudaStreamDestroy(s));
-  return 1e3 * t[2] / (20.0 * n);
+  return t[2];
 }
 
 }  // namespace dev_probe
