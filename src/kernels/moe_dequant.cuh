@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/moe_gemm.cuh"
 
@@ -158,32 +159,65 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
-// The fused GEMM1 activation of gate g and up u (same formulas as cpu/moe_layer).
+// The fused GEMM1 activation of gate g and up u (same formulas as cpu/moe_layer), for a kind
+// known at compile time: a kernel whose epilogue stores many columns dispatches on act.kind once
+// (with_activation_kind) instead of per element.
+template <MoeActivation K>
+__device__ __forceinline__ float activation_of(const MoeActivationParams& act, float g, float u) {
+  if constexpr (K == MoeActivation::kSiLU) {
+    return silu(g) * u;
+  } else if constexpr (K == MoeActivation::kSiLUClamped) {
+    return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
+  } else {
+    const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
+    return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
+  }
+}
+
+// The same, dispatched at run time.
 __device__ __forceinline__ float activation(const MoeActivationParams& act, float g, float u) {
   switch (act.kind) {
     case MoeActivation::kSiLU:
-      return silu(g) * u;
+      return activation_of<MoeActivation::kSiLU>(act, g, u);
     case MoeActivation::kSiLUClamped:
-      return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
-    case MoeActivation::kGptOss: {
-      const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
-      return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
-    }
+      return activation_of<MoeActivation::kSiLUClamped>(act, g, u);
+    case MoeActivation::kGptOss:
+      return activation_of<MoeActivation::kGptOss>(act, g, u);
   }
   return 0.0f;
+}
+
+// Calls f(std::integral_constant<MoeActivation, kind>{}) for the run-time kind: one branch per
+// call instead of one per stored element.
+template <class F>
+__device__ __forceinline__ void with_activation_kind(MoeActivation kind, F&& f) {
+  switch (kind) {
+    case MoeActivation::kSiLU:
+      f(std::integral_constant<MoeActivation, MoeActivation::kSiLU>{});
+      return;
+    case MoeActivation::kSiLUClamped:
+      f(std::integral_constant<MoeActivation, MoeActivation::kSiLUClamped>{});
+      return;
+    case MoeActivation::kGptOss:
+      f(std::integral_constant<MoeActivation, MoeActivation::kGptOss>{});
+      return;
+  }
 }
 
 // The epilogue of one token column of a 16-row weight tile, shared by the three GEMM kernel
 // families: lo / hi are tile rows g and g + 8 for
 // the token at padded position pos (pair: its (token, slot) pair, < 0 for padding). Already scaled.
-template <Epilogue EPI>
+// kKnownAct: the GEMM1 activation kind is ACT (the caller dispatched once, with_activation_kind);
+// otherwise args.act.kind is read per call.
+template <Epilogue EPI, bool kKnownAct = false, MoeActivation ACT = MoeActivation::kSiLU>
 __device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, float lo, float hi, int pos, int pair,
                                                     int row_tile, int g) {
   const MoeGemmDims& d = args.dims;
   if (pair < 0) return;
   if constexpr (EPI == Epilogue::kGateUp) {
     const int i = row_tile * 8 + g;  // rows 0-7 gate, 8-15 up of intermediate row_tile*8 + g
-    if (i < d.n_out) args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(activation(args.act, lo, hi));
+    const float v = kKnownAct ? activation_of<ACT>(args.act, lo, hi) : activation(args.act, lo, hi);
+    if (i < d.n_out) args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(v);
   } else {
     const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
     if constexpr (EPI == Epilogue::kDownStore) {

@@ -659,20 +659,27 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
   // same tokens; rows of tile my_rt[mf].
   const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
+  // GEMM1: the activation kind is dispatched once per item, not per element (its switch was ~5 of
+  // the ~30 instructions of each of a thread's 64 stored columns at N = 128, SASS of run L3).
+  auto store_all = [&](auto act_tag) {
+    constexpr MoeActivation kAct = decltype(act_tag)::value;
 #pragma unroll
-  for (int mf = 0; mf < kMF; ++mf) {
-    if (!my_ok[mf]) continue;
+    for (int mf = 0; mf < kMF; ++mf) {
+      if (!my_ok[mf]) continue;
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
+      for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int r = j * 8 + 2 * t + jj;
-        const int pair = pair_ids[r];
-        store_output_column<EPI>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi, tile * BN + r, pair,
-                                 my_rt[mf], g);
+        for (int jj = 0; jj < 2; ++jj) {
+          const int r = j * 8 + 2 * t + jj;
+          const int pair = pair_ids[r];
+          store_output_column<EPI, true, kAct>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi,
+                                               tile * BN + r, pair, my_rt[mf], g);
+        }
       }
     }
-  }
+  };
+  if constexpr (EPI == Epilogue::kGateUp) with_activation_kind(args.act.kind, store_all);
+  else store_all(std::integral_constant<MoeActivation, MoeActivation::kSiLU>{});  // no activation in GEMM2
 }
 
 #endif  // MOEBIUS_WGMMA_DEVICE
