@@ -16,7 +16,8 @@
 #   5b. moebius bench ep: the expert-parallel layer at EP=1, and EP=2/4 where the GPUs exist;
 #   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
 #      warm rerun that must tune nothing;
-#   7. generate --backend cuda on the tiny fixture, and bench generate (Qwen3-30B-A3B, dummy nvfp4);
+#   7. generate --backend cuda on the tiny fixture (and with --ep N: the runner's EP tests and the
+#      launcher), and bench generate (Qwen3-30B-A3B, dummy nvfp4);
 #      expert offload: its GPU tests, bench generate of Qwen3-235B-A22B int2 under a 24 GiB budget;
 #   8. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
 #      nvfp4 weights and the real tokenizer (needs $MOEBIUS_QWEN3_TOKENIZER_DIR).
@@ -222,6 +223,32 @@ step bench-gemv "$BUILD/moebius" bench gemv --geometry qwen3-30b-a3b --tokens 1,
 # context against the bytes floor.
 step generate-tiny-cuda "$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3,4,5 \
   --max-tokens 16 --temperature 0 --backend cuda
+# Expert parallelism in the CUDA runner: the runner tests (EP=1 over NCCL on one GPU; EP=2/4 where
+# the GPUs exist, else they skip saying so), then `generate --backend cuda --ep N` through the
+# built-in launcher on the tiny fixture, whose greedy ids must equal the single-GPU run's; on one
+# GPU `--ep 2` must be refused with a non-zero exit.
+generate_ep_cuda() {
+  local gpus single ep_ids
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  timeout 300 "$BUILD/tests/moebius_gpu_tests" --gtest_filter='Qwen3MoeCudaEp.*' || return 1
+  single=$("$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3,4,5 --max-tokens 16 \
+    --temperature 0 --backend cuda 2>/dev/null) || return 1
+  if [ "$gpus" -lt 2 ]; then
+    if "$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3 --backend cuda --ep 2; then
+      echo "--ep 2 on $gpus GPU(s) was not refused"; return 1
+    fi
+    echo "EP=2/4 generate skipped: $gpus GPU(s) (refused as expected)"; return 0
+  fi
+  for n in 2 4; do
+    [ "$gpus" -ge $n ] || { echo "EP=$n skipped: $gpus GPU(s)"; continue; }
+    ep_ids=$(timeout 300 "$BUILD/moebius" generate --model tests/data/tiny-qwen3-moe --prompt-ids 1,2,3,4,5 \
+      --max-tokens 16 --temperature 0 --backend cuda --ep $n) || return 1
+    echo "EP=$n: $ep_ids"; echo "EP=1: $single"
+    [ "$ep_ids" = "$single" ] || { echo "EP=$n greedy ids differ from the single-GPU run"; return 1; }
+  done
+  echo "generate --ep ok"
+}
+step generate-ep-cuda generate_ep_cuda
 step eval-logprobs-tiny-cuda "$BUILD/moebius" eval logprobs --model tests/data/tiny-qwen3-moe \
   --ref tests/data/tiny-qwen3-moe/logprobs_ref.safetensors --backend cuda --chunk 7
 bench_generate() {

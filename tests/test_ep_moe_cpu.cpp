@@ -417,8 +417,11 @@ TEST(EpGenerateCpu, SameTokensAndLogitsHashAtEveryRankCount) {
   EXPECT_THAT(bad.error().what(), ::testing::Not(::testing::HasSubstr("aborted")));
   o.ep = 2;
   o.backend = "cuda";
-  auto cuda = run_generate(o, nullptr);
+  auto cuda = run_generate(o, nullptr);  // cuda --ep needs the worker processes' communicator
   ASSERT_FALSE(cuda.ok());
+#ifdef MOEBIUS_HAS_CUDA
+  EXPECT_THAT(cuda.error().what(), ::testing::HasSubstr("--ep"));
+#endif
 }
 
 }  // namespace

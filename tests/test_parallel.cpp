@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "moe/ep_plan.h"
+#include "parallel/ep_step.h"
 #include "parallel/in_process_communicator.h"
 #include "parallel/launch_env.h"
 #include "parallel/launcher.h"
@@ -208,6 +209,31 @@ TEST(Rendezvous, RankZeroPublishesTheOthersWait) {
 
 namespace moebius::moe {
 namespace {
+
+// The step header every EP model starts a step with: ranks that are done (-1), idle (0) or busy.
+TEST(EpStepHeader, SummaryAndCapacityAgreeOnEveryRank) {
+  const std::vector<int32_t> busy = {3, 0, parallel::kEpRankDone, 1};
+  const parallel::EpStepSummary s = parallel::summarize_ep_step(busy);
+  EXPECT_FALSE(s.all_done);
+  EXPECT_EQ(s.max_tokens, 3);
+  // Every rank fits the decode capacity: the decode graphs' EP layers, on every rank.
+  EXPECT_EQ(parallel::ep_step_capacity(s, 4, 64).value(), 4);
+  EXPECT_EQ(parallel::ep_step_capacity(s, 3, 64).value(), 3);
+  // One rank prefills: every rank, the idle and the decoding ones included, takes the prefill size.
+  const std::vector<int32_t> prefill = {1, 40, 0, 0};
+  EXPECT_EQ(parallel::ep_step_capacity(parallel::summarize_ep_step(prefill), 4, 64).value(), 64);
+  const std::vector<int32_t> over = {65, 0};
+  auto bad = parallel::ep_step_capacity(parallel::summarize_ep_step(over), 4, 64);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.error().what(), ::testing::HasSubstr("65 tokens"));
+
+  const std::vector<int32_t> done = {parallel::kEpRankDone, parallel::kEpRankDone};
+  EXPECT_TRUE(parallel::summarize_ep_step(done).all_done);
+  EXPECT_EQ(parallel::summarize_ep_step(done).max_tokens, 0);
+  EXPECT_EQ(parallel::ep_step_capacity(parallel::summarize_ep_step(done), 4, 64).value(), 4);
+  const std::vector<int32_t> idle = {0, parallel::kEpRankDone};  // an empty step is not the end
+  EXPECT_FALSE(parallel::summarize_ep_step(idle).all_done);
+}
 
 TEST(EpStepPlan, CountsAndSendOrderAcrossRanks) {
   // E = 8 over 4 ranks (2 each), k = 2. Rank 0: no tokens; rank 1: one token; rank 2: five

@@ -12,7 +12,8 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
 }
 
 void add_ep_option(CLI::App* cmd, int* ep) {
-  cmd->add_option("--ep", *ep, "expert parallelism: split the experts over N ranks (cpu: threads of this process)")
+  cmd->add_option("--ep", *ep, "expert parallelism: split the experts over N ranks (cpu: threads of this process; cuda: one worker "
+                  "process per GPU, or one rank per process under mpirun)")
       ->capture_default_str();
 }
 

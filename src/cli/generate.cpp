@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/ep_workers.h"
 #include "cli/progress.h"
 #include "core/error.h"
 #include "model/generate.h"
@@ -68,6 +69,16 @@ Status run(GenerateCliOptions& o) {
     g.prompt_ids = o.prompt_ids;
   }
 
+  // --ep on the CUDA backend: this process starts one worker per GPU and waits for them, or is
+  // one of them (src/cli/ep_workers.h). Only rank 0 prints.
+  bool quiet = false;
+  if (g.backend == "cuda" && g.ep > 1) {
+    MOEBIUS_ASSIGN_OR_RETURN(EpRole role, start_ep_cuda(g.ep, model::WeightSource{g.model_dir, "", g.load_format}));
+    if (role.launched) return Ok{};
+    g.ep_comm = role.comm;
+    quiet = role.comm->rank() != 0;
+  }
+
   std::optional<tokenizer::StreamingDecoder> decoder;
   if (tok) decoder.emplace(*tok);
   bool first = true;
@@ -80,10 +91,13 @@ Status run(GenerateCliOptions& o) {
     }
   };
   ProgressBar bar("loading layers");
-  g.on_progress = [&bar](int done, int total) { bar.update(done, total); };
-  g.on_report = [](const std::string& text) { std::fputs(text.c_str(), stderr); };
+  if (!quiet) {
+    g.on_progress = [&bar](int done, int total) { bar.update(done, total); };
+    g.on_report = [](const std::string& text) { std::fputs(text.c_str(), stderr); };
+  }
   auto stats = model::run_generate(g, on_token);
   if (!stats.ok()) return std::move(stats).error();
+  if (stats->ep_follower) return Ok{};
   if (decoder) write_out(decoder->flush());
   write_out("\n");
   std::fputs(model::format_generate_stats(*stats).c_str(), stderr);

@@ -24,6 +24,7 @@
 
 #include "chat/chat_template.h"
 #include "cli/commands.h"
+#include "cli/ep_workers.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "model/generation_config.h"
@@ -82,6 +83,22 @@ Status run(ServeOptions& o) {
     MOEBIUS_ASSIGN_OR_RETURN(gen, model::load_generation_config(source.model_dir));
   }
 
+  o.runner.autotune = !o.no_autotune;
+  // --ep on the CUDA backend: this process starts one worker per GPU and waits for them, or is one
+  // of them (src/cli/ep_workers.h). Rank 0 serves HTTP and runs every sequence; the other ranks
+  // serve their experts in lockstep until rank 0's runner goes (docs/EXPERT_PARALLEL.md). They
+  // ignore SIGINT (a Ctrl-C reaches the whole process group): rank 0 shuts down cleanly and
+  // releases them; the launcher's SIGTERM still ends them.
+  if (o.runner.backend == "cuda" && o.runner.ep > 1) {
+    MOEBIUS_ASSIGN_OR_RETURN(EpRole role, start_ep_cuda(o.runner.ep, source));
+    if (role.launched) return Ok{};
+    o.runner.ep_comm = role.comm;
+    if (role.comm->rank() != 0) {
+      ::signal(SIGINT, SIG_IGN);
+      return server::run_ep_follower(o.runner);
+    }
+  }
+
   // SIGINT/SIGTERM are taken by one thread with sigwait(); blocked before any thread starts so
   // none of the others is interrupted by them.
   sigset_t signals;
@@ -91,7 +108,6 @@ Status run(ServeOptions& o) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
-  o.runner.autotune = !o.no_autotune;
   if ((!o.runner.gpu_memory_budget.empty() || !o.runner.placement_file.empty()) && o.runner.backend != "cuda")
     return Error("expert offload needs --backend cuda")
         .in_field(o.runner.gpu_memory_budget.empty() ? "--placement" : "--gpu-memory-budget");

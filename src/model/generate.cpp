@@ -231,9 +231,9 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   if (o.backend == "cuda") return Error("this build of moebius has no CUDA support").in_field("--backend");
 #endif
   if (o.ep < 1 || o.ep > 1024) return Error::format("must be in [1, 1024], got {}", o.ep).in_field("--ep");
-  if (o.ep > 1 && o.backend == "cuda")
-    return Error("expert parallelism on the CUDA backend is not in the model runner yet (the EP MoE layer is: "
-                 "moebius bench ep); use --backend cpu")
+  if (o.ep > 1 && o.backend == "cuda" && (!o.ep_comm || o.ep_comm->size() != o.ep))
+    return Error("expert parallelism on the CUDA backend runs one worker process per GPU; `moebius generate` "
+                 "starts them (or mpirun does)")
         .in_field("--ep");
   if (o.model_dir.empty()) return Error("is required").in_field("--model");
   if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
@@ -263,9 +263,20 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.autotune = o.autotune;
     co.gpu_memory_budget = o.gpu_memory_budget;
     co.placement_file = o.placement_file;
+    if (o.ep > 1) co.ep_comm = o.ep_comm;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
+    if (model->ep_rank() != 0) {  // expert parallelism: serve rank 0's steps until it is done
+      MOEBIUS_TRY(model->ep_idle_until_all_done());
+      GenerateStats follower;
+      follower.ep_follower = true;
+      return follower;
+    }
     if (o.on_report) o.on_report(format_memory_plan(model->memory_plan()));
-    return generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
+    // With EP rank 0 owns the one sequence; the other ranks run empty steps in lockstep.
+    auto stats = generate(*model, o.prompt_ids, o.max_tokens, sampler, eos, on_token);
+    if (!stats.ok()) return stats;  // the launcher (or mpirun) stops the other ranks
+    MOEBIUS_TRY(model->ep_idle_until_all_done());
+    return stats;
   }
 #endif
   Qwen3MoeLoadOptions load;

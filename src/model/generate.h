@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -44,7 +45,11 @@ struct GenerateOptions {
   std::string placement_file;
   // Expert parallelism: the experts split over `ep` ranks (cpu: threads of this process over the
   // in-process communicator; rank 0 runs the prompt, the others serve their experts). 1: off.
+  // cuda: this process is one rank of ep_comm (an NCCL communicator of size ep, made by the
+  // worker set-up in src/cli/ep_workers.h); rank 0 generates, the others serve their experts in
+  // lockstep (Qwen3MoeCuda::ep_idle_until_all_done) and return stats with ep_follower set.
   int ep = 1;
+  std::shared_ptr<parallel::Communicator> ep_comm;
   // Called while loading (done, total layers) and with the memory plan text before generation
   // (cuda); either may be empty.
   std::function<void(int done, int total)> on_progress;
@@ -63,6 +68,7 @@ struct GenerateStats {
   // Weight bytes one decode step reads; see decode_weight_bytes().
   uint64_t weight_bytes_per_token = 0;
   uint32_t logits_hash = 0;        // fnv1a_logits() of the logits the last token was sampled from
+  bool ep_follower = false;        // cuda --ep: this process was a rank other than 0 (no output)
 
   double prefill_tok_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tok_s() const { return decode_seconds > 0 ? decode_steps / decode_seconds : 0.0; }

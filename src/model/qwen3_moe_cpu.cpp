@@ -18,6 +18,7 @@
 #include "formats/gptq.h"
 #include "formats/nvfp4.h"
 #include "formats/safetensors.h"
+#include "parallel/ep_step.h"
 
 namespace moebius::model {
 namespace {
@@ -386,7 +387,7 @@ Status Qwen3MoeCpu::ep_step_header(int32_t mine, bool* all_done) const {
   parallel::Communicator& comm = *options_.ep_comm;
   std::vector<int32_t> states(static_cast<size_t>(comm.size()));
   MOEBIUS_TRY(comm.all_gather(&mine, states.data(), sizeof(int32_t)));
-  *all_done = std::all_of(states.begin(), states.end(), [](int32_t v) { return v < 0; });
+  *all_done = parallel::summarize_ep_step(states).all_done;
   return Ok{};
 }
 
@@ -404,7 +405,7 @@ Status Qwen3MoeCpu::ep_idle_until_all_done() const {
   if (!options_.ep_comm) return Ok{};
   for (;;) {
     bool all_done = false;
-    MOEBIUS_TRY(ep_step_header(-1, &all_done));
+    MOEBIUS_TRY(ep_step_header(parallel::kEpRankDone, &all_done));
     if (all_done) return Ok{};
     MOEBIUS_TRY(ep_empty_step());
   }

@@ -22,6 +22,7 @@
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
 #include "model/qwen3_moe_cpu.h"
+#include "model/qwen3_moe_cuda_ep.h"
 #include "moe/moe_layer_cuda.h"
 #include "offload/cost_model.h"
 #include "offload/memory_budget.h"
@@ -226,7 +227,7 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
       L.down = static_cast<__nv_bfloat16*>(dn);
     }
   }
-  return Ok{};
+  return init_ep();
 }
 
 Status Qwen3MoeCuda::allocate_runtime(int) {
@@ -565,6 +566,7 @@ bool Qwen3MoeCuda::expert_resident(int layer, int e) const {
 }
 
 Status Qwen3MoeCuda::swap_experts(int layer, int cold, int resident) {
+  if (ep_) return Error("expert offload is not supported with expert parallelism");
   if (layer < 0 || layer >= config_.num_hidden_layers || !layers_[static_cast<size_t>(layer)].is_moe)
     return Error::format("layer {} is not a MoE layer", layer);
   if (swap_scratch_ == nullptr) return Error("no expert is offloaded (no --gpu-memory-budget below the model)");
@@ -631,6 +633,7 @@ Qwen3MoeLoadOptions layer_load_options(const Qwen3MoeCudaOptions& o) {
   lo.experts_format = o.experts_format;
   lo.experts_group_size = o.experts_group_size;
   lo.unquantized_experts_bf16 = true;
+  lo.ep_comm = o.ep_comm;  // only this rank's experts [TAG_EP_EXPERT_OWNER]
   return lo;
 }
 
@@ -650,7 +653,10 @@ Status stage_embeddings(const OpenedCheckpoint& k, Qwen3MoeStagedWeights& out) {
 // Layer `l` through the CPU backend's reader (load_qwen3_moe_layer: every tensor present with its
 // shape and dtype, quantized layouts checked), converted: dense weights to bf16 (q, k, v stacked;
 // gate and up stacked), experts packed (pack_moe_layer).
-Result<Qwen3MoeStagedWeights::Layer> stage_layer(const OpenedCheckpoint& k, int l, const Qwen3MoeLoadOptions& lo) {
+// With expert parallelism (lo.ep_comm), a MoE layer holds only this rank's experts and is not
+// packed: it goes to *ep_moe as read (MoeLayerEpCuda::create packs it).
+Result<Qwen3MoeStagedWeights::Layer> stage_layer(const OpenedCheckpoint& k, int l, const Qwen3MoeLoadOptions& lo,
+                                                 cpu::MoeLayerReference* ep_moe = nullptr) {
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(k.ck, k.config, k.quant, l, lo));
   Qwen3MoeStagedWeights::Layer s;
   s.input_norm = std::move(w.input_norm);
@@ -661,7 +667,10 @@ Result<Qwen3MoeStagedWeights::Layer> stage_layer(const OpenedCheckpoint& k, int 
   for (const std::vector<float>* part : {&w.q_proj, &w.k_proj, &w.v_proj})
     for (float x : *part) s.wqkv.push_back(float_to_bf16_bits(x));
   s.wo = to_bf16_bits(w.o_proj);
-  if (w.is_moe) {
+  if (w.is_moe && lo.ep_comm) {
+    MOEBIUS_ASSERT(ep_moe != nullptr);
+    *ep_moe = std::move(w.moe);
+  } else if (w.is_moe) {
     auto packed = moe::pack_moe_layer(w.moe);
     if (!packed.ok()) return std::move(packed).error().with_context(fmt::format("layer {}", l));
     s.moe = std::move(packed).value();
@@ -717,10 +726,13 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
                            moe::kernel_format_for(options.experts_format.value_or(
                                quantized_experts_format(c, k.quant).value_or(WeightFormat::kBF16))));
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeStagedWeights::Layer w, stage_layer(k, l, lo));
+    cpu::MoeLayerReference ep_moe;
+    MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeStagedWeights::Layer w, stage_layer(k, l, lo, &ep_moe));
     Layer& L = m->layers_[static_cast<size_t>(l)];
     m->upload_dense(w, L);
-    if (w.moe) {
+    if (L.is_moe && m->ep_) {
+      MOEBIUS_TRY(m->add_ep_moe_layer(l, ep_moe));
+    } else if (w.moe) {
       if (!m->offload_planned_) MOEBIUS_TRY(m->plan_offload(w.moe->w13.at(0), w.moe->w2.at(0)));
       if (auto st = m->add_moe_layer(l, [&](const moe::ExpertResidency& r) { return m->moe_layers_->make(*w.moe, r); });
           !st.ok())
@@ -749,6 +761,9 @@ uint64_t Qwen3MoeStagedWeights::host_bytes() const {
 }
 
 Result<std::unique_ptr<Qwen3MoeStagedWeights>> Qwen3MoeCuda::stage_weights(const std::string& dir) const {
+  if (ep_)
+    return Error("weight updates are not supported with expert parallelism yet (every rank would have to reload "
+                 "its experts in the same step)");
   // The config first: a checkpoint of another geometry is named as such, not by its first
   // misshapen tensor.
   MOEBIUS_ASSIGN_OR_RETURN(OpenedCheckpoint k, open_checkpoint(dir));
@@ -827,6 +842,11 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
     if (L.is_moe) {
       const cpu::MoeShape shape{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok};
+      if (m->ep_) {
+        MOEBIUS_TRY(m->add_ep_moe_layer_dummy(l, shape, experts, options.experts_group_size, seed++));
+        if (m->opt_.progress) m->opt_.progress(l + 2, total);
+        continue;
+      }
       if (!m->offload_planned_) {
         const auto [w13, w2] = moe::dummy_expert_shapes(shape, experts, options.experts_group_size);
         MOEBIUS_TRY(m->plan_offload(w13, w2));
@@ -860,11 +880,12 @@ uint64_t Qwen3MoeCuda::decode_weight_bytes() const {
                  hd = static_cast<uint64_t>(c.head_dim), q_dim = static_cast<uint64_t>(c.num_attention_heads) * hd;
   uint64_t bytes = 2 * H;          // one embedding row
   bytes += 4 * H + 2 * V * H;      // final norm, lm_head
-  for (const Layer& L : layers_) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
     bytes += 4 * (2 * H + 2 * hd) + 2 * (static_cast<uint64_t>(qkv_dim_) * H + H * q_dim);
     if (L.is_moe) {
       bytes += 2 * static_cast<uint64_t>(c.num_experts) * H;
-      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * L.moe.expert_bytes();
+      bytes += static_cast<uint64_t>(c.num_experts_per_tok) * moe_expert_bytes(static_cast<int>(l));
     } else {
       bytes += 2 * 3 * static_cast<uint64_t>(c.intermediate_size) * H;
     }
@@ -872,11 +893,18 @@ uint64_t Qwen3MoeCuda::decode_weight_bytes() const {
   return bytes;
 }
 
+uint64_t Qwen3MoeCuda::moe_expert_bytes(int l) const {
+#ifdef MOEBIUS_HAS_NCCL
+  if (ep_) return ep_->decode[static_cast<size_t>(l)]->local().expert_bytes();  // one of this rank's
+#endif
+  return layers_[static_cast<size_t>(l)].moe.expert_bytes();
+}
+
 uint64_t Qwen3MoeCuda::kv_bytes_per_context_token() const {
   return static_cast<uint64_t>(config_.num_hidden_layers) * 2 * config_.num_key_value_heads * config_.head_dim * 2;
 }
 
-void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len) {
+Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len) {
   const Qwen3MoeConfig& c = config_;
   const int H = static_cast<int>(c.hidden_size), V = static_cast<int>(c.vocab_size), hd = c.head_dim,
             nh = c.num_attention_heads, nkv = c.num_key_value_heads, q_dim = nh * hd;
@@ -922,7 +950,9 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     }
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
     kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
-    if (L.is_moe) {
+    if (L.is_moe && ep_) {
+      MOEBIUS_TRY(ep_moe(l, h_, num_tokens, y_));  // a collective: every rank, same capacity
+    } else if (L.is_moe) {
       moe::MoeLayerCuda& moe_layer = L.moe.for_tokens(rows);  // the smallest bucket >= rows
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
@@ -956,6 +986,7 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     kernels::launch_gather_rows(h_, H, in(at_.logit_rows), logit_rows, H, h_last_, s);
     gemm_->linear(h_last_, H, lm_head_, logit_rows, V, H, logits_, V, s);
   }
+  return Ok{};
 }
 
 Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
@@ -977,10 +1008,19 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
       return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, in_batch.ids[static_cast<size_t>(t)],
                            c.vocab_size);
 
+  // Expert parallelism: the step header (every rank's token count) picks the EP layers' capacity
+  // for all ranks; a graph holds the decode capacity's, so a step at the prefill capacity (another
+  // rank prefills) runs eagerly.
+  bool ep_decode_capacity = true;
+  if (ep_) {
+    bool all_done = false;
+    MOEBIUS_TRY(ep_step_header(T, &all_done));
+    ep_decode_capacity = ep_->step_capacity == ep_->decode_capacity;
+  }
   // A decode step whose logits are exactly one per sequence may run as a graph of B >= S rows
   // (its logit rows are then 0..S-1: [TAG_DECODE_GRAPH_LOGIT_ROWS]).
   int graph_index = -1;
-  if (in_batch.is_decode() && T == S && R == S && !capture_routing_) {
+  if (in_batch.is_decode() && T == S && R == S && !capture_routing_ && ep_decode_capacity) {
     for (size_t g = 0; g < graphs_.size(); ++g)
       if (graphs_[g].batch >= S) {
         graph_index = static_cast<int>(g);
@@ -1016,7 +1056,7 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   staged_pending_ = true;
 
   if (graph_index < 0) {
-    enqueue_layers(T, R, /*decode=*/false, -1, in_batch.max_q_len);
+    MOEBIUS_TRY(enqueue_layers(T, R, /*decode=*/false, -1, in_batch.max_q_len));
     ++eager_steps_;
     return Ok{};
   }
@@ -1024,12 +1064,17 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   if (g.exec == nullptr) {
     // First step of this size: run it eagerly (this also loads every kernel and lets cuBLAS pick
     // its algorithms outside capture), then capture the same enqueue for the next steps.
-    enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1);
+    MOEBIUS_TRY(enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1));
     ++eager_steps_;
     cudaGraph_t graph = nullptr;
+    // With EP the NCCL calls are captured too (recorded, not run: the other ranks see one step).
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1);
+    const Status captured = enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1);
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (!captured.ok()) {
+      CUDA_CHECK(cudaGraphDestroy(graph));
+      return captured;
+    }
     CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
     return Ok{};

@@ -31,6 +31,17 @@
 // sequences up to max_context; everything else (prefill, chunked prefill, mixed batches) runs
 // eagerly through the prefill attention kernel. [TAG_ATTN_GRAPH_BUCKET] [TAG_MOE_GRAPH_CAPACITY]
 //
+// Expert parallelism (Qwen3MoeCudaOptions::ep_comm, docs/EXPERT_PARALLEL.md): DP attention + EP
+// MoE with DP = EP = N ranks, one runner per GPU. Each rank runs attention on its own sequences and
+// every MoE layer is a MoeLayerEpCuda over this rank's E / N experts (only those are loaded). Each
+// step starts with the EP step header (parallel/ep_step.h: an all-gather of every rank's token
+// count, the one host synchronization EP adds), from which every rank picks the same EP capacity:
+// the decode graphs' (max(graph_batches)) when every rank's tokens fit it, else max_tokens. A
+// rank with no tokens runs ep_empty_step() (every MoE layer's collectives with a live count of 0),
+// and one with no more work ep_idle_until_all_done(). Decode steps at the decode capacity replay
+// CUDA graphs with the NCCL calls captured in them ([TAG_EP_CAPACITY_SLOTS]); a decode step while
+// another rank prefills runs eagerly at the prefill capacity.
+//
 // MoE layers: per layer, one MoeLayerCuda per capacity bucket (powers of two up to
 // max(graph_batches), plus max_tokens) over the same device weights, each bucket's layers sharing
 // one workspace, made by tune::MoeLayerFactory (src/tune/moe_layer_set.h) with the autotuner's
@@ -51,14 +62,19 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "cpu/moe_layer.h"
 #include "formats/quant_matrix.h"
 #include "model/qwen3_moe_config.h"
 #include "model/step_batch.h"
 #include "model/weight_source.h"
 #include "moe/expert_layout.h"
 
+namespace moebius::parallel {
+class Communicator;
+}
 namespace moebius::moe {
 class MoeLayerCuda;
+class MoeLayerEpCuda;
 struct ExpertResidency;
 }
 namespace moebius::runtime {
@@ -106,6 +122,12 @@ struct Qwen3MoeCudaOptions {
   // model (offload/cost_model.h) prefers DMA staging to zero-copy, "zero-copy" never stages,
   // "staged" stages every eager bucket (tests, measurements). Decode graphs always read zero-copy.
   std::string cold_path = "auto";
+  // Expert parallelism: this runner is rank ep_comm->rank() of ep_comm->size() (an
+  // NcclCommunicator on this process's GPU; it must outlive the runner). Null: one GPU holding
+  // every expert. Every rank must be created with the same max_tokens and graph_batches (checked
+  // at creation); expert offload, autotuning of the EP layers and weight updates are not
+  // supported with it.
+  std::shared_ptr<parallel::Communicator> ep_comm;
 };
 
 // Device bytes by kind, for the plan printed before generation.
@@ -238,6 +260,16 @@ class Qwen3MoeCuda {
   // upper bound, since L2 may serve a repeat). Synchronizes the stream. `rows`: the step's tokens.
   uint64_t last_step_cold_bytes(int rows) const;
 
+  // Expert parallelism (see the header comment). ep_size() is 1 without it.
+  int ep_rank() const;
+  int ep_size() const;
+  // A step with no tokens on this rank: the step header, then every MoE layer's collectives with
+  // a live count of 0, serving the other ranks' tokens. Enqueued; synchronizes only in the header.
+  Status ep_empty_step();
+  // This rank has no more work: it posts "done" in every step header and runs the other ranks'
+  // steps as empty steps, returning once every rank has called it. Ok at once without EP.
+  Status ep_idle_until_all_done();
+
   // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
   int64_t graph_steps() const { return graph_steps_; }
   int64_t eager_steps() const { return eager_steps_; }
@@ -245,6 +277,7 @@ class Qwen3MoeCuda {
  private:
   struct Layer;
   struct Graph;
+  struct EpState;  // qwen3_moe_cuda_ep.h
   Qwen3MoeCuda();
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
   // [TAG_EXPERT_OFFLOAD] With a budget: plans the device memory (offload/memory_budget.h) for
@@ -269,7 +302,21 @@ class Qwen3MoeCuda {
   static void upload(const std::vector<float>& f32, float* dst);
   void upload_embeddings(const Qwen3MoeStagedWeights& w);
   void upload_dense(const Qwen3MoeStagedWeights::Layer& w, Layer& L);
-  void enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len);
+  Status enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len);
+  // Expert parallelism (qwen3_moe_cuda_ep.cpp). init_ep: after init(), the communicator, the
+  // header buffers and the cross-rank check of the capacities. add_ep_moe_layer(_dummy): model
+  // layer l's EP layers (decode and prefill capacity, sharing weights). ep_step_header: posts
+  // `mine` (tokens, or kEpRankDone) and sets the step's EP capacity; *all_done when every rank
+  // posted kEpRankDone. ep_moe: layer l's EP MoE at the step's capacity.
+  Status init_ep();
+  Status add_ep_moe_layer(int l, const cpu::MoeLayerReference& layer);
+  Status add_ep_moe_layer_dummy(int l, const cpu::MoeShape& shape, moe::KernelFormat format, int group_size,
+                                uint64_t seed);
+  Status ep_step_header(int32_t mine, bool* all_done);
+  Status ep_moe(int l, const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out);
+  Status ep_run_empty_layers();
+  Status attach_ep_layers(int l, std::unique_ptr<moe::MoeLayerEpCuda> decode);  // + prefill, bytes
+  uint64_t moe_expert_bytes(int l) const;  // one expert's packed bytes in model layer l
 
   Qwen3MoeConfig config_;
   Qwen3MoeCudaOptions opt_;
@@ -333,6 +380,8 @@ class Qwen3MoeCuda {
   cudaEvent_t stage_copied_[2] = {nullptr, nullptr}, stage_done_[2] = {nullptr, nullptr};
   cudaEvent_t stage_start_ = nullptr;
   std::vector<int> staged_layers_;
+
+  std::unique_ptr<EpState> ep_;  // expert parallelism; null without
 };
 
 }  // namespace moebius::model

@@ -107,65 +107,94 @@ Result<std::unique_ptr<MoeLayerEpCuda>> MoeLayerEpCuda::init(const cpu::MoeShape
                                                               parallel::NcclCommunicator& comm,
                                                               const MoeEpCudaOptions& opt) {
   std::unique_ptr<MoeLayerEpCuda> L(new MoeLayerEpCuda());
-  const int N = comm.size();
-  L->comm_ = &comm;
-  L->shape_ = s;
-  L->opt_ = opt;
-  L->N_ = N;
-  L->me_ = comm.rank();
-  L->local_ = std::move(local);
-  const int E = s.num_experts, k = s.top_k, C = opt.capacity;
+  const int E = s.num_experts;
   const int64_t H = s.hidden;
-  L->slots_ = C * k;
-  const int64_t S = L->slots_;
-  L->route_.num_experts = E;
-  L->route_.top_k = k;
-  L->route_.scoring =
-      r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax : kernels::RouteScoring::kSigmoid;
-  L->route_.renormalize = r.renormalize;
-  L->route_.n_groups = r.n_groups;
-  L->route_.topk_groups = r.topk_groups;
-  L->route_.routed_scaling_factor = r.routed_scaling_factor;
-
+  L->local_ = std::move(local);
+  L->weights_ = std::make_shared<std::vector<Buffer>>();
   auto take = [&](auto*& ptr, size_t count) -> Status {
     MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, count * sizeof(*ptr)));
     ptr = static_cast<std::remove_reference_t<decltype(ptr)>>(b.data());
-    L->buffers_.push_back(std::move(b));
+    L->weights_->push_back(std::move(b));
     return Ok{};
   };
-  const size_t n = static_cast<size_t>(N), region = static_cast<size_t>(S * H);
   MOEBIUS_TRY(take(L->router_weight_, static_cast<size_t>(E * H)));
   if (!r.correction_bias.empty()) MOEBIUS_TRY(take(L->correction_bias_, static_cast<size_t>(E)));
-  MOEBIUS_TRY(take(L->logits_, static_cast<size_t>(C) * E));
-  MOEBIUS_TRY(take(L->topk_ids_, static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->topk_weights_, static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->send_pos_, static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->send_counts_, n));
-  MOEBIUS_TRY(take(L->counts_, n * n));
-  MOEBIUS_TRY(take(L->send_x_, n * region));
-  MOEBIUS_TRY(take(L->recv_x_, n * region));
-  MOEBIUS_TRY(take(L->send_meta_, n * static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->recv_meta_, n * static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->x_local_, n * region));
-  MOEBIUS_TRY(take(L->local_ids_, n * static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->local_w_, n * static_cast<size_t>(S)));
-  MOEBIUS_TRY(take(L->num_local_, 1));
-  MOEBIUS_TRY(take(L->ret_send_, n * region));
-  MOEBIUS_TRY(take(L->ret_recv_, n * region));
-  MOEBIUS_TRY(take(L->y_pairs_, region));
-
   MOEBIUS_ASSERT(router_bits.size() == static_cast<size_t>(E * H));
   CUDA_CHECK(cudaMemcpy(L->router_weight_, router_bits.data(), router_bits.size() * 2, cudaMemcpyHostToDevice));
   if (L->correction_bias_ != nullptr)
     CUDA_CHECK(cudaMemcpy(L->correction_bias_, r.correction_bias.data(), sizeof(float) * E, cudaMemcpyHostToDevice));
+  MOEBIUS_TRY(allocate(*L, s, r, comm, opt));
+  return L;
+}
+
+Result<std::unique_ptr<MoeLayerEpCuda>> MoeLayerEpCuda::share_weights(const MoeEpCudaOptions& opt) const {
+  MOEBIUS_TRY(check_ep_shape(shape_, N_, opt));
+  std::unique_ptr<MoeLayerEpCuda> L(new MoeLayerEpCuda());
+  MOEBIUS_ASSIGN_OR_RETURN(L->local_,
+                           local_->share_weights(local_options(opt, N_, int64_t{opt.capacity} * shape_.top_k,
+                                                               shape_.num_experts / N_)));
+  L->weights_ = weights_;
+  L->router_weight_ = router_weight_;
+  L->correction_bias_ = correction_bias_;
+  MOEBIUS_TRY(allocate(*L, shape_, router_, *comm_, opt));
+  return L;
+}
+
+Status MoeLayerEpCuda::allocate(MoeLayerEpCuda& L, const cpu::MoeShape& s, const cpu::RouterConfig& r,
+                                parallel::NcclCommunicator& comm, const MoeEpCudaOptions& opt) {
+  const int N = comm.size();
+  L.comm_ = &comm;
+  L.shape_ = s;
+  L.opt_ = opt;
+  L.router_ = r;
+  L.N_ = N;
+  L.me_ = comm.rank();
+  const int E = s.num_experts, k = s.top_k, C = opt.capacity;
+  const int64_t H = s.hidden;
+  L.slots_ = C * k;
+  const int64_t S = L.slots_;
+  L.route_.num_experts = E;
+  L.route_.top_k = k;
+  L.route_.scoring =
+      r.scoring == cpu::RouterScoring::kSoftmax ? kernels::RouteScoring::kSoftmax : kernels::RouteScoring::kSigmoid;
+  L.route_.renormalize = r.renormalize;
+  L.route_.n_groups = r.n_groups;
+  L.route_.topk_groups = r.topk_groups;
+  L.route_.routed_scaling_factor = r.routed_scaling_factor;
+
+  auto take = [&](auto*& ptr, size_t count) -> Status {
+    MOEBIUS_ASSIGN_OR_RETURN(Buffer b, Buffer::allocate(MemoryKind::kDevice, count * sizeof(*ptr)));
+    ptr = static_cast<std::remove_reference_t<decltype(ptr)>>(b.data());
+    L.buffers_.push_back(std::move(b));
+    return Ok{};
+  };
+  const size_t n = static_cast<size_t>(N), region = static_cast<size_t>(S * H);
+  MOEBIUS_TRY(take(L.logits_, static_cast<size_t>(C) * E));
+  MOEBIUS_TRY(take(L.topk_ids_, static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.topk_weights_, static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.send_pos_, static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.send_counts_, n));
+  MOEBIUS_TRY(take(L.counts_, n * n));
+  MOEBIUS_TRY(take(L.send_x_, n * region));
+  MOEBIUS_TRY(take(L.recv_x_, n * region));
+  MOEBIUS_TRY(take(L.send_meta_, n * static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.recv_meta_, n * static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.x_local_, n * region));
+  MOEBIUS_TRY(take(L.local_ids_, n * static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.local_w_, n * static_cast<size_t>(S)));
+  MOEBIUS_TRY(take(L.num_local_, 1));
+  MOEBIUS_TRY(take(L.ret_send_, n * region));
+  MOEBIUS_TRY(take(L.ret_recv_, n * region));
+  MOEBIUS_TRY(take(L.y_pairs_, region));
+
   const std::vector<float> ones(n * static_cast<size_t>(S), 1.0f);
-  CUDA_CHECK(cudaMemcpy(L->local_w_, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(L.local_w_, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
   // Rows past the live counts are sent as they are; zero them once so no uninitialized memory
   // ever crosses the wire.
-  CUDA_CHECK(cudaMemset(L->send_x_, 0, n * region * 2));
-  CUDA_CHECK(cudaMemset(L->send_meta_, 0, n * static_cast<size_t>(S) * 4));
-  CUDA_CHECK(cudaMemset(L->ret_send_, 0, n * region * 4));
-  return L;
+  CUDA_CHECK(cudaMemset(L.send_x_, 0, n * region * 2));
+  CUDA_CHECK(cudaMemset(L.send_meta_, 0, n * static_cast<size_t>(S) * 4));
+  CUDA_CHECK(cudaMemset(L.ret_send_, 0, n * region * 4));
+  return Ok{};
 }
 
 MoeLayerEpCuda::~MoeLayerEpCuda() = default;
@@ -175,6 +204,16 @@ size_t MoeLayerEpCuda::dispatch_wire_bytes() const {
 }
 size_t MoeLayerEpCuda::return_wire_bytes() const {
   return static_cast<size_t>(N_) * static_cast<size_t>(slots_) * static_cast<size_t>(shape_.hidden) * 4;
+}
+size_t MoeLayerEpCuda::router_bytes() const {
+  size_t n = 0;
+  for (const Buffer& b : *weights_) n += b.size();
+  return n;
+}
+size_t MoeLayerEpCuda::workspace_bytes() const {
+  size_t n = local_->workspace_bytes();
+  for (const Buffer& b : buffers_) n += b.size();
+  return n;
 }
 
 Status MoeLayerEpCuda::all_to_all_fixed(const void* send, void* recv, size_t bytes_per_peer) {

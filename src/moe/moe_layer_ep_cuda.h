@@ -60,6 +60,11 @@ class MoeLayerEpCuda {
   static Result<std::unique_ptr<MoeLayerEpCuda>> create_dummy(const cpu::MoeShape& shape, KernelFormat format,
                                                               int group_size, parallel::NcclCommunicator& comm,
                                                               const MoeEpCudaOptions& opt, uint64_t seed);
+  // Another EP layer over the SAME device weights (router and local experts: the local layer's
+  // share_weights) with its own buffers for another capacity. The model runner keeps one at its
+  // decode-graph capacity and one at its prefill chunk: every rank of a step must use the same
+  // capacity, since it fixes the sizes on the wire [TAG_EP_CAPACITY_SLOTS].
+  Result<std::unique_ptr<MoeLayerEpCuda>> share_weights(const MoeEpCudaOptions& opt) const;
   ~MoeLayerEpCuda();
   MoeLayerEpCuda(const MoeLayerEpCuda&) = delete;
   MoeLayerEpCuda& operator=(const MoeLayerEpCuda&) = delete;
@@ -76,6 +81,10 @@ class MoeLayerEpCuda {
   // and return (fp32 rows).
   size_t dispatch_wire_bytes() const;
   size_t return_wire_bytes() const;
+  // Device bytes of the router (shared by share_weights layers) and of this layer's own buffers
+  // (regions, routing, the local layer's workspace); the local experts are local().weight_bytes().
+  size_t router_bytes() const;
+  size_t workspace_bytes() const;
   // Routing of the last forward [capacity, k] (device).
   const int32_t* topk_ids() const { return topk_ids_; }
   const float* topk_weights() const { return topk_weights_; }
@@ -86,6 +95,9 @@ class MoeLayerEpCuda {
                                                       const std::vector<uint16_t>& router_bits,
                                                       std::unique_ptr<MoeLayerCuda> local,
                                                       parallel::NcclCommunicator& comm, const MoeEpCudaOptions& opt);
+  // The per-capacity part of init: routing parameters, and every buffer but the router's.
+  static Status allocate(MoeLayerEpCuda& L, const cpu::MoeShape& shape, const cpu::RouterConfig& router,
+                         parallel::NcclCommunicator& comm, const MoeEpCudaOptions& opt);
   Status all_to_all_fixed(const void* send, void* recv, size_t bytes_per_peer);
 
   parallel::NcclCommunicator* comm_ = nullptr;
@@ -94,7 +106,9 @@ class MoeLayerEpCuda {
   kernels::RouteParams route_;
   int N_ = 1, me_ = 0, slots_ = 0;
   std::unique_ptr<MoeLayerCuda> local_;
-  std::vector<Buffer> buffers_;
+  cpu::RouterConfig router_;                // as created (share_weights makes the same routing)
+  std::shared_ptr<std::vector<Buffer>> weights_;  // the router's, shared by share_weights layers
+  std::vector<Buffer> buffers_;             // this layer's own
   __nv_bfloat16* router_weight_ = nullptr;  // [E, H]
   float* correction_bias_ = nullptr;        // [E] or null
   float* logits_ = nullptr;                 // [capacity, E]

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "model/qwen3_moe_config.h"
 #include "model/weight_source.h"
+#include "parallel/communicator.h"
 
 namespace moebius::server {
 
@@ -85,8 +86,12 @@ struct RunnerOptions {
   std::string placement_file;
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
   // communicator; the runner's model is rank 0 (it runs every sequence), the other ranks hold
-  // their E / N experts and serve them each step. cuda: not yet (an error).
+  // their E / N experts and serve them each step. cuda: one process per GPU, this one rank
+  // ep_comm->rank() of ep_comm (NCCL, src/cli/ep_workers.h); rank 0 runs the runner (every
+  // sequence: the scheduler lives there), the others run_ep_follower. The runner's destructor
+  // releases the followers.
   int ep = 1;
+  std::shared_ptr<parallel::Communicator> ep_comm;
 };
 
 // Loads the model for `options.backend`. Errors name the offending flag.
@@ -97,5 +102,9 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& options
 #ifdef MOEBIUS_HAS_CUDA
 Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& options);
 #endif
+// cuda --ep, ranks other than 0: loads this rank's part of the model with exactly the runner's
+// options (so the EP capacities match rank 0's) and serves rank 0's steps, every MoE layer's
+// collectives with no tokens of its own, until rank 0's runner is destroyed. Errors name the flag.
+Status run_ep_follower(const RunnerOptions& options);
 
 }  // namespace moebius::server

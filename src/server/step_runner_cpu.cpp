@@ -164,9 +164,9 @@ Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
   if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
   if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
   if (o.ep < 1 || o.ep > 1024) return Error::format("must be in [1, 1024], got {}", o.ep).in_field("--ep");
-  if (o.ep > 1 && o.backend == "cuda")
-    return Error("expert parallelism on the CUDA backend is not in the model runner yet (the EP MoE layer is: "
-                 "moebius bench ep); use --backend cpu")
+  if (o.ep > 1 && o.backend == "cuda" && (!o.ep_comm || o.ep_comm->size() != o.ep))
+    return Error("expert parallelism on the CUDA backend runs one worker process per GPU; `moebius serve` starts "
+                 "them (or mpirun does)")
         .in_field("--ep");
   if (o.backend == "cpu") {
     if (o.source.dummy()) return Error("dummy weights need --backend cuda").in_field("--load-format");

@@ -18,13 +18,22 @@ class CudaRunner final : public StepRunner {
  public:
   CudaRunner(std::unique_ptr<model::Qwen3MoeCuda> model, RunnerLimits limits)
       : model_(std::move(model)), limits_(limits) {}
+  // Expert parallelism: rank 0 posts "done" so the follower ranks return (a no-op without EP).
+  ~CudaRunner() override { (void)model_->ep_idle_until_all_done(); }
 
   const model::Qwen3MoeConfig& config() const override { return model_->config(); }
   const RunnerLimits& limits() const override { return limits_; }
   std::string describe() const override {
-    return fmt::format("cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens\n{}",
+    return fmt::format("cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}\n{}",
                        config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks,
-                       limits_.block_size, model::format_memory_plan(model_->memory_plan()));
+                       limits_.block_size,
+                       model_->ep_size() > 1
+                           ? fmt::format(", expert parallel over {} GPUs (this rank: every sequence, {} of {} "
+                                         "experts per layer)",
+                                         model_->ep_size(), config().num_experts / model_->ep_size(),
+                                         config().num_experts)
+                           : std::string(),
+                       model::format_memory_plan(model_->memory_plan()));
   }
 
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
@@ -67,7 +76,10 @@ class CudaRunner final : public StepRunner {
 
 }  // namespace
 
-Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
+namespace {
+
+// The runner's options from the server's; the same on every EP rank (the capacities must match).
+Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(o.source));
   model::Qwen3MoeCudaOptions co;
@@ -87,6 +99,22 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   co.placement_file = o.placement_file;
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
+  if (o.ep > 1) co.ep_comm = o.ep_comm;
+  return co;
+}
+
+}  // namespace
+
+Status run_ep_follower(const RunnerOptions& o) {
+  if (!o.ep_comm || o.ep_comm->size() != o.ep || o.ep_comm->rank() == 0 || o.backend != "cuda")
+    return Error("a follower rank needs --backend cuda and its worker communicator").in_field("--ep");
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
+  return m->ep_idle_until_all_done();
+}
+
+Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
+  MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
   RunnerLimits l;
   l.block_size = m->block_size();
@@ -95,6 +123,18 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   l.max_step_tokens = m->max_tokens();
   l.max_seqs = m->max_seqs();
   return std::unique_ptr<StepRunner>(new CudaRunner(std::move(m), l));
+}
+
+}  // namespace moebius::server
+
+#else  // !MOEBIUS_HAS_CUDA
+
+#include "server/step_runner.h"
+
+namespace moebius::server {
+
+Status run_ep_follower(const RunnerOptions&) {
+  return Error("this build of moebius has no CUDA support").in_field("--backend");
 }
 
 }  // namespace moebius::server
