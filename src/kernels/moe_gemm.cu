@@ -48,27 +48,6 @@ using namespace moe_detail;
 // they do not push activations (re-read by every row tile) out of L2.
 __device__ __forceinline__ uint4 load_weights(const uint4* p) { return __ldcs(p); }
 
-// [TAG_DECODE_L2_PREFETCH] Share `share` of `shares` of a byte range, pulled into L2 one 128-byte
-// line per thread and step (prefetch.global.L2: no data returns to the SM, so a block spends a few
-// issue slots on it). At T = 1 the decode GEMM1 reads HBM at ~40% of its rate (docs/PERF.md): the
-// idle part carries GEMM2's weights into L2 ahead of GEMM2, whose first round trip to HBM and
-// stream then become L2 hits. Line starts stay inside [base, base + bytes).
-__device__ __forceinline__ void prefetch_l2_share(const void* base, int64_t bytes, int share, int shares) {
-  const int64_t lines = (bytes + 127) / 128;
-  const int64_t l0 = lines * share / shares, l1 = lines * (share + 1) / shares;
-  const char* p = static_cast<const char*>(base);
-  for (int64_t l = l0 + threadIdx.x; l < l1; l += kThreads) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + l * 128));
-}
-
-// GEMM1 blocks: this block's share (blockIdx.x of gridDim.x: the row blocks of one token tile) of
-// the next GEMM's matrices of `expert`, when the layer asked for it.
-__device__ __forceinline__ void prefetch_next_gemm(const MoeTiles& tiles, int expert) {
-  if (tiles.prefetch_experts == nullptr) return;
-  const ExpertMatrixPtrs next = tiles.prefetch_experts[expert];
-  prefetch_l2_share(next.weight, tiles.prefetch_weight_bytes, blockIdx.x, gridDim.x);
-  if (next.scales != nullptr) prefetch_l2_share(next.scales, tiles.prefetch_scale_bytes, blockIdx.x, gridDim.x);
-}
-
 // The B fragment (two bf16 pairs) of one token row at k0: columns k0+2t, +1 and k0+2t+8, +9.
 // Columns >= K read as 0, so padded weight columns meet zeros.
 template <bool kOddK>
@@ -183,7 +162,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
     wbase = static_cast<const uint4*>(ptrs.weight) + static_cast<int64_t>(row_tile) * d.chunks * 32 + lane;
     // The first weights go out before the activations are staged, so the two latencies overlap.
     load_batch(c_begin);
-    if constexpr (EPI == Epilogue::kGateUp) prefetch_next_gemm(args.tiles, expert);
     if constexpr (kIsIntF) {
       // The tile's group scales, [groups][16] fp16 contiguous, into shared memory: loading them at
       // each group boundary put a dependent global load inside the k-loop (int4 GEMM1 at T = 1
@@ -410,7 +388,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
     if (expert < 0) return false;  // [TAG_MOE_GRAPH_CAPACITY]
     ptrs = args.experts[expert];
     load_tile(wa, sa, rt_begin);
-    if constexpr (EPI == Epilogue::kGateUp) prefetch_next_gemm(args.tiles, expert);
     if constexpr (kIsIntF) {
       const int bytes = (rt_end - rt_begin) * d.groups * 32;
       const char* src = static_cast<const char*>(ptrs.scales) + static_cast<int64_t>(rt_begin) * d.groups * 32;

@@ -64,14 +64,6 @@ struct MoeTiles {
   // (moe_gemm_wgmma.cu; the kernel leaves them zeroed again), or null for the static schedule.
   // One pair per launch in flight: launches that may overlap need their own pairs.
   int32_t* work_counter = nullptr;
-  // Decode GEMM1 only ([TAG_DECODE_L2_PREFETCH]): the NEXT GEMM's expert table (GEMM2's) and its
-  // per-expert weight and scale byte counts. Each GEMM1 block pulls its share of its expert's
-  // GEMM2 bytes into L2 as it starts, so GEMM2 streams from L2 while GEMM1 uses the HBM time it
-  // leaves idle. Null: off. Only for device-resident experts and when the routed experts' GEMM2
-  // bytes fit well inside L2 (the layer decides; moe_layer_cuda.cpp).
-  const ExpertMatrixPtrs* prefetch_experts = nullptr;
-  int64_t prefetch_weight_bytes = 0;
-  int64_t prefetch_scale_bytes = 0;
 };
 
 enum class MoeActivation : uint8_t { kSiLU, kSiLUClamped, kGptOss };

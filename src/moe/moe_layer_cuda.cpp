@@ -3,11 +3,9 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 #include "core/dtype.h"
@@ -640,30 +638,6 @@ void enqueue_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bflo
                                       stream);
 }
 
-namespace {
-
-// [TAG_DECODE_L2_PREFETCH] Routed experts' GEMM2 bytes the decode GEMM1 may pull into L2 ahead
-// of GEMM2: about half of the H100/H200's 50 MB L2, since GEMM1 streams its own weights through
-// it (evict-first) at the same time. Qwen3-30B-A3B nvfp4 (0.94 MB per expert): capacity 1 and 2.
-constexpr int64_t kL2PrefetchBudgetBytes = int64_t{24} << 20;
-
-// Whether this forward's decode GEMM1 prefetches GEMM2's weights: decode path, every expert in
-// device memory (a cold expert's table entry is a host address, read over PCIe by design), the
-// bytes of the experts a capacity-sized batch can route to within the budget.
-// MOEBIUS_DECODE_L2_PREFETCH=0 turns it off (an A/B knob for `bench moe`).
-bool prefetch_down_into_l2(bool decode_path, bool all_resident, int capacity, int top_k, int num_experts,
-                           size_t down_bytes_per_expert) {
-  static const bool disabled = [] {
-    const char* v = std::getenv("MOEBIUS_DECODE_L2_PREFETCH");
-    return v != nullptr && std::string_view(v) == "0";
-  }();
-  if (disabled || !decode_path || !all_resident) return false;
-  const int64_t experts = std::min<int64_t>(static_cast<int64_t>(capacity) * top_k, num_experts);
-  return experts * static_cast<int64_t>(down_bytes_per_expert) <= kL2PrefetchBudgetBytes;
-}
-
-}  // namespace
-
 void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens,
                                  const int32_t* topk_ids, const float* topk_weights, __nv_bfloat16* out,
                                  cudaStream_t stream) {
@@ -713,12 +687,6 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       return;
     case MoeStage::kGateUp:
       tiles.work_counter = work_counters_;
-      if (prefetch_down_into_l2(path_ == MoeGemmPath::kDecode, slots_ == E && !use_staging_, cap, k, E,
-                                w2_bytes_ + s2_bytes_)) {
-        tiles.prefetch_experts = table2_;
-        tiles.prefetch_weight_bytes = static_cast<int64_t>(w2_bytes_);
-        tiles.prefetch_scale_bytes = static_cast<int64_t>(s2_bytes_);
-      }
       gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
       return;
     case MoeStage::kDown:
