@@ -157,7 +157,16 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
   }
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// The activation's division: v * rcp.approx(d) (2 SASS instructions) instead of the IEEE
+// division (an FCHK-guarded Newton sequence of ~8 plus a slow-path branch). The GEMM1 epilogue runs
+// it for every stored h element, and in the wgmma GEMM1 the epilogue is a large share of the
+// consumer warps' issue slots while the tensor pipe waits (SASS of run L3). The result is stored
+// as bf16 (8 mantissa bits), so the approximate reciprocal's ~2 ulp of fp32 rarely changes a
+// stored bit; d >= 1 here, and d = inf (v < -88) gives -0 as the IEEE division does. For
+// 2^126 < d < inf it gives 0 where the quotient is below 2^-119 in magnitude.
+__device__ __forceinline__ float activation_div(float v, float d) { return __fdividef(v, d); }
+
+__device__ __forceinline__ float silu(float v) { return activation_div(v, 1.0f + __expf(-v)); }
 
 // The fused GEMM1 activation of gate g and up u (same formulas as cpu/moe_layer), for a kind
 // known at compile time: a kernel whose epilogue stores many columns dispatches on act.kind once
@@ -170,7 +179,7 @@ __device__ __forceinline__ float activation_of(const MoeActivationParams& act, f
     return silu(fminf(g, act.limit)) * fminf(fmaxf(u, -act.limit), act.limit);
   } else {
     const float gc = fminf(g, act.limit), uc = fminf(fmaxf(u, -act.limit), act.limit);
-    return (uc + 1.0f) * gc / (1.0f + __expf(-act.alpha * gc));
+    return activation_div((uc + 1.0f) * gc, 1.0f + __expf(-act.alpha * gc));
   }
 }
 
