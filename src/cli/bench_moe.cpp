@@ -32,6 +32,7 @@ struct BenchMoeOptions {
   std::string combine = "fp32";
   std::string gemm_path = "auto";
   int block_m = 0;
+  std::string routing = "auto";
   uint64_t seed = 1;
 };
 
@@ -66,12 +67,16 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     c.atomic_combine = o.combine == "atomic";
     c.gemm_path = o.gemm_path;
     c.block_m = o.block_m;
+    if (o.routing != "auto" && o.routing != "separate")
+      return Error::format("unknown routing '{}'; expected auto or separate", o.routing).in_field("--routing");
+    c.separate_routing = o.routing == "separate";
     c.seed = o.seed;
     return run_bench_moe_cuda(c);
   }
   if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
   if (o.gemm_path != "auto") return Error("the CPU backend has one expert path").in_field("--gemm-path");
   if (o.block_m != 0) return Error("the CPU backend has no GEMM tiles").in_field("--block-m");
+  if (o.routing != "auto") return Error("the CPU backend has one routing path").in_field("--routing");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
   if (o.iters < 0) return Error("must be at least 1 (or 0 for the default)").in_field("--iters");
   const int iters = o.iters > 0 ? o.iters : 3;
@@ -151,6 +156,10 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--block-m", opts->block_m,
                   "tokens per GEMM tile (cuda only): 0 = the layer's choice; decode 8/16/32/64, prefill and "
                   "wgmma 64, or 128 for bf16/nvfp4")
+      ->capture_default_str();
+  cmd->add_option("--routing", opts->routing,
+                  "cuda only: auto (one fused routing kernel up to the layer's fused capacity) or separate "
+                  "(router, top-k and align kernels)")
       ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);

@@ -83,6 +83,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     opt.combine = o.atomic_combine ? kernels::MoeCombineMode::kAtomic : kernels::MoeCombineMode::kStore;
     opt.gemm_path = gemm_path;
     opt.block_m = o.block_m;
+    opt.fuse_routing = !o.separate_routing;
     // Size the weight-set rotation from the expected touched bytes.
     const double expect_touched = g.num_experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.num_experts,
                                                                   static_cast<double>(T)));

@@ -18,6 +18,7 @@ struct BenchMoeCudaOptions {
   bool atomic_combine = false;
   std::string gemm_path = "auto";  // auto, decode, prefill or wgmma (moe::MoeGemmPath)
   int block_m = 0;                 // tokens per GEMM tile; 0 = the layer's choice
+  bool separate_routing = false;   // the three routing kernels even where the fused one applies
   uint64_t seed = 1;
   // Physical floors measured on the H200 here (docs/PERF.md).
   double hbm_bytes_per_s = 4.57e12;

@@ -681,28 +681,38 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
 
 constexpr int kSmallWarps = 16;
 constexpr int kSmallThreads = kSmallWarps * 32;
-constexpr int kSmallClusterBlocks = 8;  // the portable cluster size
+constexpr int kSmallClusterBlocks = 8;       // the portable cluster size: capacities up to 4
+constexpr int kSmallWideClusterBlocks = 16;  // non-portable (sm_90 allows 16): capacities 5-16
+// From this many live tokens on, each token's scores and top-k run in a block of its own (token t
+// in block t): one block ranking T x E entries alone took 15k cycles at T = 8 (dev_probe_route_decode,
+// phase 2b), a block per token one round; the price is a second cluster barrier (~1k cycles) for the
+// ids to reach block 0's align. One or two tokens stay in block 0 (no second barrier).
+constexpr int kSmallTokensPerBlockMin = 3;
+static_assert(kRouteSmallMaxTokens <= kSmallWideClusterBlocks, "a block per token");
 static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
 static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the scores");
 
-// One thread-block cluster of 8 blocks.
-// Phase 1, every block: warp w of block r computes the logits of experts e = r*16 + w (+ 128 ...)
-// for all T tokens (router_dot, so the same bits as moe_router_logits_kernel), stores them to
-// `logits` (an output) and into block 0's shared memory through the cluster's distributed shared
-// memory. The router rows are prefetched into L2 before pdl_wait (they are weights). A cluster
-// barrier (release/acquire) then hands block 0 every logit; the others exit.
-// Block 0 does phase 2, the top-k of every token: warp t scores token t (softmax or biased
+// One thread-block cluster of CB blocks (8, or 16 for capacities above 4).
+// Phase 1, every block: the (expert, token chunk of TOK) items are spread over the cluster's warps;
+// each computes its logits (router_dot, so the same bits as moe_router_logits_kernel) and stores
+// them into the shared memory of the block that owns the token, through the cluster's distributed
+// shared memory. The router rows are prefetched into L2 before pdl_wait (they are weights). A
+// cluster barrier (release/acquire) then hands every owner its tokens' logits.
+// Owners: block 0 owns every token when T < kSmallTokensPerBlockMin, else block t owns token t.
+// Phase 2, in each owner for its tokens: write the global logits, then the top-k: warp j scores its
+// j-th token (softmax or biased
 // sigmoid, group limits; the code of moe_route_topk_kernel), then every thread ranks one
 // (token, expert) entry by counting the entries that beat it (higher key, then lower index: the
 // order of the warp argmax rounds, so the same winners in the same slots) and the winners write
-// their slot. Phase 3 is the align of the T*k <= 256 pairs (shared-memory histogram, scan, and a
-// stable rank by counting equal ids at lower p).
+// their slot; the ids also go to block 0's shared memory (DSMEM), and with a block per token a
+// second cluster barrier hands them over. Block 0 alone does phase 3, the align of the T*k <= 256
+// pairs (shared-memory histogram, scan, and a stable rank by counting equal ids at lower p).
 // Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it
 // dependent latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for Qwen3-30B-A3B)
 // needs many SMs to stream, the tail needs them to meet. The k serial argmax rounds of one warp
 // (5 dependent shuffles each) and the fp64 renormalisation were ~3 us of the tail at T = 1
 // (dev/cuda/probe_route_decode.cu); the block-wide rank takes one pass over E shared-memory keys.
-template <int VPT, int TOK, bool kVec>
+template <int VPT, int TOK, bool kVec, int CB>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
                            const __nv_bfloat16* __restrict__ wr, int hidden,     // [E, H]
@@ -717,7 +727,7 @@ __global__ void __launch_bounds__(kSmallThreads)
                            int32_t* __restrict__ padded_pair_ids,                             // [max_padded]
                            int32_t* __restrict__ tile_expert,                                 // [max_tiles]
                            int32_t* __restrict__ num_tiles) {                                 // [1]
-  __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]: filled in block 0
+  __shared__ float s_logits[kRouteSmallMaxTokens][VPT * 32];        // [T, E]: the owned tokens' rows
   __shared__ float s_choice[kRouteSmallMaxTokens][VPT * 32];        // group-limited scratch
   __shared__ unsigned char s_group_kept[kRouteSmallMaxTokens][VPT * 32];
   // Phase 2: each entry's rank key (NaN: not eligible, never beats anything) and raw weight; the
@@ -733,50 +743,64 @@ __global__ void __launch_bounds__(kSmallThreads)
 
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
-  const unsigned rank = cluster.block_rank();
-  float* leader_logits = cluster.map_shared_rank(&s_logits[0][0], 0);
+  const int rank = static_cast<int>(cluster.block_rank());
+  int* leader_ids = cluster.map_shared_rank(&s_ids[0], 0);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int E = params.num_experts, k = params.top_k;
-  constexpr int kExpertStride = kSmallClusterBlocks * kSmallWarps;
-  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kExpertStride)
+  constexpr int kWarpStride = CB * kSmallWarps;
+  for (int e = rank * kSmallWarps + warp; e < E; e += kWarpStride)
     prefetch_router_row(wr + static_cast<int64_t>(e) * hidden, hidden, lane);
   MOEBIUS_ROUTE_PHASE_STAMP(0);
   pdl_wait();  // x comes from the previous kernel
   pdl_launch_dependents();
   MOEBIUS_ROUTE_PHASE_STAMP(1);
   const int T = live_tokens(num_tokens, capacity);  // [TAG_MOE_GRAPH_CAPACITY]
+  // Uniform over the cluster: every block reads the same T.
+  const bool per_token_blocks = T >= kSmallTokensPerBlockMin;
+  auto owner_of = [&](int t) { return per_token_blocks ? t : 0; };
+  // This block's tokens: [my_t0, my_t0 + my_nt).
+  const int my_t0 = per_token_blocks ? rank : 0;
+  const int my_nt = per_token_blocks ? (rank < T ? 1 : 0) : (rank == 0 ? T : 0);
 
-  for (int e = static_cast<int>(rank) * kSmallWarps + warp; e < E; e += kExpertStride) {
-    for (int t0 = 0; t0 < T; t0 += TOK) {
-      const int nt = min(TOK, T - t0);
-      float acc[TOK];
-      router_dot<TOK, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+  // Phase 1: item = (expert e, token chunk c of TOK tokens), spread over every warp of the cluster.
+  const int chunks = (T + TOK - 1) / TOK;
+  for (int item = rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
+    const int e = item / chunks, t0 = (item - e * chunks) * TOK;
+    const int nt = min(TOK, T - t0);
+    float acc[TOK];
+    router_dot<TOK, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
 #pragma unroll
-      for (int j = 0; j < TOK; ++j)
-        if (lane == 0 && j < nt) leader_logits[(t0 + j) * (VPT * 32) + e] = acc[j];
+    for (int j = 0; j < TOK; ++j) {
+      if (lane == 0 && j < nt) {
+        float* dst = cluster.map_shared_rank(&s_logits[t0 + j][0], owner_of(t0 + j));
+        dst[e] = acc[j];
+      }
     }
   }
   MOEBIUS_ROUTE_PHASE_STAMP(2);
-  // arrive.release / wait.acquire: block 0 sees every block's DSMEM stores. Only shared-memory
-  // stores precede it (block 0 writes the global logits below), so the release does not wait
+  // arrive.release / wait.acquire: each owner sees every block's DSMEM stores. Only shared-memory
+  // stores precede it (the owners write the global logits below), so the release does not wait
   // for global stores to drain.
   cluster.sync();
   MOEBIUS_ROUTE_PHASE_STAMP(3);
-  if (rank != 0) return;  // uniform over the block; nobody reads the other blocks' shared memory
-  for (int i = tid; i < T * E; i += kSmallThreads) logits[i] = s_logits[i / E][i % E];
+  for (int i = tid; i < my_nt * E; i += kSmallThreads) {
+    const int t = my_t0 + i / E, e = i % E;
+    logits[t * E + e] = s_logits[t][e];
+  }
 
-  // Phase 2a: warp t scores token t.
-  if (warp < T) {
+  // Phase 2a: warp j scores token my_t0 + j.
+  if (warp < my_nt) {
+    const int t = my_t0 + warp;
     float key[VPT], weight[VPT];
-    const uint32_t eligible = token_scores<VPT>(&s_logits[warp][0], correction_bias, params, s_choice[warp],
-                                                s_group_kept[warp], lane, key, weight);
+    const uint32_t eligible = token_scores<VPT>(&s_logits[t][0], correction_bias, params, s_choice[t],
+                                                s_group_kept[t], lane, key, weight);
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int e = i * 32 + lane;
       // A NaN score ranks as -inf (it can still fill a slot, so ids stay valid experts).
-      s_key[warp][e] = ((eligible >> i) & 1u) ? (key[i] != key[i] ? -INFINITY : key[i]) : __int_as_float(0x7fc00000);
-      s_weight[warp][e] = weight[i];
+      s_key[t][e] = ((eligible >> i) & 1u) ? (key[i] != key[i] ? -INFINITY : key[i]) : __int_as_float(0x7fc00000);
+      s_weight[t][e] = weight[i];
     }
   }
   __syncthreads();
@@ -789,12 +813,12 @@ __global__ void __launch_bounds__(kSmallThreads)
   // parts see every lane.
   {
     constexpr int kParts = 4;
-    const int items = T * E * kParts;
+    const int items = my_nt * E * kParts;
     for (int base = 0; base < items; base += kSmallThreads) {
       const int item = base + tid;
       const bool live = item < items;
       const int entry = live ? item / kParts : 0, part = item % kParts;
-      const int t = entry / E, e = entry - t * E;
+      const int t = my_t0 + entry / E, e = entry - (entry / E) * E;
       const float v = s_key[t][e];
       const bool ok = live && v == v;  // NaN: not eligible
       int c[4] = {0, 0, 0, 0};
@@ -825,8 +849,10 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
   __syncthreads();
   MOEBIUS_ROUTE_PHASE_STAMP(5);
-  // Phase 2c: renormalise in slot order (fp64, as the oracle) and publish.
-  for (int item = tid; item < T * k; item += kSmallThreads) {
+  // Phase 2c: renormalise in slot order (fp64, as the oracle) and publish; the ids also go to
+  // block 0 for the align.
+  for (int it = tid; it < my_nt * k; it += kSmallThreads) {
+    const int item = my_t0 * k + it;
     const int t = item / k, j = item - t * k;
     double sum = 0.0;
     if (params.renormalize)
@@ -834,8 +860,14 @@ __global__ void __launch_bounds__(kSmallThreads)
     const int id = s_win_id[t][j];
     topk_ids[item] = id;
     topk_weights[item] = finish_weight(s_win_w[t][j], sum, params);
-    s_ids[item] = id;
+    (per_token_blocks ? leader_ids : s_ids)[item] = id;
   }
+  if (per_token_blocks) {
+    cluster.sync();  // every owner's ids are in block 0's s_ids (DSMEM stores, release/acquire)
+  }
+  // Uniform over the block; after the last cluster barrier nobody touches another block's
+  // shared memory.
+  if (rank != 0) return;
   // Phase 3: align the n = T*k pairs (same outputs as moe_align_count + moe_align_scatter).
   const int n = T * k;
   if (n <= 32) {
@@ -994,22 +1026,33 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   const int max_tiles = static_cast<int>(moe_align_max_tiles(capacity, params.top_k, E, block_m));
   const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
-  const dim3 grid(kSmallClusterBlocks);
-  // Tokens per router_dot pass: the capacity rounded up to a power of two, at most 8, so a decode
-  // step with one token does not compute 8 (the result bits are the same either way).
-  const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : capacity <= 4 ? 4 : 8;
-#define MOEBIUS_ROUTE_SMALL_TOK(VPT_, TOK_)                                                                     \
-  launch_pdl_cluster(vec ? moe_route_small_kernel<VPT_, TOK_, true> : moe_route_small_kernel<VPT_, TOK_, false>, \
-                     grid, dim3(kSmallThreads), 0, kSmallClusterBlocks, stream, x, x_stride, router_weight, hidden, \
-                     correction_bias, num_tokens, capacity, params, block_m, max_tiles, logits, topk_ids,           \
-                     topk_weights, expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert,   \
-                     num_tiles)
-#define MOEBIUS_ROUTE_SMALL(VPT_)                 \
-  {                                               \
-    if (tok == 1) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 1); \
-    else if (tok == 2) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 2); \
-    else if (tok == 4) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 4); \
-    else MOEBIUS_ROUTE_SMALL_TOK(VPT_, 8);        \
+  // Tokens per router_dot pass: the capacity rounded up to a power of two, at most 4, so a decode
+  // step with one token does not compute 4 (the result bits are the same either way). Capacities
+  // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items.
+  const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : 4;
+  const bool wide = capacity > 4;
+  auto go = [&](auto kernel, int cluster_blocks) {
+    if (cluster_blocks > 8)  // a cluster above the portable 8 needs the opt-in
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    launch_pdl_cluster(kernel, dim3(cluster_blocks), dim3(kSmallThreads), 0, cluster_blocks, stream, x, x_stride,
+                       router_weight, hidden, correction_bias, num_tokens, capacity, params, block_m, max_tiles,
+                       logits, topk_ids, topk_weights, expert_offsets, sorted_pair_ids, padded_offsets,
+                       padded_pair_ids, tile_expert, num_tiles);
+  };
+#define MOEBIUS_ROUTE_SMALL_TOK(VPT_, TOK_)                                                                    \
+  {                                                                                                            \
+    if (wide) go(vec ? moe_route_small_kernel<VPT_, TOK_, true, kSmallWideClusterBlocks>                       \
+                     : moe_route_small_kernel<VPT_, TOK_, false, kSmallWideClusterBlocks>,                     \
+                 kSmallWideClusterBlocks);                                                                     \
+    else go(vec ? moe_route_small_kernel<VPT_, TOK_, true, kSmallClusterBlocks>                                \
+                : moe_route_small_kernel<VPT_, TOK_, false, kSmallClusterBlocks>,                              \
+            kSmallClusterBlocks);                                                                              \
+  }
+#define MOEBIUS_ROUTE_SMALL(VPT_)                        \
+  {                                                      \
+    if (tok == 1) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 1)       \
+    else if (tok == 2) MOEBIUS_ROUTE_SMALL_TOK(VPT_, 2)  \
+    else MOEBIUS_ROUTE_SMALL_TOK(VPT_, 4)                \
   }
   if (E <= 32) MOEBIUS_ROUTE_SMALL(1)
   else if (E <= 64) MOEBIUS_ROUTE_SMALL(2)

@@ -50,12 +50,13 @@ const char* moe_gemm_path_name(MoeGemmPath p);
 // vs prefill 393. The autotuner issue replaces this with crossovers per format and geometry.
 inline constexpr int kPrefillMinTokensPerExpert = 16;
 
-// The fused routing runs only up to this capacity: its router GEMV computes every token on the 8
-// blocks of one cluster, and from 8 tokens the three separate kernels (the GEMV over E/8 blocks)
-// are faster. Measured on the H200 (docs/PERF.md run I3, Qwen3-30B-A3B nvfp4, the autotuner's
-// table): fused wins at 1-4 tokens, separate at 8 (99.8 vs 106.7 us per layer) and 16 (147.6 vs
-// 175.1 us).
-inline constexpr int kFusedRoutingMaxTokens = 4;
+// The fused routing runs up to this capacity (kernels::kRouteSmallMaxTokens). Up to 4 tokens it is
+// one cluster of 8 blocks, measured faster than the three separate kernels (docs/PERF.md run I3).
+// Capacities 5-16 take a 16-block cluster that spreads the router GEMV over 256 warps and gives
+// each token's top-k a block of its own (run I3's fused kernel lost at 8 and 16 tokens with the
+// GEMV on 8 blocks and every token's top-k in block 0: dev_probe_route_decode's phase stamps, run
+// M2). `bench moe --routing separate` and the autotuner's fused-routing candidate compare them.
+inline constexpr int kFusedRoutingMaxTokens = 16;
 
 // The router logits run on the tensor-core router GEMM (kernels/moe_router_gemm.cuh) when the
 // capacity is at least this and the shapes allow it (moe_router_gemm_supported), else on the
