@@ -199,11 +199,12 @@ fi
 
 # Per-kernel device time of whole-model decode steps (MOEBIUS_NCU_MODEL=1): which kernels the
 # 4.2 ms per token of Qwen3-30B-A3B decode goes to (docs/PERF.md). Short context so the prefill
-# part stays small; ncu serializes kernels, so this is kernel time without launch gaps.
+# part stays small, and no tuning (its ~15k trial kernels took the whole step in run M2); ncu
+# serializes kernels, so this is kernel time without launch gaps.
 if [ "${MOEBIUS_NCU_MODEL:-0}" = 1 ] && command -v ncu >/dev/null; then
   step ncu-model ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
-    --context 256 --prefill 256 --decode-steps 4
+    --context 256 --prefill 256 --decode-steps 4 --no-autotune
 fi
 
 # The paged attention kernels, Qwen3-30B-A3B attention (nh 32, nkv 4, hd 128): decode GB/s of KV
