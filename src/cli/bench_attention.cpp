@@ -1,9 +1,11 @@
 // `moebius bench attention`: the CUDA attention kernels (src/kernels/attention.cuh) on a paged
 // bf16 KV cache with random contents, timed by CUDA-graph replay between CUDA events.
 //
-//   decode   batch sequences, one query token each, every sequence at `context` tokens. Counted
-//            bytes: the K and V rows read, batch * context * nkv * hd * 2 (K, V) * 2 bytes
-//            (q, out and the split workspace are < 1% at these sizes and not counted). Several
+//   decode   batch sequences, one query token each, every sequence at `context` tokens: the one
+//            decode kernel (split blocks, the last per (sequence, kv head) merges), with the
+//            splits and keys per split it chooses for that context. Counted bytes: the K and V rows
+//            read, batch * context * nkv * hd * 2 (K, V) * 2 bytes (q, out and the split partials
+//            are < 1% at these sizes and not counted). Several
 //            cache copies ("sets", like layers) are captured back to back so that the bytes touched
 //            per replay exceed 200 MB and the 50 MB L2 cannot serve a replay from the previous one.
 //            Reported: us per launch, GB/s, and the fraction of 4.57 TB/s (the H200's measured HBM
@@ -137,6 +139,9 @@ Status run(const BenchAttentionOptions& o) {
           dims, static_cast<int>(batch), static_cast<int>(ctx), prop.multiProcessorCount);
       const size_t ws_bytes = decode ? kernels::attention_decode_workspace_bytes(dims, plan) : 0;
       auto* ws = device_alloc<uint8_t>(ws_bytes);
+      if (ws_bytes > 0) kernels::init_attention_decode_workspace(ws, dims, plan, stream);
+      // Every sequence is at `ctx`: this is the split the kernel picks on the device for each.
+      const kernels::AttentionDecodeSplit split = kernels::attention_decode_split(static_cast<int>(ctx), plan.max_splits);
       CUDA_CHECK(cudaStreamSynchronize(stream));
 
       const double us = time_graph_us(stream, o.iters, sets, [&] {
@@ -154,7 +159,7 @@ Status run(const BenchAttentionOptions& o) {
       if (decode) {
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
         std::printf("%8lld %6lld %5d %7d %5d %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
-                    static_cast<long long>(batch), sets, plan.num_splits, plan.partition, us, kv_bytes / 1e6, gbs,
+                    static_cast<long long>(batch), sets, split.splits, split.partition, us, kv_bytes / 1e6, gbs,
                     100.0 * gbs * 1e9 / o.hbm_bytes_per_s);
       } else {
         const double flops = 2.0 * o.heads * o.head_dim * static_cast<double>(ctx) * (ctx + 1) * batch;

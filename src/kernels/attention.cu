@@ -31,19 +31,28 @@
 // warp: decode is a stream of K/V bytes, and bytes in flight are what hide HBM latency), and merge
 // their (max, sum, acc) states through shared memory at the end. A 16-key tile is one whole
 // cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
-// Shared memory: 4 warps x 4 stages x (K + V) 16 x hd bf16 + Q 16 x hd = 132 KiB at hd 128.
-// With one split per sequence (a single-split plan, or a live context <= the plan's partition)
-// the block writes bf16 directly; otherwise fp32 (acc, max, sum) per split go to the workspace and
-// attention_merge_kernel combines them: one block per (head, seq), hd threads, returning at once
-// for the sequences already written.
+// Shared memory: Q 16 x hd + 4 warps x 4 stages x (K + V) 16 x hd bf16 = 132 KiB at hd 128, so one
+// block per SM, and the plan sizes the grid to one wave.
+//  - Splits per sequence come from its LIVE length (attention_decode_split, [TAG_ATTN_DECODE_SPLIT]):
+//    up to 256 keys one split, written straight to bf16 (no workspace, no counter); longer, up to
+//    the plan's max_splits equal splits of >= 64 keys. Blocks past a sequence's splits exit.
+//  - The merge is in the same kernel (FlashDecoding's second kernel folded in with the CUDA
+//    samples' threadFenceReduction pattern): a split writes fp32 (o, max, sum) per row to
+//    the workspace, fences, and counts itself in with one atomic per (sequence, kv head); the block
+//    that brings the count to the number of splits merges all of them in split order (the result's
+//    bits do not depend on which block came last) and resets the counter to zero, so CUDA-graph
+//    replays need no memset. The old separate merge kernel cost a launch and, worse, walked the
+//    splits one dependent L2 load at a time (run E: 4.8 us at ~256 context); here the merge loads 8
+//    splits' float4s per thread at once.
+//  - Before the PDL wait ([TAG_ATTN_DECODE_PREWAIT]) the block reads the step inputs and requests its
+//    first three tiles per warp, all but the newest key's row (the rope kernel writes that one), so
+//    the K/V stream starts under the rope kernel; q and the newest row are loaded after the wait.
 //
-// Every kernel here is launched with programmatic dependent launch (pdl.cuh) and waits before its
-// first global read: the launch latency of the decode kernel hides under the rope kernel's tail,
-// and the merge's under the decode kernel's. The decode and merge kernels trigger their dependents
-// BEFORE waiting ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this
-// kernel's completion whenever the trigger came, and it lets the o projection's GEMV launch and
-// stream its weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a
-// kernel only launches once every block of its predecessor is resident.
+// The prefill kernel triggers its dependents after its wait, the decode kernel before it
+// ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this kernel's
+// completion whenever the trigger came, and it lets the o projection's GEMV launch and stream its
+// weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a kernel only
+// launches once every block of its predecessor is resident.
 #include "kernels/attention.cuh"
 
 #include <algorithm>
@@ -65,6 +74,7 @@ constexpr int kPrefillBN = 64;           // keys per tile
 constexpr int kDecodeBN = 16;            // keys per tile (per warp)
 constexpr int kDecodeStages = 4;
 constexpr int kDecodeMaxGroup = 16;      // query heads per kv head that fit one m16 tile
+constexpr int kDecodeMaxSplits = 256;    // splits per (sequence, kv head): the merge's weights in smem
 
 // ------------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -121,15 +131,17 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
 }
 
 // ROWS keys [key0, key0 + ROWS) of kv head kvh into a swizzled tile, by NT threads (tid in
-// [0, NT)); keys >= kv_end are zero-filled. [TAG_KV_CACHE_LAYOUT]
+// [0, NT)); keys >= kv_end are zero-filled; the row of key skip_key is left untouched (decode loads
+// it later, after the PDL wait). [TAG_KV_CACHE_LAYOUT]
 template <int HD, int ROWS, int NT>
 __device__ __forceinline__ void load_kv_tile(uint32_t dst, const __nv_bfloat16* __restrict__ pool,
                                              const int32_t* __restrict__ table_row, int kvh, int key0, int kv_end,
-                                             int nkv, int block_size, int tid) {
+                                             int nkv, int block_size, int tid, int skip_key = -1) {
   constexpr int C = HD / 8;
 #pragma unroll
   for (int idx = tid; idx < ROWS * C; idx += NT) {
     const int r = idx / C, c = idx % C, key = key0 + r;
+    if (key == skip_key) continue;
     const __nv_bfloat16* src = pool;
     int bytes = 0;
     if (key < kv_end) {
@@ -367,6 +379,21 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Prefi
 // Decode
 // ------------------------------------------------------------------------------------------------
 
+// Workspace layout ([TAG_ATTN_DECODE_WORKSPACE], also in attention_decode_workspace_bytes): counters
+// [max_num_seqs * nkv] int32, then (max, sum) float2 [slots, G], then fp32 partial outputs
+// [slots, G, hd], slots = max_num_seqs * nkv * max_splits in (sequence, kv head, split) order, each
+// region 256-byte aligned.
+struct DecodeWorkspace {
+  size_t counter_bytes, ml_bytes, o_bytes;
+};
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+DecodeWorkspace decode_workspace_layout(const AttentionDims& d, const AttentionDecodePlan& p) {
+  const size_t G = static_cast<size_t>(d.num_q_heads / d.num_kv_heads);
+  const size_t slots = static_cast<size_t>(p.max_num_seqs) * d.num_kv_heads * p.max_splits;
+  return DecodeWorkspace{align256(static_cast<size_t>(p.max_num_seqs) * d.num_kv_heads * 4), align256(slots * G * 8),
+                         align256(slots * G * d.head_dim * 4)};
+}
+
 struct DecodeArgs {
   const __nv_bfloat16* q;  // [max_num_seqs, q_stride]
   int64_t q_stride;
@@ -377,79 +404,104 @@ struct DecodeArgs {
   const int32_t* block_table;  // [max_num_seqs, max_blocks_per_seq]
   AttentionDims dims;
   int max_num_seqs;
-  int partition;
-  int num_splits;
+  int max_splits;
   float scale_log2;
-  float* ws_o;  // [max_num_seqs, nh, num_splits, hd]   (split mode)
-  float* ws_m;  // [max_num_seqs, nh, num_splits]
-  float* ws_l;  // [max_num_seqs, nh, num_splits]
+  int* counters;  // [max_num_seqs, nkv]: splits of the (sequence, kv head) finished so far; 0 between launches
+  float2* ws_ml;  // [max_num_seqs, nkv, max_splits, G]: (max in the log2 domain, sum) of a split's rows
+  float* ws_o;    // [max_num_seqs, nkv, max_splits, G, hd]: a split's output, not yet divided by its sum
   __nv_bfloat16* out;  // [max_num_seqs, nh, hd]
 };
 
+// Shared memory: Q tile 16 x hd bf16, then the warps' K/V rings. After the key loop the rings are
+// reused: the 4 warps' fp32 states [4][16][hd], later the merge's per-split weights [2][16][256].
 template <int HD>
 constexpr int decode_smem_bytes() {
-  return 16 * HD * 2 + kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;
+  constexpr int rings = kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;  // 128 KiB at hd 128
+  constexpr int states = kWarps * 16 * HD * 4;
+  constexpr int merge = 2 * 16 * kDecodeMaxSplits * 4;  // 32 KiB
+  return 16 * HD * 2 + std::max(rings, std::max(states, merge));
 }
 
-template <int HD, bool kSplit>
+template <int HD>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeArgs args) {
+  constexpr int C = HD / 8;  // 16-byte chunks per K/V row
   constexpr int kTileBytes = kDecodeBN * HD * 2;
   constexpr int kWarpBytes = kDecodeStages * 2 * kTileBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
+  __shared__ int s_last;
   const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the kernels after this one (the merge, then
-  // the o projection's GEMV) touch nothing but constants before their own wait, and the GEMV
-  // prefetches its weights into shared memory, so it should start while attention still runs.
+  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the o projection's GEMV after this kernel
+  // touches nothing but its weights before its own wait, and it streams them into shared memory
+  // while attention still runs.
   pdl_launch_dependents();
-  pdl_wait();  // q and the new K/V row come from the rope kernel
+  // [TAG_ATTN_DECODE_PREWAIT] Before the wait this block reads only what no kernel of the step
+  // writes: num_seqs, seq_lens and the block table (uploaded before the step's first kernel) and
+  // the cache rows of positions < seq_len - 1 (written by earlier steps; this step's rope kernel
+  // writes position seq_len - 1 alone, into a block no other sequence reads). So the first K/V
+  // tiles stream from HBM while the rope kernel (and the GEMV before it) still run; q and the
+  // newest row are read after the wait.
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const AttentionDims& d = args.dims;
   const int G = d.num_q_heads / d.num_kv_heads;
   const int ctx = args.seq_lens[s];
-  const int k_begin = split * args.partition;
-  if (k_begin >= ctx) return;  // the merge reads only the splits that hold keys
-  const int k_end = min(ctx, k_begin + args.partition);
-  // A sequence whose keys fit one split is finished here, in bf16, and the merge skips it: at short
-  // context a decode step then costs one kernel's latency, not two plus a workspace round trip.
-  const bool direct = !kSplit || ctx <= args.partition;
+  const AttentionDecodeSplit sp = attention_decode_split(ctx, args.max_splits);
+  if (split >= sp.splits) return;  // [TAG_ATTN_DECODE_SPLIT] the merge reads exactly splits 0 .. sp.splits-1
+  const int k_begin = split * sp.partition;
+  const int k_end = min(ctx, k_begin + sp.partition);
+  const int newest = ctx - 1;
   const int n_tiles = (k_end - k_begin + kDecodeBN - 1) / kDecodeBN;
   const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   const uint32_t q_tile = smem_addr(smem);
   const uint32_t warp_base = q_tile + 16 * HD * 2 + warp * kWarpBytes;
-  {
-    constexpr int C = HD / 8;
-    for (int idx = tid; idx < 16 * C; idx += kThreads) {
-      const int r = idx / C, c = idx % C;
-      const __nv_bfloat16* src = args.q;
-      int bytes = 0;
-      if (r < G) {
-        src = args.q + s * args.q_stride + static_cast<int64_t>(kvh * G + r) * HD + c * 8;
-        bytes = 16;
-      }
-      cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
-    }
-    cp_async_commit();
-  }
   // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages.
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-  auto load_stage = [&](int i) {
+  auto load_stage = [&](int i, int skip_key) {
     const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     load_kv_tile<HD, kDecodeBN, 32>(dst, args.k_cache, table_row, kvh, key0, k_end, d.num_kv_heads, d.block_size,
-                                    lane);
+                                    lane, skip_key);
     load_kv_tile<HD, kDecodeBN, 32>(dst + kTileBytes, args.v_cache, table_row, kvh, key0, k_end, d.num_kv_heads,
-                                    d.block_size, lane);
+                                    d.block_size, lane, skip_key);
   };
+  // Prologue before the wait: the warp's first three tiles, all but the newest row.
 #pragma unroll
   for (int i = 0; i < kDecodeStages - 1; ++i) {
-    if (i < my_tiles) load_stage(i);
+    if (i < my_tiles) load_stage(i, newest);
     cp_async_commit();
   }
-  // Q: the first group committed; every thread waits for its own part, then the block barrier.
-  cp_async_wait<kDecodeStages - 1>();
+
+  pdl_wait();  // q and the newest K/V row come from the rope kernel
+
+  // Q rows: head kvh * G + r for r < G, zero-filled up to the m16 tile.
+  for (int idx = tid; idx < 16 * C; idx += kThreads) {
+    const int r = idx / C, c = idx % C;
+    const __nv_bfloat16* src = args.q;
+    int bytes = 0;
+    if (r < G) {
+      src = args.q + s * args.q_stride + static_cast<int64_t>(kvh * G + r) * HD + c * 8;
+      bytes = 16;
+    }
+    cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
+  }
+  // The newest row, if a prologue tile holds it: lanes 0..C-1 its K chunks, C..2C-1 its V chunks.
+  if (newest >= k_begin && newest < k_end) {
+    const int tile = (newest - k_begin) / kDecodeBN, i = tile / kWarps;
+    if (tile % kWarps == warp && i < kDecodeStages - 1 && lane < 2 * C) {
+      const int r = (newest - k_begin) % kDecodeBN, c = lane % C;
+      const __nv_bfloat16* pool = lane < C ? args.k_cache : args.v_cache;
+      const int block = table_row[newest / d.block_size];
+      cp_async16(warp_base + i * 2 * kTileBytes + (lane < C ? 0 : kTileBytes) + tile_offset<HD>(r, c),
+                 pool + kv_cache_offset(block, kvh, newest % d.block_size, d.num_kv_heads, d.block_size, HD) + c * 8,
+                 16);
+    }
+  }
+  cp_async_commit();
+  // Everything so far (the prologue tiles were requested before the wait and have mostly landed),
+  // then the block barrier for Q.
+  cp_async_wait<0>();
   __syncthreads();
   uint32_t qa[HD / 16][4];
   load_q_frags<HD>(qa, q_tile, 0, lane);
@@ -458,7 +510,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   st.init();
   const int lim[2] = {k_end - 1, k_end - 1};
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kDecodeStages - 1 < my_tiles) load_stage(i + kDecodeStages - 1);
+    if (i + kDecodeStages - 1 < my_tiles) load_stage(i + kDecodeStages - 1, -1);
     cp_async_commit();
     cp_async_wait<kDecodeStages - 1>();
     __syncwarp();
@@ -471,7 +523,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   cp_async_wait<0>();
   finish_sums(st);
 
-  // Merge the 4 warps: their states go to shared memory (over the K/V stages, now unused).
+  // Merge the 4 warps: their states go to shared memory (over the K/V rings, now unused).
   __syncthreads();
   float* s_o = reinterpret_cast<float*>(smem + 16 * HD * 2);  // [kWarps][16][HD]
   const int g = lane >> 2, t = lane & 3;
@@ -489,6 +541,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     }
   }
   __syncthreads();
+  const bool direct = sp.splits == 1;
+  const int64_t pair = static_cast<int64_t>(s) * d.num_kv_heads + kvh;  // (sequence, kv head)
+  const int64_t slot0 = pair * args.max_splits;                          // its split 0
   for (int idx = tid; idx < G * HD; idx += kThreads) {
     const int r = idx / HD, c = idx % HD;
     float M = -INFINITY;
@@ -501,42 +556,91 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       L += s_l[w][r] * f;
       O += s_o[(w * 16 + r) * HD + c] * f;
     }
-    const int head = kvh * G + r;
-    if (!direct) {
-      const int64_t slot = (static_cast<int64_t>(s) * d.num_q_heads + head) * args.num_splits + split;
-      args.ws_o[slot * HD + c] = O;
-      if (c == 0) {
-        args.ws_m[slot] = M;
-        args.ws_l[slot] = L;
-      }
+    if (direct) {
+      args.out[(static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c] = __float2bfloat16(O / L);
     } else {
-      args.out[(static_cast<int64_t>(s) * d.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+      const int64_t row = (slot0 + split) * G + r;
+      args.ws_o[row * HD + c] = O;
+      if (c == 0) args.ws_ml[row] = make_float2(M, L);
     }
   }
-}
+  if (direct) return;
 
-// One block per (query head, sequence), hd threads: merges the splits that hold keys. Sequences
-// with one such split were written by the decode kernel. Launched with PDL: its launch overlaps
-// the decode kernel.
-template <int HD>
-__global__ void __launch_bounds__(HD) attention_merge_kernel(const DecodeArgs args) {
-  const int head = blockIdx.x, s = blockIdx.y, c = threadIdx.x;
-  pdl_launch_dependents();  // before the wait, as in the decode kernel: [TAG_PDL_EARLY_TRIGGER]
-  pdl_wait();               // the partials come from the decode kernel
-  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
-  const int ctx = args.seq_lens[s];
-  if (ctx <= args.partition) return;  // one split (or none): written directly
-  const int n = min((ctx + args.partition - 1) / args.partition, args.num_splits);
-  const int64_t base = (static_cast<int64_t>(s) * args.dims.num_q_heads + head) * args.num_splits;
-  float M = -INFINITY;
-  for (int i = 0; i < n; ++i) M = fmaxf(M, args.ws_m[base + i]);
-  float L = 0.0f, O = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float f = exp2f(args.ws_m[base + i] - M);
-    L += args.ws_l[base + i] * f;
-    O += args.ws_o[(base + i) * HD + c] * f;
+  // Arrival: every thread fences its partial writes (device scope) before the barrier, then one
+  // atomic. The block that brings the count to sp.splits saw every other split's fence-ordered
+  // writes, merges, and resets the counter for the next launch (graph replays need no memset).
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int done = atomicAdd(args.counters + pair, 1) + 1;
+    s_last = done == sp.splits;
+    if (done == sp.splits) args.counters[pair] = 0;  // every split has arrived: nobody else touches it now
   }
-  args.out[(static_cast<int64_t>(s) * args.dims.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // acquire side: the partials below are read after the count was seen
+
+  // The merge, in split order 0 .. n-1 whatever order the splits finished in: bit-reproducible.
+  // Partials come through L2 (__ldcg: the L1 of this SM never held them, but be explicit).
+  const int n = sp.splits;
+  float* s_wm = reinterpret_cast<float*>(smem + 16 * HD * 2);  // [16][kDecodeMaxSplits]: max, then weight
+  float* s_wl = s_wm + 16 * kDecodeMaxSplits;                   // [16][kDecodeMaxSplits]: sums
+  for (int idx = tid; idx < n * G; idx += kThreads) {
+    const int i = idx / G, r = idx % G;
+    const float2 ml = __ldcg(args.ws_ml + (slot0 + i) * G + r);
+    s_wm[r * kDecodeMaxSplits + i] = ml.x;
+    s_wl[r * kDecodeMaxSplits + i] = ml.y;
+  }
+  __syncthreads();
+  // Row r's weights w_i = 2^(m_i - M) / L by one warp: lane-strided partial max and sum, then xor
+  // butterflies (every lane ends with the same bits: each step adds the same two values).
+  for (int r = warp; r < G; r += kWarps) {
+    float* wm = s_wm + r * kDecodeMaxSplits;
+    const float* wl = s_wl + r * kDecodeMaxSplits;
+    float M = -INFINITY;
+    for (int i = lane; i < n; i += 32) M = fmaxf(M, wm[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.0f;
+    for (int i = lane; i < n; i += 32) L += wl[i] * exp2f(wm[i] - M);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    const float inv = 1.0f / L;
+    for (int i = lane; i < n; i += 32) wm[i] = exp2f(wm[i] - M) * inv;
+  }
+  __syncthreads();
+  // out = sum_i w_i o_i, 4 dims per thread and step; 8 splits' float4 loads in flight per batch
+  // (L2 latency, not bandwidth, bounds this tail: Qwen3-30B-A3B at 1k context merges 16 splits x
+  // 8 heads x 512 B = 64 KB per block).
+  constexpr int kBatch = 8;
+  const int64_t split_stride = static_cast<int64_t>(G) * (HD / 4);  // float4s per split
+  for (int p = tid; p < G * (HD / 4); p += kThreads) {
+    const int r = p / (HD / 4), c4 = p % (HD / 4);
+    const float4* src = reinterpret_cast<const float4*>(args.ws_o) + slot0 * split_stride + p;
+    const float* w = s_wm + r * kDecodeMaxSplits;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i0 = 0; i0 < n; i0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        v[j] = i0 + j < n ? __ldcg(src + (i0 + j) * split_stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (i0 + j < n) {
+          const float wj = w[i0 + j];
+          acc.x = fmaf(wj, v[j].x, acc.x);
+          acc.y = fmaf(wj, v[j].y, acc.y);
+          acc.z = fmaf(wj, v[j].z, acc.z);
+          acc.w = fmaf(wj, v[j].w, acc.w);
+        }
+      }
+    }
+    uint2 packed;
+    packed.x = pack_bf16(acc.x, acc.y);
+    packed.y = pack_bf16(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(args.out + (static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c4 * 4) =
+        packed;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -576,15 +680,9 @@ void launch_prefill_hd(const PrefillArgs& a, int max_q_len, cudaStream_t stream)
 template <int HD>
 void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
   constexpr int smem = decode_smem_bytes<HD>();
-  const dim3 grid(a.num_splits, a.dims.num_kv_heads, a.max_num_seqs);
-  if (a.num_splits == 1) {
-    set_smem(attention_decode_kernel<HD, false>, smem);
-    launch_pdl(attention_decode_kernel<HD, false>, grid, dim3(kThreads), smem, stream, a);
-    return;
-  }
-  set_smem(attention_decode_kernel<HD, true>, smem);
-  launch_pdl(attention_decode_kernel<HD, true>, grid, dim3(kThreads), smem, stream, a);
-  launch_pdl(attention_merge_kernel<HD>, dim3(a.dims.num_q_heads, a.max_num_seqs), dim3(HD), 0, stream, a);
+  set_smem(attention_decode_kernel<HD>, smem);
+  const dim3 grid(a.max_splits, a.dims.num_kv_heads, a.max_num_seqs);
+  launch_pdl(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
 }
 
 }  // namespace
@@ -610,26 +708,30 @@ void launch_attention_prefill(const __nv_bfloat16* q, int64_t q_stride, const in
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms) {
   MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && max_context > 0 && num_sms > 0 && dims.num_kv_heads > 0,
                         "plan_attention_decode: bad sizes");
+  // One wave: a decode block takes 132 KiB of shared memory at hd 128, so one per SM, and a second
+  // wave of splits would only double the merge's partials. The longest context's split count
+  // (attention_decode_split) bounds it from above.
+  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  const int64_t wave = std::max<int64_t>(1, (num_sms + base - 1) / base);
+  const int64_t by_context = attention_decode_split(max_context, kDecodeMaxSplits).splits;
   AttentionDecodePlan p;
   p.max_num_seqs = max_num_seqs;
   p.max_context = max_context;
-  // Blocks without splitting; split until about two waves, but never below one 16-key tile per
-  // warp (a shorter split only adds merge work).
-  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
-  const int64_t want = std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + base - 1) / base);
-  int64_t part = (max_context + want - 1) / want;
-  part = (part + kDecodeBN - 1) / kDecodeBN * kDecodeBN;
-  part = std::max<int64_t>(part, kWarps * kDecodeBN);
-  p.partition = static_cast<int>(part);
-  p.num_splits = static_cast<int>((max_context + part - 1) / part);
+  p.max_splits = static_cast<int>(std::min(wave, by_context));
   return p;
 }
 
 size_t attention_decode_workspace_bytes(const AttentionDims& dims, const AttentionDecodePlan& plan) {
-  if (plan.num_splits <= 1) return 0;
-  const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
-  const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
-  return o_bytes + 2 * ((slots * 4 + 255) / 256 * 256);
+  if (plan.max_splits <= 1) return 0;
+  const DecodeWorkspace w = decode_workspace_layout(dims, plan);
+  return w.counter_bytes + w.ml_bytes + w.o_bytes;
+}
+
+void init_attention_decode_workspace(void* workspace, const AttentionDims& dims, const AttentionDecodePlan& plan,
+                                     cudaStream_t stream) {
+  if (plan.max_splits <= 1) return;
+  MOEBIUS_LAUNCH_ASSERT(workspace != nullptr, "attention decode: a split plan needs a workspace");
+  CUDA_CHECK(cudaMemsetAsync(workspace, 0, decode_workspace_layout(dims, plan).counter_bytes, stream));
 }
 
 void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int32_t* seq_lens,
@@ -639,11 +741,10 @@ void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int
   check_common(dims, q, q_stride, k_cache, v_cache, out);
   MOEBIUS_LAUNCH_ASSERT(dims.num_q_heads / dims.num_kv_heads <= kDecodeMaxGroup,
                         "attention decode: at most 16 query heads per kv head");
-  MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.num_splits >= 1 &&
-                            plan.partition % kDecodeBN == 0 &&
-                            static_cast<int64_t>(plan.partition) * plan.num_splits >= plan.max_context,
+  MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.max_splits >= 1 &&
+                            plan.max_splits <= kDecodeMaxSplits,
                         "attention decode: bad plan (use plan_attention_decode)");
-  MOEBIUS_LAUNCH_ASSERT(plan.num_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
+  MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
                         "attention decode: a split plan needs a 16-byte aligned workspace");
   DecodeArgs a{};
   a.q = q;
@@ -655,17 +756,15 @@ void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int
   a.block_table = block_table;
   a.dims = dims;
   a.max_num_seqs = plan.max_num_seqs;
-  a.partition = plan.partition;
-  a.num_splits = plan.num_splits;
+  a.max_splits = plan.max_splits;
   a.scale_log2 = kLog2e / std::sqrt(static_cast<float>(dims.head_dim));
   a.out = out;
-  if (plan.num_splits > 1) {
-    const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
-    const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
+  if (plan.max_splits > 1) {  // [TAG_ATTN_DECODE_WORKSPACE]
+    const DecodeWorkspace w = decode_workspace_layout(dims, plan);
     auto* base = static_cast<uint8_t*>(workspace);
-    a.ws_o = reinterpret_cast<float*>(base);
-    a.ws_m = reinterpret_cast<float*>(base + o_bytes);
-    a.ws_l = reinterpret_cast<float*>(base + o_bytes + (slots * 4 + 255) / 256 * 256);
+    a.counters = reinterpret_cast<int*>(base);
+    a.ws_ml = reinterpret_cast<float2*>(base + w.counter_bytes);
+    a.ws_o = reinterpret_cast<float*>(base + w.counter_bytes + w.ml_bytes);
   }
   switch (dims.head_dim) {
     case 16: launch_decode_hd<16>(a, stream); break;

@@ -48,6 +48,7 @@ struct Qwen3MoeCuda::Layer {
 struct Qwen3MoeCuda::Graph {
   int batch = 0;
   kernels::AttentionDecodePlan plan;
+  void* attn_workspace = nullptr;  // the plan's split partials and merge counters (nullptr: one split)
   cudaGraphExec_t exec = nullptr;
 };
 
@@ -271,18 +272,18 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   MOEBIUS_ASSIGN_OR_RETURN(void* lg, act(sizeof(float) * R * V));
   logits_ = static_cast<float*>(lg);
 
-  // Decode plans, one per graph batch size; one workspace for the largest.
+  // Decode plans, one per graph batch size, each with its own workspace: the counters must stay
+  // zero between launches, and another plan's layout would put its partials over them.
   kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
-  size_t ws = 0;
   for (int b : opt_.graph_batches) {
     Graph g;
     g.batch = b;
     g.plan = kernels::plan_attention_decode(dims, b, opt_.max_context, num_sms_);
-    ws = std::max(ws, kernels::attention_decode_workspace_bytes(dims, g.plan));
+    if (const size_t ws = kernels::attention_decode_workspace_bytes(dims, g.plan); ws > 0) {
+      MOEBIUS_ASSIGN_OR_RETURN(g.attn_workspace, device_alloc(ws, &plan_.workspace));
+      kernels::init_attention_decode_workspace(g.attn_workspace, dims, g.plan, stream_);
+    }
     graphs_.push_back(g);
-  }
-  if (ws > 0) {
-    MOEBIUS_ASSIGN_OR_RETURN(attn_workspace_, device_alloc(ws, &plan_.workspace));
   }
 
   // Step inputs: [TAG_STEP_ARENA] one layout for the device arena and the pinned staging area.
@@ -343,7 +344,7 @@ uint64_t Qwen3MoeCuda::estimate_runtime_bytes(const moe::PackedMatrix& w2) const
        T * static_cast<uint64_t>(c.num_attention_heads) * hd * 2 + T * 3 * dense_I * 2 + R * H * 2 + R * V * 4;
   b += 16 * (4 * T + 2 * static_cast<uint64_t>(opt_.max_seqs) + R + 64) +
        4 * static_cast<uint64_t>(opt_.max_seqs) * static_cast<uint64_t>(max_blocks_per_seq_);
-  // Attention decode workspace for the largest graph batch.
+  // Attention decode workspaces, one per graph batch.
   const kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
   for (int gb : opt_.graph_batches)
     b += kernels::attention_decode_workspace_bytes(dims, kernels::plan_attention_decode(dims, gb, opt_.max_context,
@@ -915,7 +916,7 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     if (decode) {
       const Graph& g = graphs_[static_cast<size_t>(graph_index)];
       kernels::launch_attention_decode(qkv_, qkv_dim_, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims,
-                                       g.plan, attn_workspace_, attn_, s);
+                                       g.plan, g.attn_workspace, attn_, s);
     } else {
       kernels::launch_attention_prefill(qkv_, qkv_dim_, in(at_.cu_seqlens), in(at_.seq_lens), num_seqs, kc, vc,
                                         in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);

@@ -303,7 +303,6 @@ class Qwen3MoeCuda {
   __nv_bfloat16* act_ = nullptr;    // [T, I_dense]
   __nv_bfloat16* h_last_ = nullptr; // [R, H]
   float* logits_ = nullptr;         // [R, V]
-  void* attn_workspace_ = nullptr;  // the largest decode plan's split workspace
   // Step inputs: device arena and its pinned host mirror, same layout ([TAG_STEP_ARENA]).
   uint8_t* arena_ = nullptr;
   uint8_t* staging_ = nullptr;

@@ -16,6 +16,13 @@
 //   Qwen3-235B-A22B attention: nh 64, nkv 4, hd 128 (G = 16, the decode kernel's limit)
 //   the tiny fixture (tests/data/tiny-qwen3-moe): nh 4, nkv 2, hd 16
 //   hd 64 with G = 8 and with G = 1 (plain multi-head)
+//
+// Decode is one kernel (split blocks, the last one per (sequence, kv head) merges, found with a
+// counter it resets): the tests below cover one split and many (contexts 1 .. 10240), batches of 1
+// to 64 sequences of different lengths in one launch, reruns and graph replays that must be
+// bit-identical (arrival order differs; a counter left non-zero would leave outputs poisoned), and
+// a PDL chain where the kernel before attention writes q and the newest K/V rows late, as the rope
+// kernel does ([TAG_ATTN_DECODE_PREWAIT]: attention reads older rows before its wait).
 #include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
 
 #include <cuda_bf16.h>
@@ -25,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -32,6 +40,7 @@
 #include "core/dtype.h"
 #include "cpu/attention.h"
 #include "kernels/attention.cuh"
+#include "kernels/pdl.cuh"
 
 namespace moebius {
 namespace {
@@ -213,27 +222,33 @@ void run_prefill(const Batch& b, int max_q_len = -1) {
   expect_matches(b, d, "prefill");
 }
 
-// Decode: every q_len is 1. plan_splits = 0: the planner's choice; 1: forced single split.
+// Decode: every q_len is 1. plan_splits = 0: the planner's choice; else a forced max_splits (1:
+// never a merge).
 void run_decode(const Batch& b, int plan_splits = 0) {
   const int max_ctx = *std::max_element(b.ctxs.begin(), b.ctxs.end());
   CudaStream stream;
   DeviceBatch d(b);
   AttentionDecodePlan plan = kernels::plan_attention_decode(d.dims(b), b.max_seqs, max_ctx, num_sms());
-  if (plan_splits == 1) plan = AttentionDecodePlan{b.max_seqs, max_ctx, (max_ctx + 15) / 16 * 16, 1};
+  if (plan_splits > 0) plan = AttentionDecodePlan{b.max_seqs, max_ctx, plan_splits};
   const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
   DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
   ws.poison(0xFF, stream);  // NaN partials: a merge that read an unwritten split would show it
+  kernels::init_attention_decode_workspace(ws.data(), d.dims(b), plan, stream);  // the counters only
   d.out.poison(kPoison, stream);
   kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
                                    d.table.data(), d.dims(b), plan, ws_bytes ? ws.data() : nullptr, d.out.data(),
                                    stream);
   stream.sync();
-  SCOPED_TRACE(::testing::Message() << "decode plan: partition " << plan.partition << ", splits " << plan.num_splits);
-  expect_matches(b, d, plan.num_splits > 1 ? "decode" : "decode1");
+  SCOPED_TRACE(::testing::Message() << "decode plan: max_splits " << plan.max_splits);
+  expect_matches(b, d, plan.max_splits > 1 ? "decode" : "decode1");
   EXPECT_TRUE(ws.guards_intact());
 }
 
 std::vector<int> ones(size_t n) { return std::vector<int>(n, 1); }
+
+bool same_bytes(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(__nv_bfloat16)) == 0;
+}
 
 // ------------------------------------------------------------------------------------------------
 // Prefill
@@ -309,25 +324,13 @@ TEST(AttentionGpuDecode, OneLongSequenceSplits) {
 
 TEST(AttentionGpuDecode, ShortSequencesSkipTheMerge) {
   MOEBIUS_REQUIRE_GPU();
-  // A split plan (64-key partitions over a 4096 context) with sequences on both sides of one
-  // partition: contexts <= 64 are written by the decode kernel itself and the merge must leave
-  // them alone; longer ones go through the (poisoned) workspace and the merge.
-  const std::vector<int> ctx = {1, 15, 63, 64, 65, 128, 129, 1000, 4096};
+  // A forced 64-split plan with sequences on both sides of the one-split limit (256 keys,
+  // [TAG_ATTN_DECODE_SPLIT]): contexts <= 256 are written directly and never touch the (poisoned)
+  // workspace; longer ones go through it and the last block's merge.
+  const std::vector<int> ctx = {1, 15, 63, 64, 65, 128, 129, 255, 256, 257, 1000, 4096};
   for (const Geometry& g : {kQwen3_30B, kTiny, kHd64G8}) {
     SCOPED_TRACE(g.name);
-    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 87);
-    CudaStream stream;
-    DeviceBatch d(b);
-    const AttentionDecodePlan plan{b.max_seqs, 4096, 64, 64};
-    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
-    DeviceBuffer<uint8_t> ws(ws_bytes);
-    ws.poison(0xFF, stream);
-    d.out.poison(kPoison, stream);
-    kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                     d.table.data(), d.dims(b), plan, ws.data(), d.out.data(), stream);
-    stream.sync();
-    expect_matches(b, d, "decode-s");
-    EXPECT_TRUE(ws.guards_intact());
+    run_decode(make_batch(g, 16, ones(ctx.size()), ctx, 87), /*plan_splits=*/64);
   }
 }
 
@@ -338,6 +341,170 @@ TEST(AttentionGpuDecode, MatchesPrefillKernelOnDecodeRows) {
   const Batch b = make_batch(kQwen3_30B, 16, ones(ctx.size()), ctx, 89);
   run_prefill(b);
   run_decode(b);
+}
+
+TEST(AttentionGpuDecode, ContextsAndGqaRatios) {
+  MOEBIUS_REQUIRE_GPU();
+  // One split (<= 256 keys) and many (the planner gives one sequence 33 splits on 132 SMs);
+  // GQA 8 and 16. Each context alone (the planner's single-sequence plan) and all in one batch.
+  const std::vector<int> ctx = {1, 2, 17, 255, 256, 1000, 4097, 10240};
+  for (const Geometry& g : {kQwen3_30B, kQwen3_235B}) {
+    SCOPED_TRACE(g.name);
+    for (int c : ctx) run_decode(make_batch(g, 16, {1}, {c}, 201u + c));
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 203);
+    run_decode(b);
+    run_decode(b, /*plan_splits=*/256);  // the most splits a plan may have
+  }
+}
+
+// n sequences of lengths spread over [1, 10240], the listed contexts first.
+std::vector<int> mixed_contexts(int n, uint32_t seed) {
+  const int listed[] = {1, 2, 17, 255, 256, 1000, 4097, 10240};
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> len(1, 10240);
+  std::vector<int> c;
+  for (int i = 0; i < n; ++i) c.push_back(i < 8 ? listed[i] : len(rng));
+  std::shuffle(c.begin(), c.end(), rng);
+  return c;
+}
+
+TEST(AttentionGpuDecode, BatchesOfOneToSixtyFour) {
+  MOEBIUS_REQUIRE_GPU();
+  // Many (sequence, kv head) counters in one launch: the planner's plan (one split from 33
+  // sequences at nkv 4) and a forced 8-split plan, where every long sequence merges.
+  for (int n : {1, 2, 3, 8, 17, 33, 64}) {
+    SCOPED_TRACE(::testing::Message() << n << " sequences");
+    const Batch b = make_batch(kQwen3_30B, 16, ones(static_cast<size_t>(n)), mixed_contexts(n, 300u + n), 301u + n);
+    run_decode(b);
+    run_decode(b, /*plan_splits=*/8);
+  }
+  const Batch b = make_batch(kQwen3_235B, 16, ones(24), mixed_contexts(24, 333), 335);
+  run_decode(b);
+  run_decode(b, /*plan_splits=*/8);
+}
+
+// Copies q and, per live sequence and kv head, the newest K and V rows (element offsets `rows`, hd
+// each) from the true buffers into the ones attention reads, after sleeping ~`sleep_ns`. It
+// triggers its dependents first, so attention's blocks are resident and past their pre-wait loads
+// long before these writes land: an attention kernel that read q or a newest row before its wait
+// would see the poison.
+__global__ void late_writer_kernel(const int64_t* rows, int n_rows, int hd, const __nv_bfloat16* k_src,
+                                   const __nv_bfloat16* v_src, __nv_bfloat16* k_dst, __nv_bfloat16* v_dst,
+                                   const __nv_bfloat16* q_src, __nv_bfloat16* q_dst, int64_t q_elems,
+                                   unsigned sleep_ns) {
+  kernels::pdl_launch_dependents();
+  uint64_t t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < sleep_ns);
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i < static_cast<int64_t>(n_rows) * hd; i += stride) {
+    const int64_t off = rows[i / hd] + i % hd;
+    k_dst[off] = k_src[off];
+    v_dst[off] = v_src[off];
+  }
+  for (int64_t i = tid; i < q_elems; i += stride) q_dst[i] = q_src[i];
+}
+
+TEST(AttentionGpuDecode, PdlChainWithLateNewestRows) {
+  MOEBIUS_REQUIRE_GPU();
+  const std::vector<int> ctx = {1, 2, 17, 192, 193, 255, 256, 1000, 4097, 10240};
+  for (const Geometry& g : {kQwen3_30B, kQwen3_235B, kTiny}) {
+    SCOPED_TRACE(g.name);
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 401);
+    CudaStream stream;
+    DeviceBatch d(b);
+    // True q / K / V stay in `truth`; d gets NaN in q and in every newest row. [TAG_KV_CACHE_LAYOUT]
+    DeviceBatch truth(b);
+    std::vector<int64_t> rows;
+    Batch poisoned = b;
+    for (size_t s = 0; s < ctx.size(); ++s) {
+      const int p = ctx[s] - 1;
+      const int64_t blk = b.table[s * b.max_blocks + p / b.block_size];
+      for (int h = 0; h < g.nkv; ++h) {
+        const int64_t off = ((blk * g.nkv + h) * b.block_size + p % b.block_size) * g.hd;
+        rows.push_back(off);
+        std::fill_n(poisoned.k_pool.begin() + off, g.hd, NAN);
+        std::fill_n(poisoned.v_pool.begin() + off, g.hd, NAN);
+      }
+    }
+    std::fill(poisoned.q.begin(), poisoned.q.end(), NAN);
+    DeviceBuffer<int64_t> d_rows(rows.size());
+    d_rows.upload(rows);
+    const AttentionDims dims = d.dims(b);
+    const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
+    auto enqueue = [&] {
+      kernels::launch_pdl(late_writer_kernel, dim3(8), dim3(256), 0, stream, d_rows.data(),
+                          static_cast<int>(rows.size()), g.hd, truth.k.data(), truth.v.data(), d.k.data(), d.v.data(),
+                          truth.q.data(), d.q.data(), static_cast<int64_t>(b.q.size()), 20000u);
+      kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
+                                       d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+    };
+    d.upload(poisoned);
+    d.out.poison(kPoison, stream);
+    enqueue();
+    stream.sync();
+    expect_matches(b, d, "pdl");
+    const std::vector<__nv_bfloat16> eager = d.out.download();
+
+    // The same chain captured once and replayed: every replay bit-identical to the eager run.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue();
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) {
+      SCOPED_TRACE(::testing::Message() << "replay " << r);
+      d.upload(poisoned);
+      d.out.poison(kPoison, stream);
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      stream.sync();
+      EXPECT_TRUE(same_bytes(d.out.download(), eager)) << "graph replay differs from the eager run";
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+TEST(AttentionGpuDecode, RerunsAreBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  // Five launches on one workspace initialised once: the counters must come back to zero after
+  // each, and the merge order must not depend on which split finished last.
+  const int n = 40;
+  const Batch b = make_batch(kQwen3_30B, 16, ones(n), mixed_contexts(n, 501), 503);
+  CudaStream stream;
+  DeviceBatch d(b);
+  const AttentionDims dims = d.dims(b);
+  for (int max_splits : {0, 8, 256}) {
+    SCOPED_TRACE(::testing::Message() << "max_splits " << max_splits);
+    AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
+    if (max_splits > 0) plan.max_splits = max_splits;
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    ws.poison(0xFF, stream);
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
+    std::vector<__nv_bfloat16> first;
+    for (int r = 0; r < 5; ++r) {
+      d.out.poison(kPoison, stream);
+      kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
+                                       d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+      stream.sync();
+      if (r == 0) {
+        expect_matches(b, d, "rerun");
+        first = d.out.download();
+      } else {
+        EXPECT_TRUE(same_bytes(d.out.download(), first)) << "rerun " << r << " differs";
+      }
+    }
+    EXPECT_TRUE(ws.guards_intact());
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -366,6 +533,7 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
     const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, kSeqs, kMaxCtx, num_sms());
     const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
     DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
