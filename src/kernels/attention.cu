@@ -609,10 +609,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     for (int i = lane; i < n; i += 32) wm[i] = exp2f(wm[i] - M) * inv;
   }
   __syncthreads();
-  // out = sum_i w_i o_i, 4 dims per thread and step; 8 splits' float4 loads in flight per batch
-  // (L2 latency, not bandwidth, bounds this tail: Qwen3-30B-A3B at 1k context merges 16 splits x
-  // 8 heads x 512 B = 64 KB per block).
-  constexpr int kBatch = 8;
+  // out = sum_i w_i o_i, 4 dims per thread and step; 16 splits' float4 loads in flight per batch
+  // (L2 latency, not bandwidth, bounds this tail: Qwen3-30B-A3B merges 16 splits x 8 heads x
+  // 512 B = 64 KB per block at 1k context, 33 splits = 135 KB at 10k: 2 and 6 round trips).
+  constexpr int kBatch = 16;
   const int64_t split_stride = static_cast<int64_t>(G) * (HD / 4);  // float4s per split
   for (int p = tid; p < G * (HD / 4); p += kThreads) {
     const int r = p / (HD / 4), c4 = p % (HD / 4);
@@ -712,7 +712,7 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
   // wave of splits would only double the merge's partials. The longest context's split count
   // (attention_decode_split) bounds it from above.
   const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
-  const int64_t wave = std::max<int64_t>(1, (num_sms + base - 1) / base);
+  const int64_t wave = std::max<int64_t>(1, num_sms / base);  // rounded down: no partial second wave
   const int64_t by_context = attention_decode_split(max_context, kDecodeMaxSplits).splits;
   AttentionDecodePlan p;
   p.max_num_seqs = max_num_seqs;

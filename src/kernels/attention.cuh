@@ -90,7 +90,7 @@ __host__ __device__ inline AttentionDecodeSplit attention_decode_split(int ctx, 
   return AttentionDecodeSplit{(ctx + part - 1) / part, part};
 }
 
-// Picks max_splits so that max_num_seqs * nkv * max_splits blocks fill one wave of `num_sms`
+// Picks max_splits so that max_num_seqs * nkv * max_splits blocks fit one wave of `num_sms`
 // multiprocessors (cudaDevAttrMultiProcessorCount; one decode block per SM fits in shared memory)
 // and never more than max_context's splits.
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms);

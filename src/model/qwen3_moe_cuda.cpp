@@ -1012,6 +1012,8 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   put(at_.logit_rows, b->logit_rows);
   put(at_.block_tables, b->block_tables);
   const size_t bytes = at_.block_tables + b->block_tables.size() * sizeof(int32_t);
+  // [TAG_ATTN_DECODE_PREWAIT] Uploaded before the step's first kernel and never written by one:
+  // the decode attention kernel reads seq_lens and the block tables before its PDL wait.
   CUDA_CHECK(cudaMemcpyAsync(arena_, staging_, bytes, cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaEventRecord(staged_, stream_));
   staged_pending_ = true;
