@@ -44,9 +44,15 @@
 //    replays need no memset. The old separate merge kernel cost a launch and, worse, walked the
 //    splits one dependent L2 load at a time (run E: 4.8 us at ~256 context); here the merge loads 8
 //    splits' float4s per thread at once.
-//  - Before the PDL wait ([TAG_ATTN_DECODE_PREWAIT]) the block reads the step inputs and requests its
-//    first three tiles per warp, all but the newest key's row (the rope kernel writes that one), so
-//    the K/V stream starts under the rope kernel; q and the newest row are loaded after the wait.
+//  - The attention prologue of the new token is folded in (no rope kernel at decode): after the
+//    PDL wait each block normalises (QK-norm) and rotates (RoPE) its G q heads straight from the
+//    qkv GEMV's output into the Q tile, and the warp whose tile holds the newest key (in the last
+//    split) does the same for that k head, writes the K and V rows into the cache for later steps
+//    and stores them into its ring stage from registers (the tile loads skip that row). rope.cu's
+//    arithmetic, operation for operation, so the bits match the prefill path's rope kernel.
+//  - Before the PDL wait ([TAG_ATTN_DECODE_PREWAIT]) the block reads the step inputs, builds the
+//    RoPE cos/sin table of the position (double sincos, as rope.cu) and requests its first three
+//    tiles per warp, all but the newest key's row, so the K/V stream starts under the qkv GEMV.
 //
 // The prefill kernel triggers its dependents after its wait, the decode kernel before it
 // ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this kernel's
@@ -395,12 +401,11 @@ DecodeWorkspace decode_workspace_layout(const AttentionDims& d, const AttentionD
 }
 
 struct DecodeArgs {
-  const __nv_bfloat16* q;  // [max_num_seqs, q_stride]
-  int64_t q_stride;
-  const int32_t* seq_lens;  // [max_num_seqs]
-  const int32_t* num_seqs;  // [1]
-  const __nv_bfloat16* k_cache;
-  const __nv_bfloat16* v_cache;
+  AttentionDecodeToken token;  // raw q/k/v of the new token, norm weights, inv_freq, eps
+  const int32_t* seq_lens;     // [max_num_seqs]
+  const int32_t* num_seqs;     // [1]
+  __nv_bfloat16* k_cache;      // [num_blocks, nkv, block_size, hd]: the newest row written here
+  __nv_bfloat16* v_cache;
   const int32_t* block_table;  // [max_num_seqs, max_blocks_per_seq]
   AttentionDims dims;
   int max_num_seqs;
@@ -422,13 +427,68 @@ constexpr int decode_smem_bytes() {
   return 16 * HD * 2 + std::max(rings, std::max(states, merge));
 }
 
+// One head row of the new token through QK-norm (w != nullptr) and RoPE (rotate), by one warp, in
+// rope.cu's arithmetic (same order of operations, so the same bits as the prefill path's rope
+// kernel): lane l holds the pairs (2l, 2l+1) and (hd/2 + 2l, hd/2 + 2l + 1), lanes with 2l >= hd/2
+// hold nothing (hd <= 128). Returns the two pairs as packed bf16x2 (lo: first half, hi: second).
+template <int HD>
+__device__ __forceinline__ void norm_rope_row(const __nv_bfloat16* __restrict__ src, const float* __restrict__ w,
+                                              bool rotate, float eps, const float* s_cos, const float* s_sin,
+                                              int lane, uint32_t& lo, uint32_t& hi) {
+  static_assert(HD <= 128, "one pair of pairs per lane");
+  constexpr int half = HD / 2;
+  const int i = 2 * lane;
+  const bool active = i < half;
+  float2 a = make_float2(0.0f, 0.0f), b = make_float2(0.0f, 0.0f);
+  float ss = 0.0f;
+  if (active) {
+    a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
+    b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + half + i));
+    ss += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+  }
+  float inv = 1.0f;
+  if (w != nullptr) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + eps);
+  }
+  lo = hi = 0;
+  if (!active) return;
+  float2 x = a, y = b;
+  if (w != nullptr) {  // (x * inv) * w, the reference's order
+    x = make_float2(x.x * inv * w[i], x.y * inv * w[i + 1]);
+    y = make_float2(y.x * inv * w[half + i], y.y * inv * w[half + i + 1]);
+  }
+  if (rotate) {
+    const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
+    const float2 xr = make_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
+    const float2 yr = make_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
+    x = xr;
+    y = yr;
+  }
+  lo = pack_bf16(x.x, x.y);
+  hi = pack_bf16(y.x, y.y);
+}
+
+// Stores a row held as norm_rope_row's (lo, hi) into row r of a swizzled [*][HD] tile.
+template <int HD>
+__device__ __forceinline__ void store_tile_row(uint32_t tile, int r, int lane, uint32_t lo, uint32_t hi) {
+  constexpr int half = HD / 2;
+  const int i = 2 * lane;
+  if (i >= half) return;
+  const uint32_t at_lo = tile + tile_offset<HD>(r, i / 8) + (i % 8) * 2;
+  const uint32_t at_hi = tile + tile_offset<HD>(r, (half + i) / 8) + ((half + i) % 8) * 2;
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at_lo), "r"(lo));
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at_hi), "r"(hi));
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeArgs args) {
-  constexpr int C = HD / 8;  // 16-byte chunks per K/V row
   constexpr int kTileBytes = kDecodeBN * HD * 2;
   constexpr int kWarpBytes = kDecodeStages * 2 * kTileBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
+  __shared__ float s_cos[HD / 2], s_sin[HD / 2];
   __shared__ int s_last;
   const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
   // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the o projection's GEMV after this kernel
@@ -436,71 +496,95 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // while attention still runs.
   pdl_launch_dependents();
   // [TAG_ATTN_DECODE_PREWAIT] Before the wait this block reads only what no kernel of the step
-  // writes: num_seqs, seq_lens and the block table (uploaded before the step's first kernel) and
-  // the cache rows of positions < seq_len - 1 (written by earlier steps; this step's rope kernel
-  // writes position seq_len - 1 alone, into a block no other sequence reads). So the first K/V
-  // tiles stream from HBM while the rope kernel (and the GEMV before it) still run; q and the
-  // newest row are read after the wait.
+  // writes: num_seqs, seq_lens and the block table (uploaded before the step's first kernel),
+  // inv_freq (a constant), and the cache rows of positions < seq_len - 1 (written by earlier
+  // steps; position seq_len - 1 is this step's token, whose K/V row THIS kernel computes and
+  // writes, into a block no other sequence reads). So the RoPE table and the first K/V tiles are
+  // under way while the qkv GEMV still runs; the new token's q/k/v are read after the wait.
   if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
   const AttentionDims& d = args.dims;
+  const AttentionDecodeToken& tok = args.token;
   const int G = d.num_q_heads / d.num_kv_heads;
   const int ctx = args.seq_lens[s];
   const AttentionDecodeSplit sp = attention_decode_split(ctx, args.max_splits);
   if (split >= sp.splits) return;  // [TAG_ATTN_DECODE_SPLIT] the merge reads exactly splits 0 .. sp.splits-1
   const int k_begin = split * sp.partition;
   const int k_end = min(ctx, k_begin + sp.partition);
-  const int newest = ctx - 1;
+  const int newest = ctx - 1;  // the new token's position and key
   const int n_tiles = (k_end - k_begin + kDecodeBN - 1) / kDecodeBN;
   const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   const uint32_t q_tile = smem_addr(smem);
   const uint32_t warp_base = q_tile + 16 * HD * 2 + warp * kWarpBytes;
-  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages.
+  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages. Every load
+  // skips the newest key's row: it is computed here and stored into its stage from registers.
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-  auto load_stage = [&](int i, int skip_key) {
+  auto load_stage = [&](int i) {
     const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     load_kv_tile<HD, kDecodeBN, 32>(dst, args.k_cache, table_row, kvh, key0, k_end, d.num_kv_heads, d.block_size,
-                                    lane, skip_key);
+                                    lane, newest);
     load_kv_tile<HD, kDecodeBN, 32>(dst + kTileBytes, args.v_cache, table_row, kvh, key0, k_end, d.num_kv_heads,
-                                    d.block_size, lane, skip_key);
+                                    d.block_size, lane, newest);
   };
-  // Prologue before the wait: the warp's first three tiles, all but the newest row.
+  // Prologue before the wait: the warp's first three tiles, then the RoPE table of the position
+  // (cos/sin in double, rounded to fp32, as rope.cu and the CPU reference form them).
 #pragma unroll
   for (int i = 0; i < kDecodeStages - 1; ++i) {
-    if (i < my_tiles) load_stage(i, newest);
+    if (i < my_tiles) load_stage(i);
     cp_async_commit();
   }
-
-  pdl_wait();  // q and the newest K/V row come from the rope kernel
-
-  // Q rows: head kvh * G + r for r < G, zero-filled up to the m16 tile.
-  for (int idx = tid; idx < 16 * C; idx += kThreads) {
-    const int r = idx / C, c = idx % C;
-    const __nv_bfloat16* src = args.q;
-    int bytes = 0;
-    if (r < G) {
-      src = args.q + s * args.q_stride + static_cast<int64_t>(kvh * G + r) * HD + c * 8;
-      bytes = 16;
-    }
-    cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
+  for (int i = tid; i < HD / 2; i += kThreads) {
+    const float angle = static_cast<float>(newest) * tok.inv_freq[i];  // fp32 product, like the reference
+    double sn, cs;
+    sincos(static_cast<double>(angle), &sn, &cs);
+    s_cos[i] = static_cast<float>(cs);
+    s_sin[i] = static_cast<float>(sn);
   }
-  // The newest row, if a prologue tile holds it: lanes 0..C-1 its K chunks, C..2C-1 its V chunks.
-  if (newest >= k_begin && newest < k_end) {
-    const int tile = (newest - k_begin) / kDecodeBN, i = tile / kWarps;
-    if (tile % kWarps == warp && i < kDecodeStages - 1 && lane < 2 * C) {
-      const int r = (newest - k_begin) % kDecodeBN, c = lane % C;
-      const __nv_bfloat16* pool = lane < C ? args.k_cache : args.v_cache;
-      const int block = table_row[newest / d.block_size];
-      cp_async16(warp_base + i * 2 * kTileBytes + (lane < C ? 0 : kTileBytes) + tile_offset<HD>(r, c),
-                 pool + kv_cache_offset(block, kvh, newest % d.block_size, d.num_kv_heads, d.block_size, HD) + c * 8,
-                 16);
+  // Where the newest key sits, if this split holds it (the last split does): tile, warp, stage.
+  const bool has_newest = newest >= k_begin && newest < k_end;
+  const int new_tile = (newest - k_begin) / kDecodeBN;
+  const int new_i = new_tile / kWarps, new_r = (newest - k_begin) % kDecodeBN;
+  const bool owns_newest = has_newest && new_tile % kWarps == warp;
+  __syncthreads();  // the RoPE table
+
+  pdl_wait();  // the new token's q/k/v come from the qkv GEMV
+
+  // q: warp w normalises and rotates heads kvh * G + r, r = w, w + 4, ... < G, into the Q tile;
+  // rows G .. 15 of the m16 tile are zero.
+  for (int r = warp; r < 16; r += kWarps) {
+    uint32_t lo = 0, hi = 0;
+    if (r < G)
+      norm_rope_row<HD>(tok.q + s * tok.q_stride + static_cast<int64_t>(kvh * G + r) * HD, tok.q_norm, true, tok.eps,
+                        s_cos, s_sin, lane, lo, hi);
+    store_tile_row<HD>(q_tile, r, lane, lo, hi);
+  }
+  // The newest K/V row: the owning warp of the split that holds it computes it, writes it to the
+  // cache for later steps and keeps it in registers for its stage.
+  uint32_t k_lo = 0, k_hi = 0, v_lo = 0, v_hi = 0;
+  if (owns_newest) {
+    norm_rope_row<HD>(tok.k + s * tok.k_stride + static_cast<int64_t>(kvh) * HD, tok.k_norm, true, tok.eps, s_cos,
+                      s_sin, lane, k_lo, k_hi);
+    norm_rope_row<HD>(tok.v + s * tok.v_stride + static_cast<int64_t>(kvh) * HD, nullptr, false, tok.eps, s_cos,
+                      s_sin, lane, v_lo, v_hi);
+    const int i = 2 * lane;
+    if (i < HD / 2) {  // [TAG_KV_CACHE_LAYOUT]
+      const int64_t off = kv_cache_offset(table_row[newest / d.block_size], kvh, newest % d.block_size,
+                                          d.num_kv_heads, d.block_size, HD);
+      *reinterpret_cast<uint32_t*>(args.k_cache + off + i) = k_lo;
+      *reinterpret_cast<uint32_t*>(args.k_cache + off + HD / 2 + i) = k_hi;
+      *reinterpret_cast<uint32_t*>(args.v_cache + off + i) = v_lo;
+      *reinterpret_cast<uint32_t*>(args.v_cache + off + HD / 2 + i) = v_hi;
+    }
+    if (new_i < kDecodeStages - 1) {  // a prologue stage: store it now
+      const uint32_t stage = warp_base + new_i * 2 * kTileBytes;
+      store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
+      store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
     }
   }
-  cp_async_commit();
-  // Everything so far (the prologue tiles were requested before the wait and have mostly landed),
-  // then the block barrier for Q.
+  // The prologue tiles (requested before the wait, mostly landed by now), then the block barrier
+  // for Q.
   cp_async_wait<0>();
   __syncthreads();
   uint32_t qa[HD / 16][4];
@@ -510,7 +594,15 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   st.init();
   const int lim[2] = {k_end - 1, k_end - 1};
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kDecodeStages - 1 < my_tiles) load_stage(i + kDecodeStages - 1, -1);
+    if (i + kDecodeStages - 1 < my_tiles) {
+      const int j = i + kDecodeStages - 1;
+      load_stage(j);
+      if (owns_newest && j == new_i) {  // the newest row into its stage, from registers
+        const uint32_t stage = warp_base + (j % kDecodeStages) * 2 * kTileBytes;
+        store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
+        store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
+      }
+    }
     cp_async_commit();
     cp_async_wait<kDecodeStages - 1>();
     __syncwarp();
@@ -734,11 +826,28 @@ void init_attention_decode_workspace(void* workspace, const AttentionDims& dims,
   CUDA_CHECK(cudaMemsetAsync(workspace, 0, decode_workspace_layout(dims, plan).counter_bytes, stream));
 }
 
-void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int32_t* seq_lens,
-                             const int32_t* num_seqs, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
-                             const int32_t* block_table, const AttentionDims& dims, const AttentionDecodePlan& plan,
-                             void* workspace, __nv_bfloat16* out, cudaStream_t stream) {
-  check_common(dims, q, q_stride, k_cache, v_cache, out);
+void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* seq_lens, const int32_t* num_seqs,
+                             __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* block_table,
+                             const AttentionDims& dims, const AttentionDecodePlan& plan, void* workspace,
+                             __nv_bfloat16* out, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(dims.head_dim == 16 || dims.head_dim == 64 || dims.head_dim == 128,
+                        "attention: hd must be 16, 64 or 128");
+  MOEBIUS_LAUNCH_ASSERT(dims.num_kv_heads > 0 && dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0,
+                        "attention: nkv must divide nh");
+  MOEBIUS_LAUNCH_ASSERT(dims.block_size > 0 && dims.max_blocks_per_seq > 0, "attention: bad block_size / block table");
+  MOEBIUS_LAUNCH_ASSERT(token.q != nullptr && token.k != nullptr && token.v != nullptr && token.inv_freq != nullptr,
+                        "attention decode: q, k, v and inv_freq are required");
+  MOEBIUS_LAUNCH_ASSERT(token.q_stride >= static_cast<int64_t>(dims.num_q_heads) * dims.head_dim &&
+                            token.k_stride >= static_cast<int64_t>(dims.num_kv_heads) * dims.head_dim &&
+                            token.v_stride >= static_cast<int64_t>(dims.num_kv_heads) * dims.head_dim &&
+                            token.q_stride % 2 == 0 && token.k_stride % 2 == 0 && token.v_stride % 2 == 0,
+                        "attention decode: q/k/v strides must be even and cover the heads");
+  for (const void* p : {static_cast<const void*>(token.q), static_cast<const void*>(token.k),
+                        static_cast<const void*>(token.v)})
+    MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(p) % 4 == 0, "attention decode: q/k/v must be 4-byte aligned");
+  for (const void* p : {static_cast<const void*>(k_cache), static_cast<const void*>(v_cache),
+                        static_cast<const void*>(out)})
+    MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(p) % 16 == 0, "attention: pointers must be 16-byte aligned");
   MOEBIUS_LAUNCH_ASSERT(dims.num_q_heads / dims.num_kv_heads <= kDecodeMaxGroup,
                         "attention decode: at most 16 query heads per kv head");
   MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.max_splits >= 1 &&
@@ -747,8 +856,7 @@ void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int
   MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
                         "attention decode: a split plan needs a 16-byte aligned workspace");
   DecodeArgs a{};
-  a.q = q;
-  a.q_stride = q_stride;
+  a.token = token;
   a.seq_lens = seq_lens;
   a.num_seqs = num_seqs;
   a.k_cache = k_cache;

@@ -3,7 +3,8 @@
 //
 // Batches of sequences, vLLM/FlashInfer style. Sequence s has q_len = cu_seqlens_q[s+1] -
 // cu_seqlens_q[s] new query tokens (rows cu_seqlens_q[s] .. of q and out) and a context of
-// seq_lens[s] tokens already in the cache INCLUDING the new ones (the rope kernel wrote them):
+// seq_lens[s] tokens INCLUDING the new ones (prefill: the rope kernel put them in the cache; decode
+// puts its one new token there itself):
 // the new tokens are at positions seq_lens[s] - q_len .. seq_lens[s] - 1, and a query at position
 // p attends to cache positions [0, p]. Query head h reads KV head h / (nh / nkv). Scale
 // 1/sqrt(hd). The CPU reference is cpu::attention_reference (src/cpu/attention.h).
@@ -15,9 +16,10 @@
 //    a few long sequences still fill the GPU, in ONE kernel: the last split block of a (sequence,
 //    kv head) to finish merges the splits (an atomic counter), and a sequence short enough for
 //    one split is written directly, with no merge and no counter.
-// Both are launched with programmatic dependent launch (pdl.cuh). Prefill reads nothing before the
-// wait; decode reads the step inputs and the cache rows of earlier steps before it
-// ([TAG_ATTN_DECODE_PREWAIT] in attention.cu).
+// Prefill reads q and a cache that the rope kernel (rope.cuh) prepared; decode takes the new
+// token's raw q/k/v and does that work itself (AttentionDecodeToken). Both are launched with
+// programmatic dependent launch (pdl.cuh). Prefill reads nothing before the wait; decode reads the
+// step inputs and the cache rows of earlier steps before it ([TAG_ATTN_DECODE_PREWAIT]).
 //
 // [TAG_ATTN_GRAPH_BUCKET] Nothing here syncs the host, and grids come from HOST maxima
 // (max_num_seqs, max_q_len, the decode plan's max_context), while the live counts come from
@@ -30,7 +32,8 @@
 //
 // Supported: head_dim 16 (the tiny test fixture), 64, 128 (Qwen3); nkv divides nh; the decode
 // kernel needs nh / nkv <= 16 (Qwen3-30B-A3B: 8, Qwen3-235B-A22B: 16). Pointers are device
-// pointers and must be 16-byte aligned, with q_stride a multiple of 8 elements.
+// pointers and must be 16-byte aligned, with q_stride a multiple of 8 elements (prefill); decode's
+// token rows are read as bf16 pairs (4-byte aligned, even strides).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -105,21 +108,41 @@ size_t attention_decode_workspace_bytes(const AttentionDims& dims, const Attenti
 void init_attention_decode_workspace(void* workspace, const AttentionDims& dims, const AttentionDecodePlan& plan,
                                      cudaStream_t stream);
 
-// Decode: one query token per sequence, at position seq_lens[s] - 1, whose K/V row the rope kernel
-// just wrote; every other cache row of the sequence was written by an earlier step.
-//   q            [max_num_seqs, q_stride] bf16: sequence s's heads at q + s*q_stride + h*hd
+// The new token of each decode sequence as the qkv projection left it, for the attention prologue
+// folded into the decode kernel: rope.cuh's qk_norm_rope_kv at one token per sequence (QK-norm,
+// RoPE neox at position seq_lens[s] - 1, the K/V row written into the cache at that position's
+// slot of the block table), the same arithmetic and bits.
+struct AttentionDecodeToken {
+  const __nv_bfloat16* q = nullptr;  // [max_num_seqs, q_stride]: head h of sequence s at q + s*q_stride + h*hd
+  int64_t q_stride = 0;
+  const __nv_bfloat16* k = nullptr;  // [max_num_seqs, k_stride]: kv head at k + s*k_stride + kvh*hd
+  int64_t k_stride = 0;
+  const __nv_bfloat16* v = nullptr;  // [max_num_seqs, v_stride]   (q, k, v: slices of one qkv row)
+  int64_t v_stride = 0;
+  const float* q_norm = nullptr;     // [hd] fp32, or nullptr: no RMSNorm on q
+  const float* k_norm = nullptr;     // [hd] fp32, or nullptr: no RMSNorm on k
+  const float* inv_freq = nullptr;   // [hd / 2] fp32: cpu::rope_inv_freq(rope_theta, hd)
+  float eps = 0.0f;                  // rms_norm_eps
+};
+
+// Decode: one new token per sequence, at position seq_lens[s] - 1; every other cache row of the
+// sequence was written by an earlier step. The kernel normalises and rotates the token's q and k,
+// writes its K/V rows into the cache (no separate rope kernel at decode), and attends.
+//   token        the raw q/k/v rows and the norm/RoPE constants (above); q/k/v are not modified
 //   seq_lens     [max_num_seqs] int32: live sequences need seq_lens[s] >= 1
 //   num_seqs     [1] int32: live sequences
-//   k_cache, v_cache, block_table: as for prefill
+//   k_cache, v_cache  as for prefill; the live sequences' rows at seq_lens[s] - 1 are written
+//   block_table  as for prefill; must hold a block for position seq_lens[s] - 1
 //   workspace    attention_decode_workspace_bytes(...) bytes, 16-byte aligned, initialised once by
 //                init_attention_decode_workspace (nullptr if 0 bytes). One launch at a time per
 //                workspace (kernels of one stream: the next launch's writes come after its wait).
 //   out          [max_num_seqs, nh, hd] bf16: rows of live sequences written, nothing else
-// seq_lens, num_seqs, block_table and the cache rows before position seq_lens[s] - 1 are read
-// BEFORE the PDL wait: no kernel of the same stream chain may write them ([TAG_ATTN_DECODE_PREWAIT]).
-void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int32_t* seq_lens,
-                             const int32_t* num_seqs, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
-                             const int32_t* block_table, const AttentionDims& dims, const AttentionDecodePlan& plan,
-                             void* workspace, __nv_bfloat16* out, cudaStream_t stream);
+// seq_lens, num_seqs, block_table, inv_freq and the cache rows before position seq_lens[s] - 1 are
+// read BEFORE the PDL wait: no kernel of the same stream chain may write them
+// ([TAG_ATTN_DECODE_PREWAIT]).
+void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* seq_lens, const int32_t* num_seqs,
+                             __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* block_table,
+                             const AttentionDims& dims, const AttentionDecodePlan& plan, void* workspace,
+                             __nv_bfloat16* out, cudaStream_t stream);
 
 }  // namespace moebius::kernels

@@ -52,8 +52,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
 
-  // [TAG_ATTN_DECODE_PREWAIT] A token writes its own slot only (at decode: position seq_len - 1 of
-  // its sequence); the decode attention kernel reads every other cache row before its PDL wait.
   const int slot = slot_mapping[t];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int items = nh + 2 * nkv;

@@ -910,14 +910,16 @@ void Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int gra
     __nv_bfloat16* vc = kc + kv_pool_elems_;
     kernels::launch_add_rms_norm<float, float>(x_, l == 0 ? nullptr : y_, L.input_norm, rows, H, eps, h_, s);
     gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
-    kernels::launch_qk_norm_rope_kv(qkv_, qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd, qkv_dim_,
-                                    L.q_norm, L.k_norm, in(at_.positions), inv_freq_, in(at_.slots), kc, vc, rows, nh,
-                                    nkv, hd, opt_.block_size, eps, s);
-    if (decode) {
+    if (decode) {  // QK-norm, RoPE and the K/V write are the decode kernel's prologue
       const Graph& g = graphs_[static_cast<size_t>(graph_index)];
-      kernels::launch_attention_decode(qkv_, qkv_dim_, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims,
-                                       g.plan, g.attn_workspace, attn_, s);
+      const kernels::AttentionDecodeToken token{qkv_,    qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd,
+                                                qkv_dim_, L.q_norm, L.k_norm,     inv_freq_, eps};
+      kernels::launch_attention_decode(token, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims, g.plan,
+                                       g.attn_workspace, attn_, s);
     } else {
+      kernels::launch_qk_norm_rope_kv(qkv_, qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd, qkv_dim_,
+                                      L.q_norm, L.k_norm, in(at_.positions), inv_freq_, in(at_.slots), kc, vc, rows,
+                                      nh, nkv, hd, opt_.block_size, eps, s);
       kernels::launch_attention_prefill(qkv_, qkv_dim_, in(at_.cu_seqlens), in(at_.seq_lens), num_seqs, kc, vc,
                                         in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);
     }

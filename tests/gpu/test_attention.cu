@@ -21,8 +21,10 @@
 // counter it resets): the tests below cover one split and many (contexts 1 .. 10240), batches of 1
 // to 64 sequences of different lengths in one launch, reruns and graph replays that must be
 // bit-identical (arrival order differs; a counter left non-zero would leave outputs poisoned), and
-// a PDL chain where the kernel before attention writes q and the newest K/V rows late, as the rope
-// kernel does ([TAG_ATTN_DECODE_PREWAIT]: attention reads older rows before its wait).
+// a PDL chain where the kernel before attention writes the new token's q/k/v late, as the qkv GEMV
+// does ([TAG_ATTN_DECODE_PREWAIT]: attention reads older rows before its wait). Decode folds in
+// QK-norm + RoPE + the K/V write: its batches carry the raw token, the reference sees the finished
+// one (CPU RMSNorm and RoPE), and the newest cache rows start as NaN and must be written.
 #include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
 
 #include <cuda_bf16.h>
@@ -39,6 +41,8 @@
 
 #include "core/dtype.h"
 #include "cpu/attention.h"
+#include "cpu/norm.h"
+#include "cpu/rope.h"
 #include "kernels/attention.cuh"
 #include "kernels/pdl.cuh"
 
@@ -52,6 +56,7 @@ using testing::CudaStream;
 using testing::DeviceBuffer;
 
 constexpr double kMaxNmse = 5e-5;
+constexpr float kEps = 1e-6f;  // Qwen3's rms_norm_eps
 constexpr uint8_t kPoison = 0xFF;
 
 struct Geometry {
@@ -86,10 +91,61 @@ struct Batch {
   std::vector<int32_t> table;             // [max_seqs, max_blocks]
   std::vector<int32_t> cu, lens;          // [max_seqs + 1], [max_seqs]
   std::vector<float> want;                // [T, nh, hd]
+  // Decode batches (every q_len 1) also carry the new token as the qkv projection leaves it; q and
+  // the newest cache rows above then hold what QK-norm + RoPE make of it, rounded to bf16.
+  bool decode = false;
+  std::vector<float> q_raw;               // [max_seqs, nh, hd], bf16 values
+  std::vector<float> k_raw, v_raw;        // [max_seqs, nkv, hd], bf16 values
+  std::vector<float> q_norm, k_norm;      // [hd]
+  std::vector<float> inv_freq;            // [hd / 2]
+  std::vector<int64_t> new_rows;          // element offset in a pool of each (sequence, kv head)'s newest row
 
   int total_q() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
   int64_t row() const { return int64_t{geo.nh} * geo.hd; }
 };
+
+// The decode step's new token ([TAG_KV_CACHE_LAYOUT]): raw q/k/v rows and norm weights drawn here,
+// then q and the newest K/V rows of the batch replaced by their finished values (CPU references:
+// RMSNorm, RoPE neox at position ctx - 1, Qwen3's theta 1e6), rounded to bf16 as the kernel's Q
+// tile and the cache hold them. q_scale scales the q norm weights (the norm removes q's own scale).
+void finish_decode_token(Batch& b, std::mt19937& rng, float q_scale) {
+  const Geometry& g = b.geo;
+  const size_t qrow = static_cast<size_t>(g.nh) * g.hd, kvrow = static_cast<size_t>(g.nkv) * g.hd;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  b.q_raw.assign(static_cast<size_t>(b.max_seqs) * qrow, 0.0f);
+  b.k_raw.assign(static_cast<size_t>(b.max_seqs) * kvrow, 0.0f);
+  b.v_raw.assign(b.k_raw.size(), 0.0f);
+  b.q_norm.resize(static_cast<size_t>(g.hd));
+  b.k_norm.resize(static_cast<size_t>(g.hd));
+  for (float& w : b.q_norm) w = 0.5f * q_scale * (1.0f + 0.5f * u(rng));
+  for (float& w : b.k_norm) w = 1.0f + 0.5f * u(rng);
+  b.inv_freq = cpu::rope_inv_freq(1e6, g.hd);
+  b.new_rows.clear();
+  std::vector<float> x(qrow), y(kvrow);
+  for (size_t s = 0; s < b.ctxs.size(); ++s) {
+    const int64_t pos = b.ctxs[s] - 1;
+    float* qr = b.q_raw.data() + s * qrow;
+    std::copy_n(b.q.begin() + static_cast<int64_t>(b.cu[s]) * b.row(), qrow, qr);
+    for (size_t i = 0; i < kvrow; ++i) {
+      b.k_raw[s * kvrow + i] = bf16_round(u(rng));
+      b.v_raw[s * kvrow + i] = bf16_round(u(rng));
+    }
+    cpu::rms_norm_reference(qr, b.q_norm.data(), g.nh, g.hd, kEps, x.data());
+    cpu::rope_neox_reference(x.data(), 1, g.nh, g.hd, &pos, b.inv_freq.data());
+    for (size_t i = 0; i < qrow; ++i) b.q[static_cast<size_t>(b.cu[s]) * qrow + i] = bf16_round(x[i]);
+    cpu::rms_norm_reference(b.k_raw.data() + s * kvrow, b.k_norm.data(), g.nkv, g.hd, kEps, y.data());
+    cpu::rope_neox_reference(y.data(), 1, g.nkv, g.hd, &pos, b.inv_freq.data());
+    const int64_t blk = b.table[s * b.max_blocks + pos / b.block_size];
+    for (int h = 0; h < g.nkv; ++h) {
+      const int64_t off = ((blk * g.nkv + h) * b.block_size + pos % b.block_size) * g.hd;
+      b.new_rows.push_back(off);
+      for (int i = 0; i < g.hd; ++i) {
+        b.k_pool[static_cast<size_t>(off + i)] = bf16_round(y[static_cast<size_t>(h * g.hd + i)]);
+        b.v_pool[static_cast<size_t>(off + i)] = b.v_raw[s * kvrow + static_cast<size_t>(h * g.hd + i)];
+      }
+    }
+  }
+}
 
 // Capacities default to this batch's needs plus slack: 3 spare blocks, 2 spare sequences, 5 spare
 // query rows, 2 spare block-table columns.
@@ -137,6 +193,9 @@ Batch make_batch(const Geometry& geo, int bs, std::vector<int> q_lens, std::vect
   }
   for (int s = n; s < b.max_seqs; ++s) b.cu[s + 1] = b.cu[s];
 
+  b.decode = n > 0 && std::all_of(b.q_lens.begin(), b.q_lens.end(), [](int x) { return x == 1; });
+  if (b.decode) finish_decode_token(b, rng, q_scale);
+
   // Reference, sequence by sequence, over a contiguous copy of its cache rows.
   const int kvd = geo.nkv * geo.hd;
   b.want.assign(static_cast<size_t>(b.total_q()) * b.row(), 0.0f);
@@ -166,17 +225,41 @@ std::vector<bf16> to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-// Device copies of a batch's inputs at its capacities, plus the output.
+std::vector<float> with_nan_rows(std::vector<float> pool, const std::vector<int64_t>& rows, int hd) {
+  for (int64_t off : rows) std::fill_n(pool.begin() + off, hd, NAN);
+  return pool;
+}
+
+// Device copies of a batch's inputs at its capacities, plus the output. decode: q and the newest
+// cache rows are uploaded as NaN (the decode kernel must read the raw token and write those rows).
 struct DeviceBatch {
-  explicit DeviceBatch(const Batch& b)
+  explicit DeviceBatch(const Batch& b, bool decode = false)
       : q(b.q.size()), k(b.k_pool.size()), v(b.v_pool.size()), table(b.table.size()), cu(b.cu.size()),
-        lens(b.lens.size()), num_seqs(1), out(static_cast<size_t>(b.t_cap) * b.row()) {
-    upload(b);
+        lens(b.lens.size()), num_seqs(1), out(static_cast<size_t>(b.t_cap) * b.row()),
+        q_raw(std::max<size_t>(b.q_raw.size(), 1)), k_raw(std::max<size_t>(b.k_raw.size(), 1)),
+        v_raw(std::max<size_t>(b.v_raw.size(), 1)), q_norm(std::max<size_t>(b.q_norm.size(), 1)),
+        k_norm(std::max<size_t>(b.k_norm.size(), 1)), inv_freq(std::max<size_t>(b.inv_freq.size(), 1)) {
+    upload(b, decode);
   }
-  void upload(const Batch& b) {
-    q.upload(to_bf16(b.q));
-    k.upload(to_bf16(b.k_pool));
-    v.upload(to_bf16(b.v_pool));
+  void upload(const Batch& b, bool decode = false) {
+    EXPECT_TRUE(!decode || b.decode);
+    if (b.decode) {
+      q_raw.upload(to_bf16(b.q_raw));
+      k_raw.upload(to_bf16(b.k_raw));
+      v_raw.upload(to_bf16(b.v_raw));
+      q_norm.upload(b.q_norm);
+      k_norm.upload(b.k_norm);
+      inv_freq.upload(b.inv_freq);
+    }
+    if (decode) {
+      q.upload(to_bf16(std::vector<float>(b.q.size(), NAN)));
+      k.upload(to_bf16(with_nan_rows(b.k_pool, b.new_rows, b.geo.hd)));
+      v.upload(to_bf16(with_nan_rows(b.v_pool, b.new_rows, b.geo.hd)));
+    } else {
+      q.upload(to_bf16(b.q));
+      k.upload(to_bf16(b.k_pool));
+      v.upload(to_bf16(b.v_pool));
+    }
     table.upload(b.table);
     cu.upload(b.cu);
     lens.upload(b.lens);
@@ -185,10 +268,45 @@ struct DeviceBatch {
   AttentionDims dims(const Batch& b) const {
     return AttentionDims{b.geo.nh, b.geo.nkv, b.geo.hd, b.block_size, b.max_blocks};
   }
+  // The decode kernel's view of the new token (raw q/k/v rows of max_seqs sequences).
+  kernels::AttentionDecodeToken token(const Batch& b) {
+    const int64_t kv = int64_t{b.geo.nkv} * b.geo.hd;
+    return kernels::AttentionDecodeToken{q_raw.data(), b.row(),       k_raw.data(),    kv,  v_raw.data(),
+                                         kv,           q_norm.data(), k_norm.data(), inv_freq.data(), kEps};
+  }
+  void launch_decode(const Batch& b, const AttentionDecodePlan& plan, void* ws, cudaStream_t stream) {
+    kernels::launch_attention_decode(token(b), lens.data(), num_seqs.data(), k.data(), v.data(), table.data(), dims(b),
+                                     plan, ws, out.data(), stream);
+  }
   DeviceBuffer<__nv_bfloat16> q, k, v;
   DeviceBuffer<int32_t> table, cu, lens, num_seqs;
   DeviceBuffer<__nv_bfloat16> out;
+  DeviceBuffer<__nv_bfloat16> q_raw, k_raw, v_raw;
+  DeviceBuffer<float> q_norm, k_norm, inv_freq;
 };
+
+// After a decode launch: the newest K rows hold the finished k (bf16, within one ulp of the CPU
+// reference's rounding: the kernel and the reference sum the norm in other orders), the newest V
+// rows the raw v exactly, every other cache element is untouched.
+void expect_cache(const Batch& b, const DeviceBatch& d, const char* what) {
+  for (int pool = 0; pool < 2; ++pool) {
+    const std::vector<__nv_bfloat16> raw = (pool == 0 ? d.k : d.v).download();
+    const std::vector<float>& want = pool == 0 ? b.k_pool : b.v_pool;
+    std::vector<float> got(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) got[i] = __bfloat162float(raw[i]);
+    for (int64_t off : b.new_rows) {
+      if (pool == 0)
+        EXPECT_TRUE(testing::all_close(got.data() + off, want.data() + off, static_cast<size_t>(b.geo.hd), 1.0 / 128,
+                                       1e-6))
+            << what << ": newest k row at " << off;
+      else
+        EXPECT_TRUE(testing::same_values(got.data() + off, want.data() + off, static_cast<size_t>(b.geo.hd)))
+            << what << ": newest v row at " << off;
+      std::copy_n(want.begin() + off, b.geo.hd, got.begin() + off);  // checked; the rest must be exact
+    }
+    EXPECT_TRUE(testing::same_values(got.data(), want.data(), got.size())) << what << ": cache rows not the new token's";
+  }
+}
 
 // out rows [0, total_q) against the reference, per sequence; rows past stay poisoned; guards.
 void expect_matches(const Batch& b, const DeviceBatch& d, const char* what) {
@@ -227,7 +345,7 @@ void run_prefill(const Batch& b, int max_q_len = -1) {
 void run_decode(const Batch& b, int plan_splits = 0) {
   const int max_ctx = *std::max_element(b.ctxs.begin(), b.ctxs.end());
   CudaStream stream;
-  DeviceBatch d(b);
+  DeviceBatch d(b, /*decode=*/true);
   AttentionDecodePlan plan = kernels::plan_attention_decode(d.dims(b), b.max_seqs, max_ctx, num_sms());
   if (plan_splits > 0) plan = AttentionDecodePlan{b.max_seqs, max_ctx, plan_splits};
   const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
@@ -235,12 +353,11 @@ void run_decode(const Batch& b, int plan_splits = 0) {
   ws.poison(0xFF, stream);  // NaN partials: a merge that read an unwritten split would show it
   kernels::init_attention_decode_workspace(ws.data(), d.dims(b), plan, stream);  // the counters only
   d.out.poison(kPoison, stream);
-  kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                   d.table.data(), d.dims(b), plan, ws_bytes ? ws.data() : nullptr, d.out.data(),
-                                   stream);
+  d.launch_decode(b, plan, ws_bytes ? ws.data() : nullptr, stream);
   stream.sync();
   SCOPED_TRACE(::testing::Message() << "decode plan: max_splits " << plan.max_splits);
   expect_matches(b, d, plan.max_splits > 1 ? "decode" : "decode1");
+  expect_cache(b, d, "decode");
   EXPECT_TRUE(ws.guards_intact());
 }
 
@@ -383,15 +500,13 @@ TEST(AttentionGpuDecode, BatchesOfOneToSixtyFour) {
   run_decode(b, /*plan_splits=*/8);
 }
 
-// Copies q and, per live sequence and kv head, the newest K and V rows (element offsets `rows`, hd
-// each) from the true buffers into the ones attention reads, after sleeping ~`sleep_ns`. It
-// triggers its dependents first, so attention's blocks are resident and past their pre-wait loads
-// long before these writes land: an attention kernel that read q or a newest row before its wait
-// would see the poison.
-__global__ void late_writer_kernel(const int64_t* rows, int n_rows, int hd, const __nv_bfloat16* k_src,
-                                   const __nv_bfloat16* v_src, __nv_bfloat16* k_dst, __nv_bfloat16* v_dst,
-                                   const __nv_bfloat16* q_src, __nv_bfloat16* q_dst, int64_t q_elems,
-                                   unsigned sleep_ns) {
+// Copies the new token's raw q, k and v (what the qkv GEMV writes) from `src` to `dst`, after
+// sleeping ~`sleep_ns`. It triggers its dependents first, so attention's blocks are resident and
+// past their pre-wait loads long before these writes land: an attention kernel that read the
+// token before its wait would see the poison.
+__global__ void late_writer_kernel(const __nv_bfloat16* q_src, const __nv_bfloat16* k_src, const __nv_bfloat16* v_src,
+                                   __nv_bfloat16* q_dst, __nv_bfloat16* k_dst, __nv_bfloat16* v_dst, int64_t q_elems,
+                                   int64_t kv_elems, unsigned sleep_ns) {
   kernels::pdl_launch_dependents();
   uint64_t t0 = 0, t = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -401,56 +516,46 @@ __global__ void late_writer_kernel(const int64_t* rows, int n_rows, int hd, cons
   } while (t - t0 < sleep_ns);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = tid; i < static_cast<int64_t>(n_rows) * hd; i += stride) {
-    const int64_t off = rows[i / hd] + i % hd;
-    k_dst[off] = k_src[off];
-    v_dst[off] = v_src[off];
-  }
   for (int64_t i = tid; i < q_elems; i += stride) q_dst[i] = q_src[i];
+  for (int64_t i = tid; i < kv_elems; i += stride) {
+    k_dst[i] = k_src[i];
+    v_dst[i] = v_src[i];
+  }
 }
 
-TEST(AttentionGpuDecode, PdlChainWithLateNewestRows) {
+TEST(AttentionGpuDecode, PdlChainWithLateToken) {
   MOEBIUS_REQUIRE_GPU();
+  // The newest key in a prologue tile (ctx <= 192 in one split, and the last split of 1000) and
+  // past it (193 .. 256: loaded in the key loop), single and many splits.
   const std::vector<int> ctx = {1, 2, 17, 192, 193, 255, 256, 1000, 4097, 10240};
   for (const Geometry& g : {kQwen3_30B, kQwen3_235B, kTiny}) {
     SCOPED_TRACE(g.name);
     const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 401);
     CudaStream stream;
-    DeviceBatch d(b);
-    // True q / K / V stay in `truth`; d gets NaN in q and in every newest row. [TAG_KV_CACHE_LAYOUT]
-    DeviceBatch truth(b);
-    std::vector<int64_t> rows;
-    Batch poisoned = b;
-    for (size_t s = 0; s < ctx.size(); ++s) {
-      const int p = ctx[s] - 1;
-      const int64_t blk = b.table[s * b.max_blocks + p / b.block_size];
-      for (int h = 0; h < g.nkv; ++h) {
-        const int64_t off = ((blk * g.nkv + h) * b.block_size + p % b.block_size) * g.hd;
-        rows.push_back(off);
-        std::fill_n(poisoned.k_pool.begin() + off, g.hd, NAN);
-        std::fill_n(poisoned.v_pool.begin() + off, g.hd, NAN);
-      }
-    }
-    std::fill(poisoned.q.begin(), poisoned.q.end(), NAN);
-    DeviceBuffer<int64_t> d_rows(rows.size());
-    d_rows.upload(rows);
+    DeviceBatch d(b, /*decode=*/true), truth(b);
     const AttentionDims dims = d.dims(b);
     const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
     const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
     DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
     kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
     auto enqueue = [&] {
-      kernels::launch_pdl(late_writer_kernel, dim3(8), dim3(256), 0, stream, d_rows.data(),
-                          static_cast<int>(rows.size()), g.hd, truth.k.data(), truth.v.data(), d.k.data(), d.v.data(),
-                          truth.q.data(), d.q.data(), static_cast<int64_t>(b.q.size()), 20000u);
-      kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                       d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+      kernels::launch_pdl(late_writer_kernel, dim3(8), dim3(256), 0, stream, truth.q_raw.data(), truth.k_raw.data(),
+                          truth.v_raw.data(), d.q_raw.data(), d.k_raw.data(), d.v_raw.data(),
+                          static_cast<int64_t>(b.q_raw.size()), static_cast<int64_t>(b.k_raw.size()), 20000u);
+      d.launch_decode(b, plan, ws.data(), stream);
     };
-    d.upload(poisoned);
-    d.out.poison(kPoison, stream);
+    auto reset = [&] {  // poisoned token, poisoned newest cache rows, poisoned output
+      d.upload(b, /*decode=*/true);
+      d.q_raw.poison(0xFF, stream);
+      d.k_raw.poison(0xFF, stream);
+      d.v_raw.poison(0xFF, stream);
+      d.out.poison(kPoison, stream);
+    };
+    reset();
     enqueue();
     stream.sync();
     expect_matches(b, d, "pdl");
+    expect_cache(b, d, "pdl");
     const std::vector<__nv_bfloat16> eager = d.out.download();
 
     // The same chain captured once and replayed: every replay bit-identical to the eager run.
@@ -462,11 +567,11 @@ TEST(AttentionGpuDecode, PdlChainWithLateNewestRows) {
     CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int r = 0; r < 3; ++r) {
       SCOPED_TRACE(::testing::Message() << "replay " << r);
-      d.upload(poisoned);
-      d.out.poison(kPoison, stream);
+      reset();
       CUDA_CHECK(cudaGraphLaunch(exec, stream));
       stream.sync();
       EXPECT_TRUE(same_bytes(d.out.download(), eager)) << "graph replay differs from the eager run";
+      expect_cache(b, d, "pdl-graph");
     }
     CUDA_CHECK(cudaGraphExecDestroy(exec));
     CUDA_CHECK(cudaGraphDestroy(graph));
@@ -480,7 +585,7 @@ TEST(AttentionGpuDecode, RerunsAreBitIdentical) {
   const int n = 40;
   const Batch b = make_batch(kQwen3_30B, 16, ones(n), mixed_contexts(n, 501), 503);
   CudaStream stream;
-  DeviceBatch d(b);
+  DeviceBatch d(b, /*decode=*/true);
   const AttentionDims dims = d.dims(b);
   for (int max_splits : {0, 8, 256}) {
     SCOPED_TRACE(::testing::Message() << "max_splits " << max_splits);
@@ -493,11 +598,11 @@ TEST(AttentionGpuDecode, RerunsAreBitIdentical) {
     std::vector<__nv_bfloat16> first;
     for (int r = 0; r < 5; ++r) {
       d.out.poison(kPoison, stream);
-      kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                       d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+      d.launch_decode(b, plan, ws.data(), stream);
       stream.sync();
       if (r == 0) {
         expect_matches(b, d, "rerun");
+        expect_cache(b, d, "rerun");
         first = d.out.download();
       } else {
         EXPECT_TRUE(same_bytes(d.out.download(), first)) << "rerun " << r << " differs";
@@ -527,7 +632,7 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
     SCOPED_TRACE(decode ? "decode graph" : "prefill graph");
     const Replay* replays = decode ? decode_replays : prefill_replays;
     Batch first = make_batch(g, kBs, replays[0].q, replays[0].c, 101, 2.0f, kSeqs, kMaxBlocks, kBlocks, kTCap);
-    DeviceBatch d(first);
+    DeviceBatch d(first, decode);
     CudaStream stream;
     const AttentionDims dims = d.dims(first);
     const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, kSeqs, kMaxCtx, num_sms());
@@ -538,8 +643,7 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
     cudaGraphExec_t exec = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     if (decode)
-      kernels::launch_attention_decode(d.q.data(), first.row(), d.lens.data(), d.num_seqs.data(), d.k.data(),
-                                       d.v.data(), d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+      d.launch_decode(first, plan, ws.data(), stream);
     else
       kernels::launch_attention_prefill(d.q.data(), first.row(), d.cu.data(), d.lens.data(), d.num_seqs.data(),
                                         d.k.data(), d.v.data(), d.table.data(), dims, kSeqs, kMaxQ, d.out.data(),
@@ -551,11 +655,12 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
       const Batch b = r == 0 ? std::move(first)
                              : make_batch(g, kBs, replays[r].q, replays[r].c, 103, 2.0f, kSeqs, kMaxBlocks, kBlocks,
                                           kTCap);
-      d.upload(b);  // synchronous copies, outside the graph: the live batch is device data only
+      d.upload(b, decode);  // synchronous copies, outside the graph: the live batch is device data only
       d.out.poison(kPoison, stream);
       CUDA_CHECK(cudaGraphLaunch(exec, stream));
       stream.sync();
       expect_matches(b, d, decode ? "graph-d" : "graph-p");
+      if (decode) expect_cache(b, d, "graph-d");
     }
     CUDA_CHECK(cudaGraphExecDestroy(exec));
     CUDA_CHECK(cudaGraphDestroy(graph));
