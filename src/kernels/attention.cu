@@ -427,37 +427,55 @@ constexpr int decode_smem_bytes() {
   return 16 * HD * 2 + std::max(rings, std::max(states, merge));
 }
 
-// One head row of the new token through QK-norm (w != nullptr) and RoPE (rotate), by one warp, in
-// rope.cu's arithmetic (same order of operations, so the same bits as the prefill path's rope
-// kernel): lane l holds the pairs (2l, 2l+1) and (hd/2 + 2l, hd/2 + 2l + 1), lanes with 2l >= hd/2
-// hold nothing (hd <= 128). Returns the two pairs as packed bf16x2 (lo: first half, hi: second).
+// One head row of the new token through QK-norm and RoPE, by one warp, in rope.cu's arithmetic
+// (same operations in the same order, so the bits of the prefill path's rope kernel): lane l holds
+// the pairs (2l, 2l+1) and (hd/2 + 2l, hd/2 + 2l + 1); lanes with 2l >= hd/2 hold nothing (hd <=
+// 128). Split in two so that a warp issues all its rows' loads before the first math waits on one.
+struct RowPairs {
+  float2 a, b;  // (x[i], x[i+1]), (x[hd/2+i], x[hd/2+i+1]), i = 2 * lane
+};
 template <int HD>
-__device__ __forceinline__ void norm_rope_row(const __nv_bfloat16* __restrict__ src, const float* __restrict__ w,
-                                              bool rotate, float eps, const float* s_cos, const float* s_sin,
-                                              int lane, uint32_t& lo, uint32_t& hi) {
+__device__ __forceinline__ bool lane_holds_pairs(int lane) {
   static_assert(HD <= 128, "one pair of pairs per lane");
-  constexpr int half = HD / 2;
-  const int i = 2 * lane;
-  const bool active = i < half;
-  float2 a = make_float2(0.0f, 0.0f), b = make_float2(0.0f, 0.0f);
-  float ss = 0.0f;
-  if (active) {
-    a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + i));
-    b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + half + i));
-    ss += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+  return 2 * lane < HD / 2;
+}
+template <int HD>
+__device__ __forceinline__ RowPairs load_row_pairs(const __nv_bfloat16* __restrict__ src, int lane) {
+  RowPairs p{make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+  if (lane_holds_pairs<HD>(lane)) {
+    p.a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + 2 * lane));
+    p.b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + HD / 2 + 2 * lane));
   }
+  return p;
+}
+// The lane's norm weights (w[i], w[i+1], w[hd/2+i], w[hd/2+i+1]); w == nullptr: none.
+template <int HD>
+__device__ __forceinline__ float4 load_norm_pairs(const float* __restrict__ w, int lane) {
+  if (w == nullptr || !lane_holds_pairs<HD>(lane)) return make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  const int i = 2 * lane;
+  return make_float4(w[i], w[i + 1], w[HD / 2 + i], w[HD / 2 + i + 1]);
+}
+// norm: RMSNorm with weights w (all lanes of the warp must call: a shuffle sum); rotate: RoPE with
+// the position's table. Returns the pairs packed as bf16x2 (lo: first half, hi: second).
+template <int HD>
+__device__ __forceinline__ void finish_row(RowPairs p, bool norm, float4 w, bool rotate, float eps,
+                                           const float* s_cos, const float* s_sin, int lane, uint32_t& lo,
+                                           uint32_t& hi) {
+  float ss = 0.0f;
+  ss += p.a.x * p.a.x + p.a.y * p.a.y + p.b.x * p.b.x + p.b.y * p.b.y;  // zero on lanes without pairs
   float inv = 1.0f;
-  if (w != nullptr) {
+  if (norm) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + eps);
   }
   lo = hi = 0;
-  if (!active) return;
-  float2 x = a, y = b;
-  if (w != nullptr) {  // (x * inv) * w, the reference's order
-    x = make_float2(x.x * inv * w[i], x.y * inv * w[i + 1]);
-    y = make_float2(y.x * inv * w[half + i], y.y * inv * w[half + i + 1]);
+  if (!lane_holds_pairs<HD>(lane)) return;
+  const int i = 2 * lane;
+  float2 x = p.a, y = p.b;
+  if (norm) {  // (x * inv) * w, the reference's order
+    x = make_float2(x.x * inv * w.x, x.y * inv * w.y);
+    y = make_float2(y.x * inv * w.z, y.y * inv * w.w);
   }
   if (rotate) {
     const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
@@ -470,7 +488,7 @@ __device__ __forceinline__ void norm_rope_row(const __nv_bfloat16* __restrict__ 
   hi = pack_bf16(y.x, y.y);
 }
 
-// Stores a row held as norm_rope_row's (lo, hi) into row r of a swizzled [*][HD] tile.
+// Stores a row held as finish_row's (lo, hi) into row r of a swizzled [*][HD] tile.
 template <int HD>
 __device__ __forceinline__ void store_tile_row(uint32_t tile, int r, int lane, uint32_t lo, uint32_t hi) {
   constexpr int half = HD / 2;
@@ -501,7 +519,13 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // steps; position seq_len - 1 is this step's token, whose K/V row THIS kernel computes and
   // writes, into a block no other sequence reads). So the RoPE table and the first K/V tiles are
   // under way while the qkv GEMV still runs; the new token's q/k/v are read after the wait.
-  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
+  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) {
+    // Blocks without work exit before the wait, but one block always waits, so that this kernel's
+    // completion still implies its predecessor's when no sequence is live (pdl.cuh: completion is
+    // transitive only through a wait). With a live sequence its split 0 waits.
+    if (s == 0 && split == 0 && kvh == 0) pdl_wait();
+    return;
+  }
   const AttentionDims& d = args.dims;
   const AttentionDecodeToken& tok = args.token;
   const int G = d.num_q_heads / d.num_kv_heads;
@@ -547,29 +571,43 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const int new_tile = (newest - k_begin) / kDecodeBN;
   const int new_i = new_tile / kWarps, new_r = (newest - k_begin) % kDecodeBN;
   const bool owns_newest = has_newest && new_tile % kWarps == warp;
+  // Norm weights are constants: in registers before the wait too.
+  const float4 wq = load_norm_pairs<HD>(tok.q_norm, lane);
+  const float4 wk = load_norm_pairs<HD>(tok.k_norm, lane);
   __syncthreads();  // the RoPE table
 
   pdl_wait();  // the new token's q/k/v come from the qkv GEMV
 
-  // q: warp w normalises and rotates heads kvh * G + r, r = w, w + 4, ... < G, into the Q tile;
-  // rows G .. 15 of the m16 tile are zero.
-  for (int r = warp; r < 16; r += kWarps) {
+  // Warp w takes q heads kvh * G + r for r = w, w + 4, w + 8, w + 12 (< G; rows G .. 15 of the m16
+  // tile are zero) and, if it owns the newest key, the k and v rows: every load first, one L2
+  // round trip, then the math.
+  constexpr int kRowsPerWarp = 16 / kWarps;
+  RowPairs qp[kRowsPerWarp], kp{}, vp{};
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    qp[j] = RowPairs{make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+    if (r < G) qp[j] = load_row_pairs<HD>(tok.q + s * tok.q_stride + static_cast<int64_t>(kvh * G + r) * HD, lane);
+  }
+  if (owns_newest) {
+    kp = load_row_pairs<HD>(tok.k + s * tok.k_stride + static_cast<int64_t>(kvh) * HD, lane);
+    vp = load_row_pairs<HD>(tok.v + s * tok.v_stride + static_cast<int64_t>(kvh) * HD, lane);
+  }
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
     uint32_t lo = 0, hi = 0;
-    if (r < G)
-      norm_rope_row<HD>(tok.q + s * tok.q_stride + static_cast<int64_t>(kvh * G + r) * HD, tok.q_norm, true, tok.eps,
-                        s_cos, s_sin, lane, lo, hi);
+    if (r < G) finish_row<HD>(qp[j], tok.q_norm != nullptr, wq, true, tok.eps, s_cos, s_sin, lane, lo, hi);
     store_tile_row<HD>(q_tile, r, lane, lo, hi);
   }
-  // The newest K/V row: the owning warp of the split that holds it computes it, writes it to the
-  // cache for later steps and keeps it in registers for its stage.
+  // The newest K/V row: the owning warp of the split that holds it writes it to the cache for
+  // later steps and keeps it in registers for its ring stage.
   uint32_t k_lo = 0, k_hi = 0, v_lo = 0, v_hi = 0;
   if (owns_newest) {
-    norm_rope_row<HD>(tok.k + s * tok.k_stride + static_cast<int64_t>(kvh) * HD, tok.k_norm, true, tok.eps, s_cos,
-                      s_sin, lane, k_lo, k_hi);
-    norm_rope_row<HD>(tok.v + s * tok.v_stride + static_cast<int64_t>(kvh) * HD, nullptr, false, tok.eps, s_cos,
-                      s_sin, lane, v_lo, v_hi);
-    const int i = 2 * lane;
-    if (i < HD / 2) {  // [TAG_KV_CACHE_LAYOUT]
+    finish_row<HD>(kp, tok.k_norm != nullptr, wk, true, tok.eps, s_cos, s_sin, lane, k_lo, k_hi);
+    finish_row<HD>(vp, false, wk, false, tok.eps, s_cos, s_sin, lane, v_lo, v_hi);
+    if (lane_holds_pairs<HD>(lane)) {  // [TAG_KV_CACHE_LAYOUT]
+      const int i = 2 * lane;
       const int64_t off = kv_cache_offset(table_row[newest / d.block_size], kvh, newest % d.block_size,
                                           d.num_kv_heads, d.block_size, HD);
       *reinterpret_cast<uint32_t*>(args.k_cache + off + i) = k_lo;
