@@ -42,14 +42,15 @@
 //    that brings the count to the number of splits merges all of them in split order (the result's
 //    bits do not depend on which block came last) and resets the counter to zero, so CUDA-graph
 //    replays need no memset. The old separate merge kernel cost a launch and, worse, walked the
-//    splits one dependent L2 load at a time (run E: 4.8 us at ~256 context); here the merge loads 8
-//    splits' float4s per thread at once.
+//    splits one dependent L2 load at a time (run E: 4.8 us at ~256 context); here the merge loads
+//    16 splits' float4s per thread at once.
 //  - The attention prologue of the new token is folded in (no rope kernel at decode): after the
 //    PDL wait each block normalises (QK-norm) and rotates (RoPE) its G q heads straight from the
 //    qkv GEMV's output into the Q tile, and the warp whose tile holds the newest key (in the last
 //    split) does the same for that k head, writes the K and V rows into the cache for later steps
 //    and stores them into its ring stage from registers (the tile loads skip that row). rope.cu's
-//    arithmetic, operation for operation, so the bits match the prefill path's rope kernel.
+//    arithmetic, operation for operation, so the bits should match the prefill path's rope kernel
+//    (unless nvcc contracts the two copies into FMAs differently).
 //  - Before the PDL wait ([TAG_ATTN_DECODE_PREWAIT]) the block reads the step inputs, builds the
 //    RoPE cos/sin table of the position (double sincos, as rope.cu) and requests its first three
 //    tiles per warp, all but the newest key's row, so the K/V stream starts under the qkv GEMV.
