@@ -216,7 +216,9 @@ fi
 # The paged attention kernels, Qwen3-30B-A3B attention (nh 32, nkv 4, hd 128): decode GB/s of KV
 # bytes and prefill TFLOP/s, a few configurations.
 bench_attention() {
-  "$BUILD/moebius" bench attention --mode decode --heads 32 --kv-heads 4 --head-dim 128 --context 1024,10240 --batch 1,8,64 || return 1
+  "$BUILD/moebius" bench attention --mode decode --heads 32 --kv-heads 4 --head-dim 128 --context 256,1024,10240 --batch 1,8,64 || return 1
+  # Qwen3-235B-A22B attention (nh 64, nkv 4: G = 16), single stream.
+  "$BUILD/moebius" bench attention --mode decode --heads 64 --kv-heads 4 --head-dim 128 --context 1024,10240 --batch 1 || return 1
   "$BUILD/moebius" bench attention --mode prefill --heads 32 --kv-heads 4 --head-dim 128 --context 1024,8192 --batch 1,4 || return 1
 }
 step bench-attention bench_attention

@@ -1,9 +1,12 @@
 // `moebius bench attention`: the CUDA attention kernels (src/kernels/attention.cuh) on a paged
 // bf16 KV cache with random contents, timed by CUDA-graph replay between CUDA events.
 //
-//   decode   batch sequences, one query token each, every sequence at `context` tokens. Counted
-//            bytes: the K and V rows read, batch * context * nkv * hd * 2 (K, V) * 2 bytes
-//            (q, out and the split workspace are < 1% at these sizes and not counted). Several
+//   decode   batch sequences, one query token each, every sequence at `context` tokens: the one
+//            decode kernel (split blocks, the last per (sequence, kv head) merges, QK-norm +
+//            RoPE + the K/V write of the new token folded in), with the splits and keys per split
+//            it chooses for that context. Counted bytes: the K and V rows
+//            read, batch * context * nkv * hd * 2 (K, V) * 2 bytes (q, out and the split partials
+//            are < 1% at these sizes and not counted). Several
 //            cache copies ("sets", like layers) are captured back to back so that the bytes touched
 //            per replay exceed 200 MB and the 50 MB L2 cannot serve a replay from the previous one.
 //            Reported: us per launch, GB/s, and the fraction of 4.57 TB/s (the H200's measured HBM
@@ -29,6 +32,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/memory.h"
+#include "cpu/rope.h"
 #include "kernels/attention.cuh"
 #include "cli/graph_timer.h"
 #include "kernels/cuda_check.h"
@@ -137,15 +141,31 @@ Status run(const BenchAttentionOptions& o) {
           dims, static_cast<int>(batch), static_cast<int>(ctx), prop.multiProcessorCount);
       const size_t ws_bytes = decode ? kernels::attention_decode_workspace_bytes(dims, plan) : 0;
       auto* ws = device_alloc<uint8_t>(ws_bytes);
+      if (ws_bytes > 0) kernels::init_attention_decode_workspace(ws, dims, plan, stream);
+      // Decode takes the new token raw (the qkv GEMV's output) and does QK-norm + RoPE + the K/V
+      // write itself: q (random, as the GEMV left it), k and v rows, norm weights of 1, Qwen3's theta.
+      const int64_t kv_row = int64_t{o.kv_heads} * o.head_dim;
+      auto* k_new = device_alloc<__nv_bfloat16>(static_cast<size_t>(batch * kv_row));
+      auto* v_new = device_alloc<__nv_bfloat16>(static_cast<size_t>(batch * kv_row));
+      kernels::launch_fill_random_bf16(k_new, static_cast<size_t>(batch * kv_row), 1.0f, o.seed + 3, stream);
+      kernels::launch_fill_random_bf16(v_new, static_cast<size_t>(batch * kv_row), 1.0f, o.seed + 4, stream);
+      const std::vector<float> ones(static_cast<size_t>(o.head_dim), 1.0f), inv = cpu::rope_inv_freq(1e6, o.head_dim);
+      auto* d_norm = device_alloc<float>(ones.size());
+      auto* d_inv = device_alloc<float>(inv.size());
+      CUDA_CHECK(cudaMemcpy(d_norm, ones.data(), 4 * ones.size(), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(d_inv, inv.data(), 4 * inv.size(), cudaMemcpyHostToDevice));
+      const kernels::AttentionDecodeToken token{q, row, k_new, kv_row, v_new, kv_row, d_norm, d_norm, d_inv, 1e-6f};
+      // Every sequence is at `ctx`: this is the split the kernel picks on the device for each.
+      const kernels::AttentionDecodeSplit split = kernels::attention_decode_split(static_cast<int>(ctx), plan.max_splits);
       CUDA_CHECK(cudaStreamSynchronize(stream));
 
       const double us = time_graph_us(stream, o.iters, sets, [&] {
         for (int i = 0; i < sets; ++i) {
-          const __nv_bfloat16* ki = k + static_cast<size_t>(pool) * i;
-          const __nv_bfloat16* vi = v + static_cast<size_t>(pool) * i;
+          __nv_bfloat16* ki = k + static_cast<size_t>(pool) * i;
+          __nv_bfloat16* vi = v + static_cast<size_t>(pool) * i;
           if (decode)
-            kernels::launch_attention_decode(q, row, d_lens, d_n, ki, vi, d_table, dims, plan,
-                                             ws_bytes ? ws : nullptr, out, stream);
+            kernels::launch_attention_decode(token, d_lens, d_n, ki, vi, d_table, dims, plan, ws_bytes ? ws : nullptr,
+                                             out, stream);
           else
             kernels::launch_attention_prefill(q, row, d_cu, d_lens, d_n, ki, vi, d_table, dims,
                                               static_cast<int>(batch), static_cast<int>(ctx), out, stream);
@@ -154,7 +174,7 @@ Status run(const BenchAttentionOptions& o) {
       if (decode) {
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
         std::printf("%8lld %6lld %5d %7d %5d %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
-                    static_cast<long long>(batch), sets, plan.num_splits, plan.partition, us, kv_bytes / 1e6, gbs,
+                    static_cast<long long>(batch), sets, split.splits, split.partition, us, kv_bytes / 1e6, gbs,
                     100.0 * gbs * 1e9 / o.hbm_bytes_per_s);
       } else {
         const double flops = 2.0 * o.heads * o.head_dim * static_cast<double>(ctx) * (ctx + 1) * batch;
@@ -165,7 +185,8 @@ Status run(const BenchAttentionOptions& o) {
       std::fflush(stdout);
       for (void* p : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q), static_cast<void*>(out),
                       static_cast<void*>(d_table), static_cast<void*>(d_lens), static_cast<void*>(d_cu),
-                      static_cast<void*>(d_n), static_cast<void*>(ws)})
+                      static_cast<void*>(d_n), static_cast<void*>(ws), static_cast<void*>(k_new),
+                      static_cast<void*>(v_new), static_cast<void*>(d_norm), static_cast<void*>(d_inv)})
         CUDA_CHECK(cudaFree(p));
     }
   CUDA_CHECK(cudaStreamDestroy(stream));

@@ -31,19 +31,35 @@
 // warp: decode is a stream of K/V bytes, and bytes in flight are what hide HBM latency), and merge
 // their (max, sum, acc) states through shared memory at the end. A 16-key tile is one whole
 // cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
-// Shared memory: 4 warps x 4 stages x (K + V) 16 x hd bf16 + Q 16 x hd = 132 KiB at hd 128.
-// With one split per sequence (a single-split plan, or a live context <= the plan's partition)
-// the block writes bf16 directly; otherwise fp32 (acc, max, sum) per split go to the workspace and
-// attention_merge_kernel combines them: one block per (head, seq), hd threads, returning at once
-// for the sequences already written.
+// Shared memory: Q 16 x hd + 4 warps x 4 stages x (K + V) 16 x hd bf16 = 132 KiB at hd 128, so one
+// block per SM, and the plan sizes the grid to one wave.
+//  - Splits per sequence come from its LIVE length (attention_decode_split, [TAG_ATTN_DECODE_SPLIT]):
+//    up to 256 keys one split, written straight to bf16 (no workspace, no counter); longer, up to
+//    the plan's max_splits equal splits of >= 64 keys. Blocks past a sequence's splits exit.
+//  - The merge is in the same kernel (FlashDecoding's second kernel folded in with the CUDA
+//    samples' threadFenceReduction pattern): a split writes fp32 (o, max, sum) per row to
+//    the workspace, fences, and counts itself in with one atomic per (sequence, kv head); the block
+//    that brings the count to the number of splits merges all of them in split order (the result's
+//    bits do not depend on which block came last) and resets the counter to zero, so CUDA-graph
+//    replays need no memset. The old separate merge kernel cost a launch and, worse, walked the
+//    splits one dependent L2 load at a time (run E: 4.8 us at ~256 context); here the merge loads
+//    16 splits' float4s per thread at once.
+//  - The attention prologue of the new token is folded in (no rope kernel at decode): after the
+//    PDL wait each block normalises (QK-norm) and rotates (RoPE) its G q heads straight from the
+//    qkv GEMV's output into the Q tile, and the warp whose tile holds the newest key (in the last
+//    split) does the same for that k head, writes the K and V rows into the cache for later steps
+//    and stores them into its ring stage from registers (the tile loads skip that row). rope.cu's
+//    arithmetic, operation for operation, so the bits should match the prefill path's rope kernel
+//    (unless nvcc contracts the two copies into FMAs differently).
+//  - Before the PDL wait ([TAG_ATTN_DECODE_PREWAIT]) the block reads the step inputs, builds the
+//    RoPE cos/sin table of the position (double sincos, as rope.cu) and requests its first three
+//    tiles per warp, all but the newest key's row, so the K/V stream starts under the qkv GEMV.
 //
-// Every kernel here is launched with programmatic dependent launch (pdl.cuh) and waits before its
-// first global read: the launch latency of the decode kernel hides under the rope kernel's tail,
-// and the merge's under the decode kernel's. The decode and merge kernels trigger their dependents
-// BEFORE waiting ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this
-// kernel's completion whenever the trigger came, and it lets the o projection's GEMV launch and
-// stream its weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a
-// kernel only launches once every block of its predecessor is resident.
+// The prefill kernel triggers its dependents after its wait, the decode kernel before it
+// ([TAG_PDL_EARLY_TRIGGER]): still safe, since a dependent's own wait covers this kernel's
+// completion whenever the trigger came, and it lets the o projection's GEMV launch and stream its
+// weights (8 MB of the 16.8 before its wait) while attention runs. Deadlock-free: a kernel only
+// launches once every block of its predecessor is resident.
 #include "kernels/attention.cuh"
 
 #include <algorithm>
@@ -65,6 +81,7 @@ constexpr int kPrefillBN = 64;           // keys per tile
 constexpr int kDecodeBN = 16;            // keys per tile (per warp)
 constexpr int kDecodeStages = 4;
 constexpr int kDecodeMaxGroup = 16;      // query heads per kv head that fit one m16 tile
+constexpr int kDecodeMaxSplits = 256;    // splits per (sequence, kv head): the merge's weights in smem
 
 // ------------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -121,15 +138,17 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
 }
 
 // ROWS keys [key0, key0 + ROWS) of kv head kvh into a swizzled tile, by NT threads (tid in
-// [0, NT)); keys >= kv_end are zero-filled. [TAG_KV_CACHE_LAYOUT]
+// [0, NT)); keys >= kv_end are zero-filled; the row of key skip_key is left untouched (decode loads
+// it later, after the PDL wait). [TAG_KV_CACHE_LAYOUT]
 template <int HD, int ROWS, int NT>
 __device__ __forceinline__ void load_kv_tile(uint32_t dst, const __nv_bfloat16* __restrict__ pool,
                                              const int32_t* __restrict__ table_row, int kvh, int key0, int kv_end,
-                                             int nkv, int block_size, int tid) {
+                                             int nkv, int block_size, int tid, int skip_key = -1) {
   constexpr int C = HD / 8;
 #pragma unroll
   for (int idx = tid; idx < ROWS * C; idx += NT) {
     const int r = idx / C, c = idx % C, key = key0 + r;
+    if (key == skip_key) continue;
     const __nv_bfloat16* src = pool;
     int bytes = 0;
     if (key < kv_end) {
@@ -367,89 +386,245 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Prefi
 // Decode
 // ------------------------------------------------------------------------------------------------
 
+// Workspace layout ([TAG_ATTN_DECODE_WORKSPACE], also in attention_decode_workspace_bytes): counters
+// [max_num_seqs * nkv] int32, then (max, sum) float2 [slots, G], then fp32 partial outputs
+// [slots, G, hd], slots = max_num_seqs * nkv * max_splits in (sequence, kv head, split) order, each
+// region 256-byte aligned.
+struct DecodeWorkspace {
+  size_t counter_bytes, ml_bytes, o_bytes;
+};
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+DecodeWorkspace decode_workspace_layout(const AttentionDims& d, const AttentionDecodePlan& p) {
+  const size_t G = static_cast<size_t>(d.num_q_heads / d.num_kv_heads);
+  const size_t slots = static_cast<size_t>(p.max_num_seqs) * d.num_kv_heads * p.max_splits;
+  return DecodeWorkspace{align256(static_cast<size_t>(p.max_num_seqs) * d.num_kv_heads * 4), align256(slots * G * 8),
+                         align256(slots * G * d.head_dim * 4)};
+}
+
 struct DecodeArgs {
-  const __nv_bfloat16* q;  // [max_num_seqs, q_stride]
-  int64_t q_stride;
-  const int32_t* seq_lens;  // [max_num_seqs]
-  const int32_t* num_seqs;  // [1]
-  const __nv_bfloat16* k_cache;
-  const __nv_bfloat16* v_cache;
+  AttentionDecodeToken token;  // raw q/k/v of the new token, norm weights, inv_freq, eps
+  const int32_t* seq_lens;     // [max_num_seqs]
+  const int32_t* num_seqs;     // [1]
+  __nv_bfloat16* k_cache;      // [num_blocks, nkv, block_size, hd]: the newest row written here
+  __nv_bfloat16* v_cache;
   const int32_t* block_table;  // [max_num_seqs, max_blocks_per_seq]
   AttentionDims dims;
   int max_num_seqs;
-  int partition;
-  int num_splits;
+  int max_splits;
   float scale_log2;
-  float* ws_o;  // [max_num_seqs, nh, num_splits, hd]   (split mode)
-  float* ws_m;  // [max_num_seqs, nh, num_splits]
-  float* ws_l;  // [max_num_seqs, nh, num_splits]
+  int* counters;  // [max_num_seqs, nkv]: splits of the (sequence, kv head) finished so far; 0 between launches
+  float2* ws_ml;  // [max_num_seqs, nkv, max_splits, G]: (max in the log2 domain, sum) of a split's rows
+  float* ws_o;    // [max_num_seqs, nkv, max_splits, G, hd]: a split's output, not yet divided by its sum
   __nv_bfloat16* out;  // [max_num_seqs, nh, hd]
 };
 
+// Shared memory: Q tile 16 x hd bf16, then the warps' K/V rings. After the key loop the rings are
+// reused: the 4 warps' fp32 states [4][16][hd], later the merge's per-split weights [2][16][256].
 template <int HD>
 constexpr int decode_smem_bytes() {
-  return 16 * HD * 2 + kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;
+  constexpr int rings = kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;  // 128 KiB at hd 128
+  constexpr int states = kWarps * 16 * HD * 4;
+  constexpr int merge = 2 * 16 * kDecodeMaxSplits * 4;  // 32 KiB
+  return 16 * HD * 2 + std::max(rings, std::max(states, merge));
 }
 
-template <int HD, bool kSplit>
+// One head row of the new token through QK-norm and RoPE, by one warp, in rope.cu's arithmetic
+// (same operations in the same order, so the bits of the prefill path's rope kernel): lane l holds
+// the pairs (2l, 2l+1) and (hd/2 + 2l, hd/2 + 2l + 1); lanes with 2l >= hd/2 hold nothing (hd <=
+// 128). Split in two so that a warp issues all its rows' loads before the first math waits on one.
+struct RowPairs {
+  float2 a, b;  // (x[i], x[i+1]), (x[hd/2+i], x[hd/2+i+1]), i = 2 * lane
+};
+template <int HD>
+__device__ __forceinline__ bool lane_holds_pairs(int lane) {
+  static_assert(HD <= 128, "one pair of pairs per lane");
+  return 2 * lane < HD / 2;
+}
+template <int HD>
+__device__ __forceinline__ RowPairs load_row_pairs(const __nv_bfloat16* __restrict__ src, int lane) {
+  RowPairs p{make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+  if (lane_holds_pairs<HD>(lane)) {
+    p.a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + 2 * lane));
+    p.b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src + HD / 2 + 2 * lane));
+  }
+  return p;
+}
+// The lane's norm weights (w[i], w[i+1], w[hd/2+i], w[hd/2+i+1]); w == nullptr: none.
+template <int HD>
+__device__ __forceinline__ float4 load_norm_pairs(const float* __restrict__ w, int lane) {
+  if (w == nullptr || !lane_holds_pairs<HD>(lane)) return make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  const int i = 2 * lane;
+  return make_float4(w[i], w[i + 1], w[HD / 2 + i], w[HD / 2 + i + 1]);
+}
+// norm: RMSNorm with weights w (all lanes of the warp must call: a shuffle sum); rotate: RoPE with
+// the position's table. Returns the pairs packed as bf16x2 (lo: first half, hi: second).
+template <int HD>
+__device__ __forceinline__ void finish_row(RowPairs p, bool norm, float4 w, bool rotate, float eps,
+                                           const float* s_cos, const float* s_sin, int lane, uint32_t& lo,
+                                           uint32_t& hi) {
+  float ss = 0.0f;
+  ss += p.a.x * p.a.x + p.a.y * p.a.y + p.b.x * p.b.x + p.b.y * p.b.y;  // zero on lanes without pairs
+  float inv = 1.0f;
+  if (norm) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    inv = 1.0f / sqrtf(ss / static_cast<float>(HD) + eps);
+  }
+  lo = hi = 0;
+  if (!lane_holds_pairs<HD>(lane)) return;
+  const int i = 2 * lane;
+  float2 x = p.a, y = p.b;
+  if (norm) {  // (x * inv) * w, the reference's order
+    x = make_float2(x.x * inv * w.x, x.y * inv * w.y);
+    y = make_float2(y.x * inv * w.z, y.y * inv * w.w);
+  }
+  if (rotate) {
+    const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
+    const float2 xr = make_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
+    const float2 yr = make_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
+    x = xr;
+    y = yr;
+  }
+  lo = pack_bf16(x.x, x.y);
+  hi = pack_bf16(y.x, y.y);
+}
+
+// Stores a row held as finish_row's (lo, hi) into row r of a swizzled [*][HD] tile.
+template <int HD>
+__device__ __forceinline__ void store_tile_row(uint32_t tile, int r, int lane, uint32_t lo, uint32_t hi) {
+  constexpr int half = HD / 2;
+  const int i = 2 * lane;
+  if (i >= half) return;
+  const uint32_t at_lo = tile + tile_offset<HD>(r, i / 8) + (i % 8) * 2;
+  const uint32_t at_hi = tile + tile_offset<HD>(r, (half + i) / 8) + ((half + i) % 8) * 2;
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at_lo), "r"(lo));
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at_hi), "r"(hi));
+}
+
+template <int HD>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeArgs args) {
   constexpr int kTileBytes = kDecodeBN * HD * 2;
   constexpr int kWarpBytes = kDecodeStages * 2 * kTileBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
+  __shared__ float s_cos[HD / 2], s_sin[HD / 2];
+  __shared__ int s_last;
   const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the kernels after this one (the merge, then
-  // the o projection's GEMV) touch nothing but constants before their own wait, and the GEMV
-  // prefetches its weights into shared memory, so it should start while attention still runs.
+  // Trigger before the wait ([TAG_PDL_EARLY_TRIGGER]): the o projection's GEMV after this kernel
+  // touches nothing but its weights before its own wait, and it streams them into shared memory
+  // while attention still runs.
   pdl_launch_dependents();
-  pdl_wait();  // q and the new K/V row come from the rope kernel
-  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
+  // [TAG_ATTN_DECODE_PREWAIT] Before the wait this block reads only what no kernel of the step
+  // writes: num_seqs, seq_lens and the block table (uploaded before the step's first kernel),
+  // inv_freq (a constant), and the cache rows of positions < seq_len - 1 (written by earlier
+  // steps; position seq_len - 1 is this step's token, whose K/V row THIS kernel computes and
+  // writes, into a block no other sequence reads). So the RoPE table and the first K/V tiles are
+  // under way while the qkv GEMV still runs; the new token's q/k/v are read after the wait.
+  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) {
+    // Blocks without work exit before the wait, but one block always waits, so that this kernel's
+    // completion still implies its predecessor's when no sequence is live (pdl.cuh: completion is
+    // transitive only through a wait). With a live sequence its split 0 waits.
+    if (s == 0 && split == 0 && kvh == 0) pdl_wait();
+    return;
+  }
   const AttentionDims& d = args.dims;
+  const AttentionDecodeToken& tok = args.token;
   const int G = d.num_q_heads / d.num_kv_heads;
   const int ctx = args.seq_lens[s];
-  const int k_begin = split * args.partition;
-  if (k_begin >= ctx) return;  // the merge reads only the splits that hold keys
-  const int k_end = min(ctx, k_begin + args.partition);
-  // A sequence whose keys fit one split is finished here, in bf16, and the merge skips it: at short
-  // context a decode step then costs one kernel's latency, not two plus a workspace round trip.
-  const bool direct = !kSplit || ctx <= args.partition;
+  const AttentionDecodeSplit sp = attention_decode_split(ctx, args.max_splits);
+  if (split >= sp.splits) return;  // [TAG_ATTN_DECODE_SPLIT] the merge reads exactly splits 0 .. sp.splits-1
+  const int k_begin = split * sp.partition;
+  const int k_end = min(ctx, k_begin + sp.partition);
+  const int newest = ctx - 1;  // the new token's position and key
   const int n_tiles = (k_end - k_begin + kDecodeBN - 1) / kDecodeBN;
   const int32_t* table_row = args.block_table + static_cast<int64_t>(s) * d.max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   const uint32_t q_tile = smem_addr(smem);
   const uint32_t warp_base = q_tile + 16 * HD * 2 + warp * kWarpBytes;
-  {
-    constexpr int C = HD / 8;
-    for (int idx = tid; idx < 16 * C; idx += kThreads) {
-      const int r = idx / C, c = idx % C;
-      const __nv_bfloat16* src = args.q;
-      int bytes = 0;
-      if (r < G) {
-        src = args.q + s * args.q_stride + static_cast<int64_t>(kvh * G + r) * HD + c * 8;
-        bytes = 16;
-      }
-      cp_async16(q_tile + tile_offset<HD>(r, c), src, bytes);
-    }
-    cp_async_commit();
-  }
-  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages.
+  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages. Every load
+  // skips the newest key's row: it is computed here and stored into its stage from registers.
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
   auto load_stage = [&](int i) {
     const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     load_kv_tile<HD, kDecodeBN, 32>(dst, args.k_cache, table_row, kvh, key0, k_end, d.num_kv_heads, d.block_size,
-                                    lane);
+                                    lane, newest);
     load_kv_tile<HD, kDecodeBN, 32>(dst + kTileBytes, args.v_cache, table_row, kvh, key0, k_end, d.num_kv_heads,
-                                    d.block_size, lane);
+                                    d.block_size, lane, newest);
   };
+  // Prologue before the wait: the warp's first three tiles, then the RoPE table of the position
+  // (cos/sin in double, rounded to fp32, as rope.cu and the CPU reference form them).
 #pragma unroll
   for (int i = 0; i < kDecodeStages - 1; ++i) {
     if (i < my_tiles) load_stage(i);
     cp_async_commit();
   }
-  // Q: the first group committed; every thread waits for its own part, then the block barrier.
-  cp_async_wait<kDecodeStages - 1>();
+  for (int i = tid; i < HD / 2; i += kThreads) {
+    const float angle = static_cast<float>(newest) * tok.inv_freq[i];  // fp32 product, like the reference
+    double sn, cs;
+    sincos(static_cast<double>(angle), &sn, &cs);
+    s_cos[i] = static_cast<float>(cs);
+    s_sin[i] = static_cast<float>(sn);
+  }
+  // Where the newest key sits, if this split holds it (the last split does): tile, warp, stage.
+  const bool has_newest = newest >= k_begin && newest < k_end;
+  const int new_tile = (newest - k_begin) / kDecodeBN;
+  const int new_i = new_tile / kWarps, new_r = (newest - k_begin) % kDecodeBN;
+  const bool owns_newest = has_newest && new_tile % kWarps == warp;
+  // Norm weights are constants: in registers before the wait too.
+  const float4 wq = load_norm_pairs<HD>(tok.q_norm, lane);
+  const float4 wk = load_norm_pairs<HD>(tok.k_norm, lane);
+  __syncthreads();  // the RoPE table
+
+  pdl_wait();  // the new token's q/k/v come from the qkv GEMV
+
+  // Warp w takes q heads kvh * G + r for r = w, w + 4, w + 8, w + 12 (< G; rows G .. 15 of the m16
+  // tile are zero) and, if it owns the newest key, the k and v rows: every load first, one L2
+  // round trip, then the math.
+  constexpr int kRowsPerWarp = 16 / kWarps;
+  RowPairs qp[kRowsPerWarp], kp{}, vp{};
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    qp[j] = RowPairs{make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+    if (r < G) qp[j] = load_row_pairs<HD>(tok.q + s * tok.q_stride + static_cast<int64_t>(kvh * G + r) * HD, lane);
+  }
+  if (owns_newest) {
+    kp = load_row_pairs<HD>(tok.k + s * tok.k_stride + static_cast<int64_t>(kvh) * HD, lane);
+    vp = load_row_pairs<HD>(tok.v + s * tok.v_stride + static_cast<int64_t>(kvh) * HD, lane);
+  }
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    uint32_t lo = 0, hi = 0;
+    if (r < G) finish_row<HD>(qp[j], tok.q_norm != nullptr, wq, true, tok.eps, s_cos, s_sin, lane, lo, hi);
+    store_tile_row<HD>(q_tile, r, lane, lo, hi);
+  }
+  // The newest K/V row: the owning warp of the split that holds it writes it to the cache for
+  // later steps and keeps it in registers for its ring stage.
+  uint32_t k_lo = 0, k_hi = 0, v_lo = 0, v_hi = 0;
+  if (owns_newest) {
+    finish_row<HD>(kp, tok.k_norm != nullptr, wk, true, tok.eps, s_cos, s_sin, lane, k_lo, k_hi);
+    finish_row<HD>(vp, false, wk, false, tok.eps, s_cos, s_sin, lane, v_lo, v_hi);
+    if (lane_holds_pairs<HD>(lane)) {  // [TAG_KV_CACHE_LAYOUT]
+      const int i = 2 * lane;
+      const int64_t off = kv_cache_offset(table_row[newest / d.block_size], kvh, newest % d.block_size,
+                                          d.num_kv_heads, d.block_size, HD);
+      *reinterpret_cast<uint32_t*>(args.k_cache + off + i) = k_lo;
+      *reinterpret_cast<uint32_t*>(args.k_cache + off + HD / 2 + i) = k_hi;
+      *reinterpret_cast<uint32_t*>(args.v_cache + off + i) = v_lo;
+      *reinterpret_cast<uint32_t*>(args.v_cache + off + HD / 2 + i) = v_hi;
+    }
+    if (new_i < kDecodeStages - 1) {  // a prologue stage: store it now
+      const uint32_t stage = warp_base + new_i * 2 * kTileBytes;
+      store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
+      store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
+    }
+  }
+  // The prologue tiles (requested before the wait, mostly landed by now), then the block barrier
+  // for Q.
+  cp_async_wait<0>();
   __syncthreads();
   uint32_t qa[HD / 16][4];
   load_q_frags<HD>(qa, q_tile, 0, lane);
@@ -458,7 +633,15 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   st.init();
   const int lim[2] = {k_end - 1, k_end - 1};
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kDecodeStages - 1 < my_tiles) load_stage(i + kDecodeStages - 1);
+    if (i + kDecodeStages - 1 < my_tiles) {
+      const int j = i + kDecodeStages - 1;
+      load_stage(j);
+      if (owns_newest && j == new_i) {  // the newest row into its stage, from registers
+        const uint32_t stage = warp_base + (j % kDecodeStages) * 2 * kTileBytes;
+        store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
+        store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
+      }
+    }
     cp_async_commit();
     cp_async_wait<kDecodeStages - 1>();
     __syncwarp();
@@ -471,7 +654,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   cp_async_wait<0>();
   finish_sums(st);
 
-  // Merge the 4 warps: their states go to shared memory (over the K/V stages, now unused).
+  // Merge the 4 warps: their states go to shared memory (over the K/V rings, now unused).
   __syncthreads();
   float* s_o = reinterpret_cast<float*>(smem + 16 * HD * 2);  // [kWarps][16][HD]
   const int g = lane >> 2, t = lane & 3;
@@ -489,6 +672,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     }
   }
   __syncthreads();
+  const bool direct = sp.splits == 1;
+  const int64_t pair = static_cast<int64_t>(s) * d.num_kv_heads + kvh;  // (sequence, kv head)
+  const int64_t slot0 = pair * args.max_splits;                          // its split 0
   for (int idx = tid; idx < G * HD; idx += kThreads) {
     const int r = idx / HD, c = idx % HD;
     float M = -INFINITY;
@@ -501,42 +687,91 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       L += s_l[w][r] * f;
       O += s_o[(w * 16 + r) * HD + c] * f;
     }
-    const int head = kvh * G + r;
-    if (!direct) {
-      const int64_t slot = (static_cast<int64_t>(s) * d.num_q_heads + head) * args.num_splits + split;
-      args.ws_o[slot * HD + c] = O;
-      if (c == 0) {
-        args.ws_m[slot] = M;
-        args.ws_l[slot] = L;
-      }
+    if (direct) {
+      args.out[(static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c] = __float2bfloat16(O / L);
     } else {
-      args.out[(static_cast<int64_t>(s) * d.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+      const int64_t row = (slot0 + split) * G + r;
+      args.ws_o[row * HD + c] = O;
+      if (c == 0) args.ws_ml[row] = make_float2(M, L);
     }
   }
-}
+  if (direct) return;
 
-// One block per (query head, sequence), hd threads: merges the splits that hold keys. Sequences
-// with one such split were written by the decode kernel. Launched with PDL: its launch overlaps
-// the decode kernel.
-template <int HD>
-__global__ void __launch_bounds__(HD) attention_merge_kernel(const DecodeArgs args) {
-  const int head = blockIdx.x, s = blockIdx.y, c = threadIdx.x;
-  pdl_launch_dependents();  // before the wait, as in the decode kernel: [TAG_PDL_EARLY_TRIGGER]
-  pdl_wait();               // the partials come from the decode kernel
-  if (s >= live_seqs(args.num_seqs, args.max_num_seqs)) return;
-  const int ctx = args.seq_lens[s];
-  if (ctx <= args.partition) return;  // one split (or none): written directly
-  const int n = min((ctx + args.partition - 1) / args.partition, args.num_splits);
-  const int64_t base = (static_cast<int64_t>(s) * args.dims.num_q_heads + head) * args.num_splits;
-  float M = -INFINITY;
-  for (int i = 0; i < n; ++i) M = fmaxf(M, args.ws_m[base + i]);
-  float L = 0.0f, O = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float f = exp2f(args.ws_m[base + i] - M);
-    L += args.ws_l[base + i] * f;
-    O += args.ws_o[(base + i) * HD + c] * f;
+  // Arrival: every thread fences its partial writes (device scope) before the barrier, then one
+  // atomic. The block that brings the count to sp.splits saw every other split's fence-ordered
+  // writes, merges, and resets the counter for the next launch (graph replays need no memset).
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int done = atomicAdd(args.counters + pair, 1) + 1;
+    s_last = done == sp.splits;
+    if (done == sp.splits) args.counters[pair] = 0;  // every split has arrived: nobody else touches it now
   }
-  args.out[(static_cast<int64_t>(s) * args.dims.num_q_heads + head) * HD + c] = __float2bfloat16(O / L);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // acquire side: the partials below are read after the count was seen
+
+  // The merge, in split order 0 .. n-1 whatever order the splits finished in: bit-reproducible.
+  // Partials come through L2 (__ldcg: the L1 of this SM never held them, but be explicit).
+  const int n = sp.splits;
+  float* s_wm = reinterpret_cast<float*>(smem + 16 * HD * 2);  // [16][kDecodeMaxSplits]: max, then weight
+  float* s_wl = s_wm + 16 * kDecodeMaxSplits;                   // [16][kDecodeMaxSplits]: sums
+  for (int idx = tid; idx < n * G; idx += kThreads) {
+    const int i = idx / G, r = idx % G;
+    const float2 ml = __ldcg(args.ws_ml + (slot0 + i) * G + r);
+    s_wm[r * kDecodeMaxSplits + i] = ml.x;
+    s_wl[r * kDecodeMaxSplits + i] = ml.y;
+  }
+  __syncthreads();
+  // Row r's weights w_i = 2^(m_i - M) / L by one warp: lane-strided partial max and sum, then xor
+  // butterflies (every lane ends with the same bits: each step adds the same two values).
+  for (int r = warp; r < G; r += kWarps) {
+    float* wm = s_wm + r * kDecodeMaxSplits;
+    const float* wl = s_wl + r * kDecodeMaxSplits;
+    float M = -INFINITY;
+    for (int i = lane; i < n; i += 32) M = fmaxf(M, wm[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.0f;
+    for (int i = lane; i < n; i += 32) L += wl[i] * exp2f(wm[i] - M);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    const float inv = 1.0f / L;
+    for (int i = lane; i < n; i += 32) wm[i] = exp2f(wm[i] - M) * inv;
+  }
+  __syncthreads();
+  // out = sum_i w_i o_i, 4 dims per thread and step; 16 splits' float4 loads in flight per batch
+  // (L2 latency, not bandwidth, bounds this tail: Qwen3-30B-A3B merges 16 splits x 8 heads x
+  // 512 B = 64 KB per block at 1k context, 33 splits = 135 KB at 10k: 2 and 6 round trips).
+  constexpr int kBatch = 16;
+  const int64_t split_stride = static_cast<int64_t>(G) * (HD / 4);  // float4s per split
+  for (int p = tid; p < G * (HD / 4); p += kThreads) {
+    const int r = p / (HD / 4), c4 = p % (HD / 4);
+    const float4* src = reinterpret_cast<const float4*>(args.ws_o) + slot0 * split_stride + p;
+    const float* w = s_wm + r * kDecodeMaxSplits;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i0 = 0; i0 < n; i0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        v[j] = i0 + j < n ? __ldcg(src + (i0 + j) * split_stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (i0 + j < n) {
+          const float wj = w[i0 + j];
+          acc.x = fmaf(wj, v[j].x, acc.x);
+          acc.y = fmaf(wj, v[j].y, acc.y);
+          acc.z = fmaf(wj, v[j].z, acc.z);
+          acc.w = fmaf(wj, v[j].w, acc.w);
+        }
+      }
+    }
+    uint2 packed;
+    packed.x = pack_bf16(acc.x, acc.y);
+    packed.y = pack_bf16(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(args.out + (static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c4 * 4) =
+        packed;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -576,15 +811,9 @@ void launch_prefill_hd(const PrefillArgs& a, int max_q_len, cudaStream_t stream)
 template <int HD>
 void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
   constexpr int smem = decode_smem_bytes<HD>();
-  const dim3 grid(a.num_splits, a.dims.num_kv_heads, a.max_num_seqs);
-  if (a.num_splits == 1) {
-    set_smem(attention_decode_kernel<HD, false>, smem);
-    launch_pdl(attention_decode_kernel<HD, false>, grid, dim3(kThreads), smem, stream, a);
-    return;
-  }
-  set_smem(attention_decode_kernel<HD, true>, smem);
-  launch_pdl(attention_decode_kernel<HD, true>, grid, dim3(kThreads), smem, stream, a);
-  launch_pdl(attention_merge_kernel<HD>, dim3(a.dims.num_q_heads, a.max_num_seqs), dim3(HD), 0, stream, a);
+  set_smem(attention_decode_kernel<HD>, smem);
+  const dim3 grid(a.max_splits, a.dims.num_kv_heads, a.max_num_seqs);
+  launch_pdl(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
 }
 
 }  // namespace
@@ -610,44 +839,63 @@ void launch_attention_prefill(const __nv_bfloat16* q, int64_t q_stride, const in
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms) {
   MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && max_context > 0 && num_sms > 0 && dims.num_kv_heads > 0,
                         "plan_attention_decode: bad sizes");
+  // One wave: a decode block takes 132 KiB of shared memory at hd 128, so one per SM, and a second
+  // wave of splits would only double the merge's partials. The longest context's split count
+  // (attention_decode_split) bounds it from above.
+  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  const int64_t wave = std::max<int64_t>(1, num_sms / base);  // rounded down: no partial second wave
+  const int64_t by_context = attention_decode_split(max_context, kDecodeMaxSplits).splits;
   AttentionDecodePlan p;
   p.max_num_seqs = max_num_seqs;
   p.max_context = max_context;
-  // Blocks without splitting; split until about two waves, but never below one 16-key tile per
-  // warp (a shorter split only adds merge work).
-  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
-  const int64_t want = std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + base - 1) / base);
-  int64_t part = (max_context + want - 1) / want;
-  part = (part + kDecodeBN - 1) / kDecodeBN * kDecodeBN;
-  part = std::max<int64_t>(part, kWarps * kDecodeBN);
-  p.partition = static_cast<int>(part);
-  p.num_splits = static_cast<int>((max_context + part - 1) / part);
+  p.max_splits = static_cast<int>(std::min(wave, by_context));
   return p;
 }
 
 size_t attention_decode_workspace_bytes(const AttentionDims& dims, const AttentionDecodePlan& plan) {
-  if (plan.num_splits <= 1) return 0;
-  const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
-  const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
-  return o_bytes + 2 * ((slots * 4 + 255) / 256 * 256);
+  if (plan.max_splits <= 1) return 0;
+  const DecodeWorkspace w = decode_workspace_layout(dims, plan);
+  return w.counter_bytes + w.ml_bytes + w.o_bytes;
 }
 
-void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int32_t* seq_lens,
-                             const int32_t* num_seqs, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
-                             const int32_t* block_table, const AttentionDims& dims, const AttentionDecodePlan& plan,
-                             void* workspace, __nv_bfloat16* out, cudaStream_t stream) {
-  check_common(dims, q, q_stride, k_cache, v_cache, out);
+void init_attention_decode_workspace(void* workspace, const AttentionDims& dims, const AttentionDecodePlan& plan,
+                                     cudaStream_t stream) {
+  if (plan.max_splits <= 1) return;
+  MOEBIUS_LAUNCH_ASSERT(workspace != nullptr, "attention decode: a split plan needs a workspace");
+  CUDA_CHECK(cudaMemsetAsync(workspace, 0, decode_workspace_layout(dims, plan).counter_bytes, stream));
+}
+
+void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* seq_lens, const int32_t* num_seqs,
+                             __nv_bfloat16* k_cache, __nv_bfloat16* v_cache, const int32_t* block_table,
+                             const AttentionDims& dims, const AttentionDecodePlan& plan, void* workspace,
+                             __nv_bfloat16* out, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(dims.head_dim == 16 || dims.head_dim == 64 || dims.head_dim == 128,
+                        "attention: hd must be 16, 64 or 128");
+  MOEBIUS_LAUNCH_ASSERT(dims.num_kv_heads > 0 && dims.num_q_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0,
+                        "attention: nkv must divide nh");
+  MOEBIUS_LAUNCH_ASSERT(dims.block_size > 0 && dims.max_blocks_per_seq > 0, "attention: bad block_size / block table");
+  MOEBIUS_LAUNCH_ASSERT(token.q != nullptr && token.k != nullptr && token.v != nullptr && token.inv_freq != nullptr,
+                        "attention decode: q, k, v and inv_freq are required");
+  MOEBIUS_LAUNCH_ASSERT(token.q_stride >= static_cast<int64_t>(dims.num_q_heads) * dims.head_dim &&
+                            token.k_stride >= static_cast<int64_t>(dims.num_kv_heads) * dims.head_dim &&
+                            token.v_stride >= static_cast<int64_t>(dims.num_kv_heads) * dims.head_dim &&
+                            token.q_stride % 2 == 0 && token.k_stride % 2 == 0 && token.v_stride % 2 == 0,
+                        "attention decode: q/k/v strides must be even and cover the heads");
+  for (const void* p : {static_cast<const void*>(token.q), static_cast<const void*>(token.k),
+                        static_cast<const void*>(token.v)})
+    MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(p) % 4 == 0, "attention decode: q/k/v must be 4-byte aligned");
+  for (const void* p : {static_cast<const void*>(k_cache), static_cast<const void*>(v_cache),
+                        static_cast<const void*>(out)})
+    MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(p) % 16 == 0, "attention: pointers must be 16-byte aligned");
   MOEBIUS_LAUNCH_ASSERT(dims.num_q_heads / dims.num_kv_heads <= kDecodeMaxGroup,
                         "attention decode: at most 16 query heads per kv head");
-  MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.num_splits >= 1 &&
-                            plan.partition % kDecodeBN == 0 &&
-                            static_cast<int64_t>(plan.partition) * plan.num_splits >= plan.max_context,
+  MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.max_splits >= 1 &&
+                            plan.max_splits <= kDecodeMaxSplits,
                         "attention decode: bad plan (use plan_attention_decode)");
-  MOEBIUS_LAUNCH_ASSERT(plan.num_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
+  MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
                         "attention decode: a split plan needs a 16-byte aligned workspace");
   DecodeArgs a{};
-  a.q = q;
-  a.q_stride = q_stride;
+  a.token = token;
   a.seq_lens = seq_lens;
   a.num_seqs = num_seqs;
   a.k_cache = k_cache;
@@ -655,17 +903,15 @@ void launch_attention_decode(const __nv_bfloat16* q, int64_t q_stride, const int
   a.block_table = block_table;
   a.dims = dims;
   a.max_num_seqs = plan.max_num_seqs;
-  a.partition = plan.partition;
-  a.num_splits = plan.num_splits;
+  a.max_splits = plan.max_splits;
   a.scale_log2 = kLog2e / std::sqrt(static_cast<float>(dims.head_dim));
   a.out = out;
-  if (plan.num_splits > 1) {
-    const size_t slots = static_cast<size_t>(plan.max_num_seqs) * dims.num_q_heads * plan.num_splits;
-    const size_t o_bytes = (slots * dims.head_dim * 4 + 255) / 256 * 256;
+  if (plan.max_splits > 1) {  // [TAG_ATTN_DECODE_WORKSPACE]
+    const DecodeWorkspace w = decode_workspace_layout(dims, plan);
     auto* base = static_cast<uint8_t*>(workspace);
-    a.ws_o = reinterpret_cast<float*>(base);
-    a.ws_m = reinterpret_cast<float*>(base + o_bytes);
-    a.ws_l = reinterpret_cast<float*>(base + o_bytes + (slots * 4 + 255) / 256 * 256);
+    a.counters = reinterpret_cast<int*>(base);
+    a.ws_ml = reinterpret_cast<float2*>(base + w.counter_bytes);
+    a.ws_o = reinterpret_cast<float*>(base + w.counter_bytes + w.ml_bytes);
   }
   switch (dims.head_dim) {
     case 16: launch_decode_hd<16>(a, stream); break;

@@ -1,6 +1,9 @@
 // Qwen3 attention prologue, fused: per-head RMSNorm of q and k (QK-norm), RoPE (neox layout) on
 // both, and the K/V rows written into the paged cache. Launcher only (kernel in rope.cu).
 //
+// Prefill and mixed steps only: a decode step does this inside the attention kernel
+// (AttentionDecodeToken in attention.cuh, the same arithmetic).
+//
 // Fused because every step is row-local and the q/k rows come straight from the QKV GEMM: one
 // pass reads each q/k/v element once and writes it once, instead of three kernels each re-reading
 // [T, (nh + 2 nkv) hd]. Norm and rope stay in fp32 between the steps and round to bf16 once, which

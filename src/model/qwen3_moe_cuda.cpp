@@ -49,6 +49,7 @@ struct Qwen3MoeCuda::Layer {
 struct Qwen3MoeCuda::Graph {
   int batch = 0;
   kernels::AttentionDecodePlan plan;
+  void* attn_workspace = nullptr;  // the plan's split partials and merge counters (nullptr: one split)
   cudaGraphExec_t exec = nullptr;
 };
 
@@ -272,18 +273,18 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   MOEBIUS_ASSIGN_OR_RETURN(void* lg, act(sizeof(float) * R * V));
   logits_ = static_cast<float*>(lg);
 
-  // Decode plans, one per graph batch size; one workspace for the largest.
+  // Decode plans, one per graph batch size, each with its own workspace: the counters must stay
+  // zero between launches, and another plan's layout would put its partials over them.
   kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
-  size_t ws = 0;
   for (int b : opt_.graph_batches) {
     Graph g;
     g.batch = b;
     g.plan = kernels::plan_attention_decode(dims, b, opt_.max_context, num_sms_);
-    ws = std::max(ws, kernels::attention_decode_workspace_bytes(dims, g.plan));
+    if (const size_t ws = kernels::attention_decode_workspace_bytes(dims, g.plan); ws > 0) {
+      MOEBIUS_ASSIGN_OR_RETURN(g.attn_workspace, device_alloc(ws, &plan_.workspace));
+      kernels::init_attention_decode_workspace(g.attn_workspace, dims, g.plan, stream_);
+    }
     graphs_.push_back(g);
-  }
-  if (ws > 0) {
-    MOEBIUS_ASSIGN_OR_RETURN(attn_workspace_, device_alloc(ws, &plan_.workspace));
   }
 
   // Step inputs: [TAG_STEP_ARENA] one layout for the device arena and the pinned staging area.
@@ -344,7 +345,7 @@ uint64_t Qwen3MoeCuda::estimate_runtime_bytes(const moe::PackedMatrix& w2) const
        T * static_cast<uint64_t>(c.num_attention_heads) * hd * 2 + T * 3 * dense_I * 2 + R * H * 2 + R * V * 4;
   b += 16 * (4 * T + 2 * static_cast<uint64_t>(opt_.max_seqs) + R + 64) +
        4 * static_cast<uint64_t>(opt_.max_seqs) * static_cast<uint64_t>(max_blocks_per_seq_);
-  // Attention decode workspace for the largest graph batch.
+  // Attention decode workspaces, one per graph batch.
   const kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
   for (int gb : opt_.graph_batches)
     b += kernels::attention_decode_workspace_bytes(dims, kernels::plan_attention_decode(dims, gb, opt_.max_context,
@@ -937,14 +938,16 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
     __nv_bfloat16* vc = kc + kv_pool_elems_;
     kernels::launch_add_rms_norm<float, float>(x_, l == 0 ? nullptr : y_, L.input_norm, rows, H, eps, h_, s);
     gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
-    kernels::launch_qk_norm_rope_kv(qkv_, qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd, qkv_dim_,
-                                    L.q_norm, L.k_norm, in(at_.positions), inv_freq_, in(at_.slots), kc, vc, rows, nh,
-                                    nkv, hd, opt_.block_size, eps, s);
-    if (decode) {
+    if (decode) {  // QK-norm, RoPE and the K/V write are the decode kernel's prologue
       const Graph& g = graphs_[static_cast<size_t>(graph_index)];
-      kernels::launch_attention_decode(qkv_, qkv_dim_, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims,
-                                       g.plan, attn_workspace_, attn_, s);
+      const kernels::AttentionDecodeToken token{qkv_,    qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd,
+                                                qkv_dim_, L.q_norm, L.k_norm,     inv_freq_, eps};
+      kernels::launch_attention_decode(token, in(at_.seq_lens), num_seqs, kc, vc, in(at_.block_tables), dims, g.plan,
+                                       g.attn_workspace, attn_, s);
     } else {
+      kernels::launch_qk_norm_rope_kv(qkv_, qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd, qkv_dim_,
+                                      L.q_norm, L.k_norm, in(at_.positions), inv_freq_, in(at_.slots), kc, vc, rows,
+                                      nh, nkv, hd, opt_.block_size, eps, s);
       kernels::launch_attention_prefill(qkv_, qkv_dim_, in(at_.cu_seqlens), in(at_.seq_lens), num_seqs, kc, vc,
                                         in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);
     }
@@ -1051,6 +1054,8 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   put(at_.logit_rows, b->logit_rows);
   put(at_.block_tables, b->block_tables);
   const size_t bytes = at_.block_tables + b->block_tables.size() * sizeof(int32_t);
+  // [TAG_ATTN_DECODE_PREWAIT] Uploaded before the step's first kernel and never written by one:
+  // the decode attention kernel reads seq_lens and the block tables before its PDL wait.
   CUDA_CHECK(cudaMemcpyAsync(arena_, staging_, bytes, cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaEventRecord(staged_, stream_));
   staged_pending_ = true;

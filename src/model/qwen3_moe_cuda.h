@@ -6,7 +6,7 @@
 //   per layer l:
 //     h = RMSNorm(x += y) * input_norm_l              [T, H] bf16            kernels/norm.cuh
 //     qkv = h Wqkv^T                                  [T, (nh+2nkv) hd] bf16  cuBLAS (runtime/dense_gemm.h)
-//     q, k = QK-norm + RoPE; k, v -> cache slots                             kernels/rope.cuh
+//     q, k = QK-norm + RoPE; k, v -> cache slots                             kernels/rope.cuh (decode: in attention)
 //     a = causal GQA attention over the cache        [T, nh hd] bf16        kernels/attention.cuh
 //     y = a Wo^T                                      [T, H] bf16            cuBLAS
 //     h = RMSNorm(x += y) * post_norm_l
@@ -350,7 +350,6 @@ class Qwen3MoeCuda {
   __nv_bfloat16* act_ = nullptr;    // [T, I_dense]
   __nv_bfloat16* h_last_ = nullptr; // [R, H]
   float* logits_ = nullptr;         // [R, V]
-  void* attn_workspace_ = nullptr;  // the largest decode plan's split workspace
   // Step inputs: device arena and its pinned host mirror, same layout ([TAG_STEP_ARENA]).
   uint8_t* arena_ = nullptr;
   uint8_t* staging_ = nullptr;

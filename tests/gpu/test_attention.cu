@@ -16,6 +16,15 @@
 //   Qwen3-235B-A22B attention: nh 64, nkv 4, hd 128 (G = 16, the decode kernel's limit)
 //   the tiny fixture (tests/data/tiny-qwen3-moe): nh 4, nkv 2, hd 16
 //   hd 64 with G = 8 and with G = 1 (plain multi-head)
+//
+// Decode is one kernel (split blocks, the last one per (sequence, kv head) merges, found with a
+// counter it resets): the tests below cover one split and many (contexts 1 .. 10240), batches of 1
+// to 64 sequences of different lengths in one launch, reruns and graph replays that must be
+// bit-identical (arrival order differs; a counter left non-zero would leave outputs poisoned), and
+// a PDL chain where the kernel before attention writes the new token's q/k/v late, as the qkv GEMV
+// does ([TAG_ATTN_DECODE_PREWAIT]: attention reads older rows before its wait). Decode folds in
+// QK-norm + RoPE + the K/V write: its batches carry the raw token, the reference sees the finished
+// one (CPU RMSNorm and RoPE), and the newest cache rows start as NaN and must be written.
 #include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
 
 #include <cuda_bf16.h>
@@ -25,13 +34,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "core/dtype.h"
 #include "cpu/attention.h"
+#include "cpu/norm.h"
+#include "cpu/rope.h"
 #include "kernels/attention.cuh"
+#include "kernels/pdl.cuh"
 
 namespace moebius {
 namespace {
@@ -43,6 +56,7 @@ using testing::CudaStream;
 using testing::DeviceBuffer;
 
 constexpr double kMaxNmse = 5e-5;
+constexpr float kEps = 1e-6f;  // Qwen3's rms_norm_eps
 constexpr uint8_t kPoison = 0xFF;
 
 struct Geometry {
@@ -77,10 +91,61 @@ struct Batch {
   std::vector<int32_t> table;             // [max_seqs, max_blocks]
   std::vector<int32_t> cu, lens;          // [max_seqs + 1], [max_seqs]
   std::vector<float> want;                // [T, nh, hd]
+  // Decode batches (every q_len 1) also carry the new token as the qkv projection leaves it; q and
+  // the newest cache rows above then hold what QK-norm + RoPE make of it, rounded to bf16.
+  bool decode = false;
+  std::vector<float> q_raw;               // [max_seqs, nh, hd], bf16 values
+  std::vector<float> k_raw, v_raw;        // [max_seqs, nkv, hd], bf16 values
+  std::vector<float> q_norm, k_norm;      // [hd]
+  std::vector<float> inv_freq;            // [hd / 2]
+  std::vector<int64_t> new_rows;          // element offset in a pool of each (sequence, kv head)'s newest row
 
   int total_q() const { return std::accumulate(q_lens.begin(), q_lens.end(), 0); }
   int64_t row() const { return int64_t{geo.nh} * geo.hd; }
 };
+
+// The decode step's new token ([TAG_KV_CACHE_LAYOUT]): raw q/k/v rows and norm weights drawn here,
+// then q and the newest K/V rows of the batch replaced by their finished values (CPU references:
+// RMSNorm, RoPE neox at position ctx - 1, Qwen3's theta 1e6), rounded to bf16 as the kernel's Q
+// tile and the cache hold them. q_scale scales the q norm weights (the norm removes q's own scale).
+void finish_decode_token(Batch& b, std::mt19937& rng, float q_scale) {
+  const Geometry& g = b.geo;
+  const size_t qrow = static_cast<size_t>(g.nh) * g.hd, kvrow = static_cast<size_t>(g.nkv) * g.hd;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  b.q_raw.assign(static_cast<size_t>(b.max_seqs) * qrow, 0.0f);
+  b.k_raw.assign(static_cast<size_t>(b.max_seqs) * kvrow, 0.0f);
+  b.v_raw.assign(b.k_raw.size(), 0.0f);
+  b.q_norm.resize(static_cast<size_t>(g.hd));
+  b.k_norm.resize(static_cast<size_t>(g.hd));
+  for (float& w : b.q_norm) w = 0.5f * q_scale * (1.0f + 0.5f * u(rng));
+  for (float& w : b.k_norm) w = 1.0f + 0.5f * u(rng);
+  b.inv_freq = cpu::rope_inv_freq(1e6, g.hd);
+  b.new_rows.clear();
+  std::vector<float> x(qrow), y(kvrow);
+  for (size_t s = 0; s < b.ctxs.size(); ++s) {
+    const int64_t pos = b.ctxs[s] - 1;
+    float* qr = b.q_raw.data() + s * qrow;
+    std::copy_n(b.q.begin() + static_cast<int64_t>(b.cu[s]) * b.row(), qrow, qr);
+    for (size_t i = 0; i < kvrow; ++i) {
+      b.k_raw[s * kvrow + i] = bf16_round(u(rng));
+      b.v_raw[s * kvrow + i] = bf16_round(u(rng));
+    }
+    cpu::rms_norm_reference(qr, b.q_norm.data(), g.nh, g.hd, kEps, x.data());
+    cpu::rope_neox_reference(x.data(), 1, g.nh, g.hd, &pos, b.inv_freq.data());
+    for (size_t i = 0; i < qrow; ++i) b.q[static_cast<size_t>(b.cu[s]) * qrow + i] = bf16_round(x[i]);
+    cpu::rms_norm_reference(b.k_raw.data() + s * kvrow, b.k_norm.data(), g.nkv, g.hd, kEps, y.data());
+    cpu::rope_neox_reference(y.data(), 1, g.nkv, g.hd, &pos, b.inv_freq.data());
+    const int64_t blk = b.table[s * b.max_blocks + pos / b.block_size];
+    for (int h = 0; h < g.nkv; ++h) {
+      const int64_t off = ((blk * g.nkv + h) * b.block_size + pos % b.block_size) * g.hd;
+      b.new_rows.push_back(off);
+      for (int i = 0; i < g.hd; ++i) {
+        b.k_pool[static_cast<size_t>(off + i)] = bf16_round(y[static_cast<size_t>(h * g.hd + i)]);
+        b.v_pool[static_cast<size_t>(off + i)] = b.v_raw[s * kvrow + static_cast<size_t>(h * g.hd + i)];
+      }
+    }
+  }
+}
 
 // Capacities default to this batch's needs plus slack: 3 spare blocks, 2 spare sequences, 5 spare
 // query rows, 2 spare block-table columns.
@@ -128,6 +193,9 @@ Batch make_batch(const Geometry& geo, int bs, std::vector<int> q_lens, std::vect
   }
   for (int s = n; s < b.max_seqs; ++s) b.cu[s + 1] = b.cu[s];
 
+  b.decode = n > 0 && std::all_of(b.q_lens.begin(), b.q_lens.end(), [](int x) { return x == 1; });
+  if (b.decode) finish_decode_token(b, rng, q_scale);
+
   // Reference, sequence by sequence, over a contiguous copy of its cache rows.
   const int kvd = geo.nkv * geo.hd;
   b.want.assign(static_cast<size_t>(b.total_q()) * b.row(), 0.0f);
@@ -157,17 +225,41 @@ std::vector<bf16> to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-// Device copies of a batch's inputs at its capacities, plus the output.
+std::vector<float> with_nan_rows(std::vector<float> pool, const std::vector<int64_t>& rows, int hd) {
+  for (int64_t off : rows) std::fill_n(pool.begin() + off, hd, NAN);
+  return pool;
+}
+
+// Device copies of a batch's inputs at its capacities, plus the output. decode: q and the newest
+// cache rows are uploaded as NaN (the decode kernel must read the raw token and write those rows).
 struct DeviceBatch {
-  explicit DeviceBatch(const Batch& b)
+  explicit DeviceBatch(const Batch& b, bool decode = false)
       : q(b.q.size()), k(b.k_pool.size()), v(b.v_pool.size()), table(b.table.size()), cu(b.cu.size()),
-        lens(b.lens.size()), num_seqs(1), out(static_cast<size_t>(b.t_cap) * b.row()) {
-    upload(b);
+        lens(b.lens.size()), num_seqs(1), out(static_cast<size_t>(b.t_cap) * b.row()),
+        q_raw(std::max<size_t>(b.q_raw.size(), 1)), k_raw(std::max<size_t>(b.k_raw.size(), 1)),
+        v_raw(std::max<size_t>(b.v_raw.size(), 1)), q_norm(std::max<size_t>(b.q_norm.size(), 1)),
+        k_norm(std::max<size_t>(b.k_norm.size(), 1)), inv_freq(std::max<size_t>(b.inv_freq.size(), 1)) {
+    upload(b, decode);
   }
-  void upload(const Batch& b) {
-    q.upload(to_bf16(b.q));
-    k.upload(to_bf16(b.k_pool));
-    v.upload(to_bf16(b.v_pool));
+  void upload(const Batch& b, bool decode = false) {
+    EXPECT_TRUE(!decode || b.decode);
+    if (b.decode) {
+      q_raw.upload(to_bf16(b.q_raw));
+      k_raw.upload(to_bf16(b.k_raw));
+      v_raw.upload(to_bf16(b.v_raw));
+      q_norm.upload(b.q_norm);
+      k_norm.upload(b.k_norm);
+      inv_freq.upload(b.inv_freq);
+    }
+    if (decode) {
+      q.upload(to_bf16(std::vector<float>(b.q.size(), NAN)));
+      k.upload(to_bf16(with_nan_rows(b.k_pool, b.new_rows, b.geo.hd)));
+      v.upload(to_bf16(with_nan_rows(b.v_pool, b.new_rows, b.geo.hd)));
+    } else {
+      q.upload(to_bf16(b.q));
+      k.upload(to_bf16(b.k_pool));
+      v.upload(to_bf16(b.v_pool));
+    }
     table.upload(b.table);
     cu.upload(b.cu);
     lens.upload(b.lens);
@@ -176,10 +268,45 @@ struct DeviceBatch {
   AttentionDims dims(const Batch& b) const {
     return AttentionDims{b.geo.nh, b.geo.nkv, b.geo.hd, b.block_size, b.max_blocks};
   }
+  // The decode kernel's view of the new token (raw q/k/v rows of max_seqs sequences).
+  kernels::AttentionDecodeToken token(const Batch& b) {
+    const int64_t kv = int64_t{b.geo.nkv} * b.geo.hd;
+    return kernels::AttentionDecodeToken{q_raw.data(), b.row(),       k_raw.data(),    kv,  v_raw.data(),
+                                         kv,           q_norm.data(), k_norm.data(), inv_freq.data(), kEps};
+  }
+  void launch_decode(const Batch& b, const AttentionDecodePlan& plan, void* ws, cudaStream_t stream) {
+    kernels::launch_attention_decode(token(b), lens.data(), num_seqs.data(), k.data(), v.data(), table.data(), dims(b),
+                                     plan, ws, out.data(), stream);
+  }
   DeviceBuffer<__nv_bfloat16> q, k, v;
   DeviceBuffer<int32_t> table, cu, lens, num_seqs;
   DeviceBuffer<__nv_bfloat16> out;
+  DeviceBuffer<__nv_bfloat16> q_raw, k_raw, v_raw;
+  DeviceBuffer<float> q_norm, k_norm, inv_freq;
 };
+
+// After a decode launch: the newest K rows hold the finished k (bf16, within one ulp of the CPU
+// reference's rounding: the kernel and the reference sum the norm in other orders), the newest V
+// rows the raw v exactly, every other cache element is untouched.
+void expect_cache(const Batch& b, const DeviceBatch& d, const char* what) {
+  for (int pool = 0; pool < 2; ++pool) {
+    const std::vector<__nv_bfloat16> raw = (pool == 0 ? d.k : d.v).download();
+    const std::vector<float>& want = pool == 0 ? b.k_pool : b.v_pool;
+    std::vector<float> got(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) got[i] = __bfloat162float(raw[i]);
+    for (int64_t off : b.new_rows) {
+      if (pool == 0)
+        EXPECT_TRUE(testing::all_close(got.data() + off, want.data() + off, static_cast<size_t>(b.geo.hd), 1.0 / 128,
+                                       1e-6))
+            << what << ": newest k row at " << off;
+      else
+        EXPECT_TRUE(testing::same_values(got.data() + off, want.data() + off, static_cast<size_t>(b.geo.hd)))
+            << what << ": newest v row at " << off;
+      std::copy_n(want.begin() + off, b.geo.hd, got.begin() + off);  // checked; the rest must be exact
+    }
+    EXPECT_TRUE(testing::same_values(got.data(), want.data(), got.size())) << what << ": cache rows not the new token's";
+  }
+}
 
 // out rows [0, total_q) against the reference, per sequence; rows past stay poisoned; guards.
 void expect_matches(const Batch& b, const DeviceBatch& d, const char* what) {
@@ -213,27 +340,32 @@ void run_prefill(const Batch& b, int max_q_len = -1) {
   expect_matches(b, d, "prefill");
 }
 
-// Decode: every q_len is 1. plan_splits = 0: the planner's choice; 1: forced single split.
+// Decode: every q_len is 1. plan_splits = 0: the planner's choice; else a forced max_splits (1:
+// never a merge).
 void run_decode(const Batch& b, int plan_splits = 0) {
   const int max_ctx = *std::max_element(b.ctxs.begin(), b.ctxs.end());
   CudaStream stream;
-  DeviceBatch d(b);
+  DeviceBatch d(b, /*decode=*/true);
   AttentionDecodePlan plan = kernels::plan_attention_decode(d.dims(b), b.max_seqs, max_ctx, num_sms());
-  if (plan_splits == 1) plan = AttentionDecodePlan{b.max_seqs, max_ctx, (max_ctx + 15) / 16 * 16, 1};
+  if (plan_splits > 0) plan = AttentionDecodePlan{b.max_seqs, max_ctx, plan_splits};
   const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
   DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
   ws.poison(0xFF, stream);  // NaN partials: a merge that read an unwritten split would show it
+  kernels::init_attention_decode_workspace(ws.data(), d.dims(b), plan, stream);  // the counters only
   d.out.poison(kPoison, stream);
-  kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                   d.table.data(), d.dims(b), plan, ws_bytes ? ws.data() : nullptr, d.out.data(),
-                                   stream);
+  d.launch_decode(b, plan, ws_bytes ? ws.data() : nullptr, stream);
   stream.sync();
-  SCOPED_TRACE(::testing::Message() << "decode plan: partition " << plan.partition << ", splits " << plan.num_splits);
-  expect_matches(b, d, plan.num_splits > 1 ? "decode" : "decode1");
+  SCOPED_TRACE(::testing::Message() << "decode plan: max_splits " << plan.max_splits);
+  expect_matches(b, d, plan.max_splits > 1 ? "decode" : "decode1");
+  expect_cache(b, d, "decode");
   EXPECT_TRUE(ws.guards_intact());
 }
 
 std::vector<int> ones(size_t n) { return std::vector<int>(n, 1); }
+
+bool same_bytes(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(__nv_bfloat16)) == 0;
+}
 
 // ------------------------------------------------------------------------------------------------
 // Prefill
@@ -309,25 +441,13 @@ TEST(AttentionGpuDecode, OneLongSequenceSplits) {
 
 TEST(AttentionGpuDecode, ShortSequencesSkipTheMerge) {
   MOEBIUS_REQUIRE_GPU();
-  // A split plan (64-key partitions over a 4096 context) with sequences on both sides of one
-  // partition: contexts <= 64 are written by the decode kernel itself and the merge must leave
-  // them alone; longer ones go through the (poisoned) workspace and the merge.
-  const std::vector<int> ctx = {1, 15, 63, 64, 65, 128, 129, 1000, 4096};
+  // A forced 64-split plan with sequences on both sides of the one-split limit (256 keys,
+  // [TAG_ATTN_DECODE_SPLIT]): contexts <= 256 are written directly and never touch the (poisoned)
+  // workspace; longer ones go through it and the last block's merge.
+  const std::vector<int> ctx = {1, 15, 63, 64, 65, 128, 129, 255, 256, 257, 1000, 4096};
   for (const Geometry& g : {kQwen3_30B, kTiny, kHd64G8}) {
     SCOPED_TRACE(g.name);
-    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 87);
-    CudaStream stream;
-    DeviceBatch d(b);
-    const AttentionDecodePlan plan{b.max_seqs, 4096, 64, 64};
-    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
-    DeviceBuffer<uint8_t> ws(ws_bytes);
-    ws.poison(0xFF, stream);
-    d.out.poison(kPoison, stream);
-    kernels::launch_attention_decode(d.q.data(), b.row(), d.lens.data(), d.num_seqs.data(), d.k.data(), d.v.data(),
-                                     d.table.data(), d.dims(b), plan, ws.data(), d.out.data(), stream);
-    stream.sync();
-    expect_matches(b, d, "decode-s");
-    EXPECT_TRUE(ws.guards_intact());
+    run_decode(make_batch(g, 16, ones(ctx.size()), ctx, 87), /*plan_splits=*/64);
   }
 }
 
@@ -338,6 +458,158 @@ TEST(AttentionGpuDecode, MatchesPrefillKernelOnDecodeRows) {
   const Batch b = make_batch(kQwen3_30B, 16, ones(ctx.size()), ctx, 89);
   run_prefill(b);
   run_decode(b);
+}
+
+TEST(AttentionGpuDecode, ContextsAndGqaRatios) {
+  MOEBIUS_REQUIRE_GPU();
+  // One split (<= 256 keys) and many (the planner gives one sequence 33 splits on 132 SMs);
+  // GQA 8 and 16. Each context alone (the planner's single-sequence plan) and all in one batch.
+  const std::vector<int> ctx = {1, 2, 17, 255, 256, 1000, 4097, 10240};
+  for (const Geometry& g : {kQwen3_30B, kQwen3_235B}) {
+    SCOPED_TRACE(g.name);
+    for (int c : ctx) run_decode(make_batch(g, 16, {1}, {c}, 201u + c));
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 203);
+    run_decode(b);
+    run_decode(b, /*plan_splits=*/256);  // the most splits a plan may have
+  }
+}
+
+// n sequences of lengths spread over [1, 10240], the listed contexts first.
+std::vector<int> mixed_contexts(int n, uint32_t seed) {
+  const int listed[] = {1, 2, 17, 255, 256, 1000, 4097, 10240};
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> len(1, 10240);
+  std::vector<int> c;
+  for (int i = 0; i < n; ++i) c.push_back(i < 8 ? listed[i] : len(rng));
+  std::shuffle(c.begin(), c.end(), rng);
+  return c;
+}
+
+TEST(AttentionGpuDecode, BatchesOfOneToSixtyFour) {
+  MOEBIUS_REQUIRE_GPU();
+  // Many (sequence, kv head) counters in one launch: the planner's plan (one split from 33
+  // sequences at nkv 4) and a forced 8-split plan, where every long sequence merges.
+  for (int n : {1, 2, 3, 8, 17, 33, 64}) {
+    SCOPED_TRACE(::testing::Message() << n << " sequences");
+    const Batch b = make_batch(kQwen3_30B, 16, ones(static_cast<size_t>(n)), mixed_contexts(n, 300u + n), 301u + n);
+    run_decode(b);
+    run_decode(b, /*plan_splits=*/8);
+  }
+  const Batch b = make_batch(kQwen3_235B, 16, ones(24), mixed_contexts(24, 333), 335);
+  run_decode(b);
+  run_decode(b, /*plan_splits=*/8);
+}
+
+// Copies the new token's raw q, k and v (what the qkv GEMV writes) from `src` to `dst`, after
+// sleeping ~`sleep_ns`. It triggers its dependents first, so attention's blocks are resident and
+// past their pre-wait loads long before these writes land: an attention kernel that read the
+// token before its wait would see the poison.
+__global__ void late_writer_kernel(const __nv_bfloat16* q_src, const __nv_bfloat16* k_src, const __nv_bfloat16* v_src,
+                                   __nv_bfloat16* q_dst, __nv_bfloat16* k_dst, __nv_bfloat16* v_dst, int64_t q_elems,
+                                   int64_t kv_elems, unsigned sleep_ns) {
+  kernels::pdl_launch_dependents();
+  uint64_t t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < sleep_ns);
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i < q_elems; i += stride) q_dst[i] = q_src[i];
+  for (int64_t i = tid; i < kv_elems; i += stride) {
+    k_dst[i] = k_src[i];
+    v_dst[i] = v_src[i];
+  }
+}
+
+TEST(AttentionGpuDecode, PdlChainWithLateToken) {
+  MOEBIUS_REQUIRE_GPU();
+  // The newest key in a prologue tile (ctx <= 192 in one split, and the last split of 1000) and
+  // past it (193 .. 256: loaded in the key loop), single and many splits.
+  const std::vector<int> ctx = {1, 2, 17, 192, 193, 255, 256, 1000, 4097, 10240};
+  for (const Geometry& g : {kQwen3_30B, kQwen3_235B, kTiny}) {
+    SCOPED_TRACE(g.name);
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 401);
+    CudaStream stream;
+    DeviceBatch d(b, /*decode=*/true), truth(b);
+    const AttentionDims dims = d.dims(b);
+    const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
+    auto enqueue = [&] {
+      kernels::launch_pdl(late_writer_kernel, dim3(8), dim3(256), 0, stream, truth.q_raw.data(), truth.k_raw.data(),
+                          truth.v_raw.data(), d.q_raw.data(), d.k_raw.data(), d.v_raw.data(),
+                          static_cast<int64_t>(b.q_raw.size()), static_cast<int64_t>(b.k_raw.size()), 20000u);
+      d.launch_decode(b, plan, ws.data(), stream);
+    };
+    auto reset = [&] {  // poisoned token, poisoned newest cache rows, poisoned output
+      d.upload(b, /*decode=*/true);
+      d.q_raw.poison(0xFF, stream);
+      d.k_raw.poison(0xFF, stream);
+      d.v_raw.poison(0xFF, stream);
+      d.out.poison(kPoison, stream);
+    };
+    reset();
+    enqueue();
+    stream.sync();
+    expect_matches(b, d, "pdl");
+    expect_cache(b, d, "pdl");
+    const std::vector<__nv_bfloat16> eager = d.out.download();
+
+    // The same chain captured once and replayed: every replay bit-identical to the eager run.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue();
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) {
+      SCOPED_TRACE(::testing::Message() << "replay " << r);
+      reset();
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      stream.sync();
+      EXPECT_TRUE(same_bytes(d.out.download(), eager)) << "graph replay differs from the eager run";
+      expect_cache(b, d, "pdl-graph");
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
+TEST(AttentionGpuDecode, RerunsAreBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  // Five launches on one workspace initialised once: the counters must come back to zero after
+  // each, and the merge order must not depend on which split finished last.
+  const int n = 40;
+  const Batch b = make_batch(kQwen3_30B, 16, ones(n), mixed_contexts(n, 501), 503);
+  CudaStream stream;
+  DeviceBatch d(b, /*decode=*/true);
+  const AttentionDims dims = d.dims(b);
+  for (int max_splits : {0, 8, 256}) {
+    SCOPED_TRACE(::testing::Message() << "max_splits " << max_splits);
+    AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
+    if (max_splits > 0) plan.max_splits = max_splits;
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    ws.poison(0xFF, stream);
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
+    std::vector<__nv_bfloat16> first;
+    for (int r = 0; r < 5; ++r) {
+      d.out.poison(kPoison, stream);
+      d.launch_decode(b, plan, ws.data(), stream);
+      stream.sync();
+      if (r == 0) {
+        expect_matches(b, d, "rerun");
+        expect_cache(b, d, "rerun");
+        first = d.out.download();
+      } else {
+        EXPECT_TRUE(same_bytes(d.out.download(), first)) << "rerun " << r << " differs";
+      }
+    }
+    EXPECT_TRUE(ws.guards_intact());
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -360,18 +632,18 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
     SCOPED_TRACE(decode ? "decode graph" : "prefill graph");
     const Replay* replays = decode ? decode_replays : prefill_replays;
     Batch first = make_batch(g, kBs, replays[0].q, replays[0].c, 101, 2.0f, kSeqs, kMaxBlocks, kBlocks, kTCap);
-    DeviceBatch d(first);
+    DeviceBatch d(first, decode);
     CudaStream stream;
     const AttentionDims dims = d.dims(first);
     const AttentionDecodePlan plan = kernels::plan_attention_decode(dims, kSeqs, kMaxCtx, num_sms());
     const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
     DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     if (decode)
-      kernels::launch_attention_decode(d.q.data(), first.row(), d.lens.data(), d.num_seqs.data(), d.k.data(),
-                                       d.v.data(), d.table.data(), dims, plan, ws.data(), d.out.data(), stream);
+      d.launch_decode(first, plan, ws.data(), stream);
     else
       kernels::launch_attention_prefill(d.q.data(), first.row(), d.cu.data(), d.lens.data(), d.num_seqs.data(),
                                         d.k.data(), d.v.data(), d.table.data(), dims, kSeqs, kMaxQ, d.out.data(),
@@ -383,11 +655,12 @@ TEST(AttentionGpuGraph, DecodeAndPrefillReplayAtTwoSizes) {
       const Batch b = r == 0 ? std::move(first)
                              : make_batch(g, kBs, replays[r].q, replays[r].c, 103, 2.0f, kSeqs, kMaxBlocks, kBlocks,
                                           kTCap);
-      d.upload(b);  // synchronous copies, outside the graph: the live batch is device data only
+      d.upload(b, decode);  // synchronous copies, outside the graph: the live batch is device data only
       d.out.poison(kPoison, stream);
       CUDA_CHECK(cudaGraphLaunch(exec, stream));
       stream.sync();
       expect_matches(b, d, decode ? "graph-d" : "graph-p");
+      if (decode) expect_cache(b, d, "graph-d");
     }
     CUDA_CHECK(cudaGraphExecDestroy(exec));
     CUDA_CHECK(cudaGraphDestroy(graph));
