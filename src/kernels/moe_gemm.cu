@@ -27,7 +27,6 @@
 // Dequantization (shared with the prefill kernel) is described in kernels/moe_dequant.cuh.
 #include "kernels/moe_gemm.cuh"
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 
@@ -346,36 +345,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // instructions of overhead each. The per-tile epilogue is split over warps 0 and 1 (one token
 // column each) and the tile's pair ids are read once per block: warp 0 alone, with a global
 // load of the pair ids in every tile, was the slowest warp of each tile.
-//
-// The body is a device function so that the decode pair kernel below ([TAG_DECODE_GEMM_PAIR]) runs
-// the same code for its GEMM1 and GEMM2 items: kPair = the caller passed pdl_wait already, GEMM2
-// items wait for their tile's GEMM1 blocks, GEMM1 items signal them.
-
-// [TAG_DECODE_GEMM_PAIR] Per-tile handshake of the pair kernel, in device memory that the layer
-// keeps zeroed (the pair kernel leaves it zeroed again).
-struct PairSync {
-  int32_t* tile_done = nullptr;  // [grid_tiles] GEMM1 row blocks finished, per token tile
-  int32_t* tile_read = nullptr;  // [grid_tiles] GEMM2 row blocks past their wait, per token tile
-  int gemm1_blocks = 0;          // GEMM1 row blocks per token tile
-  int gemm2_blocks = 0;          // GEMM2 row blocks per token tile
-};
-
-__device__ __forceinline__ int load_acquire_gpu(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, bool kPair>
-__device__ __forceinline__ void rows_body(const GemmKernelArgs& args, int tile, int row_block, int rows_per_block,
-                                          const PairSync& sync) {
+template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact>
+__global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   constexpr int kSets = 2;
+  const int tile = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const MoeGemmDims& d = args.dims;
-  const int rt_begin = row_block * rows_per_block;
+  const int rt_begin = blockIdx.x * rows_per_block;
   const int rt_end = min(rt_begin + rows_per_block, d.row_tiles);
 
   __shared__ float partial[2][kWarps][32][4];  // double-buffered by row-tile parity: one sync per tile
@@ -418,22 +397,7 @@ __device__ __forceinline__ void rows_body(const GemmKernelArgs& args, int tile, 
     }
     return true;
   };
-  if constexpr (kPair) {
-    if (!start()) return;  // uniform over the block: a dead tile
-    if constexpr (EPI != Epilogue::kGateUp) {
-      // h of this token tile comes from the tile's GEMM1 blocks in this grid: wait for all of them
-      // (acquire), with this block's first weights already in flight. The last block past the
-      // wait zeroes both counters for the next launch (every other reader of them has passed it).
-      if (threadIdx.x == 0) {
-        while (load_acquire_gpu(sync.tile_done + tile) < sync.gemm1_blocks) __nanosleep(64);
-        if (atomicAdd(sync.tile_read + tile, 1) == sync.gemm2_blocks - 1) {
-          sync.tile_read[tile] = 0;
-          sync.tile_done[tile] = 0;
-        }
-      }
-      __syncthreads();
-    }
-  } else if constexpr (kWeightsBeforeWait) {
+  if constexpr (kWeightsBeforeWait) {
     if (!start()) return;
     pdl_wait();
     pdl_launch_dependents();
@@ -538,58 +502,6 @@ __device__ __forceinline__ void rows_body(const GemmKernelArgs& args, int tile, 
     if (rt + 2 < rt_end) load_tile(wa, sa, rt + 2);
     compute_tile(wb, sb, rt + 1, 1);
   }
-  if constexpr (kPair && EPI == Epilogue::kGateUp) {
-    // Release this block's h columns to the tile's GEMM2 blocks: every store, then one fenced
-    // increment.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(sync.tile_done + tile, 1);
-    }
-  }
-}
-
-template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact>
-__global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
-  rows_body<F, EPI, P, kExact, false>(args, blockIdx.y, blockIdx.x, rows_per_block, PairSync{});
-}
-
-// [TAG_DECODE_GEMM_PAIR] GEMM1 + SwiGLU and GEMM2 (kStore) of a decode step in ONE grid. At T = 1
-// each decode GEMM is mostly fixed cost (launch, the tile -> expert -> weights chain, tail: GEMM1
-// streams its 13.4 MB at the full HBM rate for ~2.9 of its ~8 us; docs/PERF.md run M2), and GEMM2
-// pays its own again. Here a block takes the next ticket of an atomic counter: tickets below
-// tiles x gemm1_blocks are GEMM1 items, the rest GEMM2 items, both token-tile major. A GEMM2 item
-// issues its first weight loads, then waits for its tile's GEMM1 blocks (PairSync), so GEMM2's
-// weights stream while GEMM1 finishes. No deadlock whatever the residency: a GEMM2 item waits only
-// on lower tickets, which blocks that are already running hold and finish without waiting.
-// The last block to finish zeroes the ticket counters, so graph replays need no memset. Outputs
-// are bit-identical to the two row-tile launches (the same body, the same items).
-template <MoeWeightFormat F, int P1, int P2>
-__global__ void __launch_bounds__(kThreads, 3)
-    moe_gemm_pair_kernel(const GemmKernelArgs a1, const GemmKernelArgs a2, int rows1, int rows2, PairSync sync,
-                         int32_t* __restrict__ tickets) {  // [2]: next ticket, blocks finished
-  __shared__ int s_ticket;
-  pdl_wait();  // tile_expert / pair ids (align) and x (previous stage)
-  pdl_launch_dependents();
-  if (threadIdx.x == 0) s_ticket = atomicAdd(tickets, 1);
-  __syncthreads();
-  const int ticket = s_ticket;
-  const int n1 = a1.tiles.grid_tiles * sync.gemm1_blocks;
-  if (ticket < n1) {
-    rows_body<F, Epilogue::kGateUp, P1, true, true>(a1, ticket / sync.gemm1_blocks, ticket % sync.gemm1_blocks, rows1,
-                                                    sync);
-  } else {
-    const int u = ticket - n1;
-    rows_body<F, Epilogue::kDownStore, P2, true, true>(a2, u / sync.gemm2_blocks, u % sync.gemm2_blocks, rows2, sync);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(tickets + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      tickets[0] = 0;
-      tickets[1] = 0;
-    }
-  }
 }
 
 // Largest activation stage in shared memory: three blocks still fit an SM (228 KB), enough to keep
@@ -623,20 +535,9 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
   return blocks <= 2 * wave ? 2 : blocks <= 16 * 1024 ? 4 : 8;
 }
 
-// The staging and row-tile choice of one decode GEMM launch: fills args' stage fields and says
-// whether the row-tile kernel runs it, with how many row tiles per block and which exact-chunk
-// instance (per_warp; 0 = the guarded one).
-struct DecodePlan {
-  size_t dyn_bytes = 0;   // the one-tile kernel's dynamic shared memory
-  bool rows = false;      // the row-tile kernel applies
-  int rows_per_block = 1;
-  size_t rows_smem = 0;   // its dynamic shared memory
-  int exact_per_warp = 0; // chunks per warp of an exact instance, or 0
-};
-
 template <MoeWeightFormat F, Epilogue EPI>
-DecodePlan plan_decode(GemmKernelArgs& args) {
-  DecodePlan plan;
+void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
+  const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
   const int nt = args.tiles.block_m / 8;
   const int max_rows = args.tiles.max_tile_rows > 0 ? std::min(args.tiles.max_tile_rows, args.tiles.block_m)
                                                      : args.tiles.block_m;
@@ -650,46 +551,27 @@ DecodePlan plan_decode(GemmKernelArgs& args) {
   const int64_t act_bytes = stage ? (stage_bytes + 15) / 16 * 16 : 0;
   const int64_t scale_bytes = kIsInt<F> ? static_cast<int64_t>(args.dims.groups) * 32 : 0;
   args.group_scale_offset = static_cast<int>(act_bytes);
-  plan.dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
-  MOEBIUS_LAUNCH_ASSERT(plan.dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
+  const size_t dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
+  MOEBIUS_LAUNCH_ASSERT(dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
   constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
-  plan.rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
+  const int rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
       decode_rows_per_block(F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp,
                             args.dims.row_tiles, args.tiles.grid_tiles);
-  plan.rows = nt == 1 && stage && plan.rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP;
-  if (plan.rows) {
-    plan.rows_smem = static_cast<size_t>(act_bytes + scale_bytes * plan.rows_per_block);
-    MOEBIUS_LAUNCH_ASSERT(plan.rows_smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-    // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8; int2 4) and GEMM2 (K = 768: 3).
-    const bool even = args.dims.chunks % kWarps == 0;
-    const int per_warp = args.dims.chunks / kWarps;
-    if (even && (per_warp == kRowsP || (EPI != Epilogue::kGateUp && per_warp == 3) ||
-                 (EPI == Epilogue::kGateUp && per_warp == 4)))
-      plan.exact_per_warp = per_warp;
-  }
-  return plan;
-}
-
-template <MoeWeightFormat F, Epilogue EPI>
-void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
-  const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
-  const int nt = args.tiles.block_m / 8;
-  const DecodePlan plan = plan_decode<F, EPI>(args);
-  const bool stage = args.stage_rows > 0;
-  const size_t dyn_bytes = plan.dyn_bytes;
-  if (plan.rows) {
-    const int rows_per_block = plan.rows_per_block;
-    const size_t smem = plan.rows_smem;
+  if (nt == 1 && stage && rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP) {
+    const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows_per_block);
+    MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
     const dim3 rows_grid((args.dims.row_tiles + rows_per_block - 1) / rows_per_block, args.tiles.grid_tiles);
     auto go_rows = [&](auto kernel) {
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
     };
-    constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
-    if (plan.exact_per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true>);
-    else if (EPI != Epilogue::kGateUp && plan.exact_per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true>);
-    else if (EPI == Epilogue::kGateUp && plan.exact_per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true>);
+    // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8; int2 4) and GEMM2 (K = 768: 3).
+    const bool even = args.dims.chunks % kWarps == 0;
+    const int per_warp = args.dims.chunks / kWarps;
+    if (even && per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true>);
+    else if (EPI != Epilogue::kGateUp && even && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true>);
+    else if (EPI == Epilogue::kGateUp && even && per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true>);
     else go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, false>);
     return;
   }
@@ -724,29 +606,6 @@ void launch(MoeWeightFormat format, const GemmKernelArgs& args, bool odd_k, cuda
     case MoeWeightFormat::kInt4: return launch_for_format<MoeWeightFormat::kInt4, EPI>(args, odd_k, stream);
     case MoeWeightFormat::kInt2: return launch_for_format<MoeWeightFormat::kInt2, EPI>(args, odd_k, stream);
   }
-}
-
-// [TAG_DECODE_GEMM_PAIR] The pair kernel for one format: both GEMMs on exact row-tile instances
-// (GEMM1 8 chunks per warp, GEMM2 3: Qwen3-30B-A3B's K = 2048 and 768 at 64 per chunk).
-template <MoeWeightFormat F>
-bool launch_pair_for_format(GemmKernelArgs a1, GemmKernelArgs a2, int32_t* counters, cudaStream_t stream) {
-  const DecodePlan p1 = plan_decode<F, Epilogue::kGateUp>(a1);
-  const DecodePlan p2 = plan_decode<F, Epilogue::kDownStore>(a2);
-  if (!p1.rows || !p2.rows || p1.exact_per_warp != 8 || p2.exact_per_warp != 3) return false;
-  const int tiles = a1.tiles.grid_tiles;
-  PairSync sync;
-  sync.gemm1_blocks = (a1.dims.row_tiles + p1.rows_per_block - 1) / p1.rows_per_block;
-  sync.gemm2_blocks = (a2.dims.row_tiles + p2.rows_per_block - 1) / p2.rows_per_block;
-  sync.tile_done = counters + 2;
-  sync.tile_read = counters + 2 + tiles;
-  const int64_t blocks = static_cast<int64_t>(tiles) * (sync.gemm1_blocks + sync.gemm2_blocks);
-  MOEBIUS_LAUNCH_ASSERT(blocks < (int64_t{1} << 31), "too many decode pair blocks");
-  const size_t smem = std::max(p1.rows_smem, p2.rows_smem);
-  auto kernel = moe_gemm_pair_kernel<F, 8, 3>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, a1, a2, p1.rows_per_block,
-             p2.rows_per_block, sync, counters);
-  return true;
 }
 
 void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& tiles) {
@@ -794,40 +653,6 @@ void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* expert
   const bool odd = (dims.k & 1) || (h_stride & 1);
   if (mode == MoeCombineMode::kStore) launch<Epilogue::kDownStore>(format, a, odd, stream);
   else launch<Epilogue::kDownAtomic>(format, a, odd, stream);
-}
-
-bool launch_moe_gemm_decode_pair(MoeWeightFormat format, const ExpertMatrixPtrs* experts13,
-                                 const MoeGemmDims& dims13, const ExpertMatrixPtrs* experts2,
-                                 const MoeGemmDims& dims2, const MoeTiles& tiles, const __nv_bfloat16* x,
-                                 int x_stride, const MoeActivationParams& act, __nv_bfloat16* h, int h_stride,
-                                 float* y, int y_stride, int32_t* pair_counters, cudaStream_t stream) {
-  check_dims(format, dims13, tiles);
-  check_dims(format, dims2, tiles);
-  MOEBIUS_LAUNCH_ASSERT(pair_counters != nullptr, "the decode pair needs its counters");
-  if (tiles.grid_tiles == 0 || dims13.row_tiles == 0 || dims2.row_tiles == 0) return true;  // nothing to run
-  if ((dims13.k & 1) || (x_stride & 1) || (dims2.k & 1) || (h_stride & 1)) return false;
-  GemmKernelArgs a1{};
-  a1.experts = experts13;
-  a1.dims = dims13;
-  a1.tiles = tiles;
-  a1.act_in = x;
-  a1.in_stride = x_stride;
-  a1.act = act;
-  a1.h_out = h;
-  a1.h_stride = h_stride;
-  GemmKernelArgs a2{};
-  a2.experts = experts2;
-  a2.dims = dims2;
-  a2.tiles = tiles;
-  a2.act_in = h;
-  a2.in_stride = h_stride;
-  a2.y = y;
-  a2.y_stride = y_stride;
-  switch (format) {
-    case MoeWeightFormat::kNvFp4: return launch_pair_for_format<MoeWeightFormat::kNvFp4>(a1, a2, pair_counters, stream);
-    case MoeWeightFormat::kInt4: return launch_pair_for_format<MoeWeightFormat::kInt4>(a1, a2, pair_counters, stream);
-    default: return false;
-  }
 }
 
 }  // namespace moebius::kernels

@@ -88,19 +88,6 @@ void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* expert
                           float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
                           cudaStream_t stream);
 
-// [TAG_DECODE_GEMM_PAIR] GEMM1 + SwiGLU and GEMM2 with the kStore combine in ONE launch, for
-// decode: GEMM2 blocks start streaming their weights while GEMM1 finishes and wait per token tile
-// for its GEMM1 blocks (kernels/moe_gemm.cu). Outputs are bit-identical to launch_moe_gemm_gate_up
-// followed by launch_moe_gemm_down. Arguments as those two; pair_counters: 2 + 2 * tiles.grid_tiles
-// int32 of zeroed device memory, left zeroed. Only where both GEMMs run on the row-tile decode
-// kernel with exact chunk counts (block_m 8, staged activations; Qwen3-30B-A3B nvfp4 and int4);
-// otherwise it launches nothing and returns false, and the caller launches the two GEMMs.
-bool launch_moe_gemm_decode_pair(MoeWeightFormat format, const ExpertMatrixPtrs* experts13,
-                                 const MoeGemmDims& dims13, const ExpertMatrixPtrs* experts2,
-                                 const MoeGemmDims& dims2, const MoeTiles& tiles, const __nv_bfloat16* x,
-                                 int x_stride, const MoeActivationParams& act, __nv_bfloat16* h, int h_stride,
-                                 float* y, int y_stride, int32_t* pair_counters, cudaStream_t stream);
-
 // Live tiles never exceed this for `capacity` tokens. Callers take the min with
 // moe_align_max_tiles, the length of tile_expert, which is tighter for large block_m:
 // sum_e ceil(c_e / m) <= sum_e (c_e / m + [c_e > 0]) <= T*k / m + min(E, T*k).

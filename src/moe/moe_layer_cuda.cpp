@@ -3,11 +3,9 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
-#include <string_view>
 #include <type_traits>
 
 #include "core/dtype.h"
@@ -385,7 +383,6 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   take(tile_expert_, static_cast<size_t>(max_tiles_));
   take(num_tiles_, 1);
   take(work_counters_, 4);
-  take(pair_counters_, 2 + 2 * static_cast<size_t>(grid_tiles_));
   take(h_, static_cast<size_t>(max_padded_) * h_stride_);  // zeroed: columns past I are never written
   take(y_, static_cast<size_t>(cap) * k * H);
   if (opt.workspace_pool) {
@@ -398,11 +395,6 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   workspace_bytes_ = total;
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
-  static const bool pair_knob = [] {
-    const char* v = std::getenv("MOEBIUS_DECODE_GEMM_PAIR");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
-  try_gemm_pair_ = pair_knob && path_ == MoeGemmPath::kDecode && opt.combine == kernels::MoeCombineMode::kStore;
   return Ok{};
 }
 
@@ -695,14 +687,9 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       return;
     case MoeStage::kGateUp:
       tiles.work_counter = work_counters_;
-      gemm_pair_ran_ = try_gemm_pair_ && !use_staging_ &&
-                       kernels::launch_moe_gemm_decode_pair(f, table13_, dims13_, table2_, dims2_, tiles, x, H, act_,
-                                                            h_, h_stride_, y_, H, pair_counters_, stream);
-      if (gemm_pair_ran_) return;
       gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
       return;
     case MoeStage::kDown:
-      if (gemm_pair_ran_) return;  // the GEMM1 stage ran the decode pair kernel
       tiles.work_counter = work_counters_ + 2;
       if (store) {
         down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore,

@@ -288,13 +288,6 @@ class MoeLayerCuda {
   // [4]: the wgmma GEMM1 and GEMM2 work-item counters (MoeTiles::work_counter), zeroed; layers
   // sharing the workspace run one after another, and each launch leaves its pair zeroed.
   int32_t* work_counters_ = nullptr;
-  // [TAG_DECODE_GEMM_PAIR] the decode pair kernel's tickets and per-tile handshake (2 + 2 grid
-  // tiles, zeroed; the kernel leaves them zeroed), whether this layer tries it
-  // (MOEBIUS_DECODE_GEMM_PAIR=1, an experiment knob until measured), and whether the last GEMM1
-  // stage ran GEMM2 too (the GEMM2 stage then launches nothing).
-  int32_t* pair_counters_ = nullptr;
-  bool try_gemm_pair_ = false;
-  bool gemm_pair_ran_ = false;
   __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
   float* y_ = nullptr;                  // [cap * k, H]
 };
