@@ -50,13 +50,14 @@ const char* moe_gemm_path_name(MoeGemmPath p);
 // vs prefill 393. The autotuner issue replaces this with crossovers per format and geometry.
 inline constexpr int kPrefillMinTokensPerExpert = 16;
 
-// The fused routing runs up to this capacity (kernels::kRouteSmallMaxTokens). Up to 4 tokens it is
-// one cluster of 8 blocks, measured faster than the three separate kernels (docs/PERF.md run I3).
-// Capacities 5-16 take a 16-block cluster that spreads the router GEMV over 256 warps and gives
-// each token's top-k a block of its own (run I3's fused kernel lost at 8 and 16 tokens with the
-// GEMV on 8 blocks and every token's top-k in block 0: dev_probe_route_decode's phase stamps, run
-// M2). `bench moe --routing separate` and the autotuner's fused-routing candidate compare them.
-inline constexpr int kFusedRoutingMaxTokens = 16;
+// The fused routing runs up to this capacity. Up to 4 tokens it is one cluster of 8 blocks, from
+// 5 a 16-block cluster that spreads the router GEMV over 256 warps and gives each token's top-k a
+// block of its own (kernels/moe_route.cu). Measured on the H200 against the three separate kernels
+// (docs/PERF.md run M3, Qwen3-30B-A3B nvfp4 layer us, fused / separate): T=1 20.4 / 27.3, T=4
+// 43.6 / 46.7, T=8 64.0-64.4 / 66.8-66.9, T=16 97.4-97.5 / 95.5-95.7; so capacity 16 keeps the
+// separate kernels. `bench moe --routing separate` and the autotuner's fused-routing candidate
+// compare them.
+inline constexpr int kFusedRoutingMaxTokens = 8;
 
 // The router logits run on the tensor-core router GEMM (kernels/moe_router_gemm.cuh) when the
 // capacity is at least this and the shapes allow it (moe_router_gemm_supported), else on the
