@@ -110,7 +110,7 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
 // Limits, checked by moe_route_small_supported: capacity <= 16, E <= 256, capacity * k <= 256.
 //   logits   [capacity, E] fp32, written (the logits the routing used).
-// It launches one thread-block cluster of 8 blocks (sm_90).
+// It launches one thread-block cluster (sm_90): 8 blocks up to capacity 4, 16 (non-portable) above.
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
 inline constexpr int kRouteSmallMaxExperts = 256;
