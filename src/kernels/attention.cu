@@ -68,6 +68,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/kv_cache.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/rope_pair.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -474,17 +475,7 @@ __device__ __forceinline__ void finish_row(RowPairs p, bool norm, float4 w, bool
   if (!lane_holds_pairs<HD>(lane)) return;
   const int i = 2 * lane;
   float2 x = p.a, y = p.b;
-  if (norm) {  // (x * inv) * w, the reference's order
-    x = make_float2(x.x * inv * w.x, x.y * inv * w.y);
-    y = make_float2(y.x * inv * w.z, y.y * inv * w.w);
-  }
-  if (rotate) {
-    const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
-    const float2 xr = make_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
-    const float2 yr = make_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
-    x = xr;
-    y = yr;
-  }
+  rope_detail::norm_rope_pair(x, y, norm, inv, w, rotate, s_cos, s_sin, i);  // rope.cu's arithmetic
   lo = pack_bf16(x.x, x.y);
   hi = pack_bf16(y.x, y.y);
 }

@@ -17,6 +17,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/kv_cache.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/rope_pair.cuh"
 
 namespace moebius::kernels {
 namespace {
@@ -100,17 +101,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int i = 2 * lane + 64 * j;
       if (i >= half) continue;
       float2 x = a[j], y = b[j];
-      if (norm_w != nullptr) {  // (x * inv) * w, the reference's order
-        x = make_float2(x.x * inv * norm_w[i], x.y * inv * norm_w[i + 1]);
-        y = make_float2(y.x * inv * norm_w[half + i], y.y * inv * norm_w[half + i + 1]);
-      }
-      if (rotate) {
-        const float c0 = s_cos[i], c1 = s_cos[i + 1], s0 = s_sin[i], s1 = s_sin[i + 1];
-        const float2 xr = make_float2(x.x * c0 - y.x * s0, x.y * c1 - y.y * s1);
-        const float2 yr = make_float2(y.x * c0 + x.x * s0, y.y * c1 + x.y * s1);
-        x = xr;
-        y = yr;
-      }
+      const bool norm = norm_w != nullptr;
+      const float4 w = norm ? make_float4(norm_w[i], norm_w[i + 1], norm_w[half + i], norm_w[half + i + 1])
+                            : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      rope_detail::norm_rope_pair(x, y, norm, inv, w, rotate, s_cos, s_sin, i);
       *reinterpret_cast<__nv_bfloat162*>(dst + i) = __floats2bfloat162_rn(x.x, x.y);
       *reinterpret_cast<__nv_bfloat162*>(dst + half + i) = __floats2bfloat162_rn(y.x, y.y);
     }
