@@ -1,0 +1,43 @@
+// `moebius bench moe` through the real binary: its options' bad values get a clear error that
+// names the option and a non-zero exit, before any device or weight work starts (the CUDA
+// backend's options are validated on machines without a GPU too).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "test_util.h"
+
+namespace moebius {
+namespace {
+
+using testing::CliRun;
+CliRun run_moebius(const std::string& args) { return testing::run_shell(std::string(MOEBIUS_BIN) + " " + args); }
+
+void expect_error(const std::string& args, const std::string& needle) {
+  const CliRun r = run_moebius(args);
+  EXPECT_NE(r.status, 0) << args << "\n" << r.out;
+  EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+}
+
+TEST(BenchMoeCli, BadOptionsNameTheOption) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  // The routing choice: cuda only, and only auto or separate.
+  expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --routing separate", "--routing");
+  expect_error("bench moe --backend cuda --geometry 64,32,8,2 --tokens 1 --routing fused-always", "--routing");
+  // The GEMM path and tile belong to the CUDA backend.
+  expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --gemm-path wgmma", "--gemm-path");
+  expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --block-m 64", "--block-m");
+  expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --format int3", "--format");
+  expect_error("bench moe --backend cpu --geometry 64,32,8 --tokens 1", "geometry");
+}
+
+TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  const CliRun r = run_moebius("bench moe --backend cpu --geometry 64,32,8,2 --format nvfp4 --tokens 1,3 --iters 1");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("geometry"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace moebius
