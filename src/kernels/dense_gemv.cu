@@ -64,7 +64,7 @@ inline int columns_per_warp(int K) { return ((K + kColK - 1) / kColK + kWarps - 
 inline int padded_k(int K) { return columns_per_warp(K) * kWarps * kColK; }
 
 struct GemvArgs {
-  const __nv_bfloat16* x;  // [M, ldx]
+  const __nv_bfloat16* x;  // [M, ldx]; unused with the RMSNorm prologue
   int64_t ldx;
   const __nv_bfloat16* w;  // [N, K]
   void* y;                 // [M, ldy] OutT
@@ -72,6 +72,7 @@ struct GemvArgs {
   int M, N, K;
   int tiles;  // ceil(N / 16)
   int cpw;    // columns_per_warp(K)
+  DenseGemvRmsNorm norm;  // kNorm kernels only: x = bf16(RMSNorm(resid + delta) * weight)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -105,8 +106,89 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
-// NT: n8 token tiles (1: M <= 8, 2: M <= 16).
-template <int NT, typename OutT>
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(p)[0], hi = reinterpret_cast<const float4*>(p)[1];
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+// resid + delta of one 8-element chunk (fp32 adds, as norm.cu's residual update).
+__device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_t at, float (&v)[8]) {
+  load8(n.resid + at, v);
+  if (n.delta != nullptr) {
+    const uint4 u = *reinterpret_cast<const uint4*>(n.delta + at);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      v[2 * i] += f.x;
+      v[2 * i + 1] += f.y;
+    }
+  }
+}
+
+// [TAG_GEMV_RMS_NORM] The activations of a kNorm launch: xs[m][k] = bf16(RMSNorm(resid + delta) *
+// weight), formed in every block from the fp32 residual instead of read from a normalised copy
+// that a separate RMSNorm kernel wrote (one kernel and one L2 round trip less per decode layer).
+// Bit-identical to launch_add_rms_norm<float, float> followed by the plain GEMV: norm.cu gives
+// thread t of its (up to) 256 threads the 8-element chunks t, t + 256, ... of a row, accumulates
+// fmaf(v, v, ss) in that order, adds the lanes by a xor butterfly, then the warps' sums by a
+// second butterfly over lanes < warps (zeros elsewhere), and forms (v * inv) * w. This block has
+// the same 256 threads and does the same; where norm.cu runs fewer warps (H < 2048), the extra
+// warps here contribute exact zeros, which leave every sum unchanged. Block 0 writes the updated
+// residual resid + delta to resid_out (a different buffer: the other blocks still read resid).
+// Two passes over the rows (the sums, one barrier, then the outputs), so any M fits in the
+// registers; the second pass re-reads the rows from L1.
+__device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs_stride) {
+  __shared__ float s_part[kDenseGemvMaxM][kWarps];
+  const DenseGemvRmsNorm& n = a.norm;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int kq = a.K / 8;  // chunks per row
+  for (int m = 0; m < a.M; ++m) {
+    float ss = 0.0f;
+    for (int q = tid; q < kq; q += kThreads) {
+      float v[8];
+      load_residual8(n, static_cast<int64_t>(m) * a.K + q * 8, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) s_part[m][warp] = ss;
+  }
+  __syncthreads();
+  const bool write_residual = blockIdx.x == 0 && n.resid_out != nullptr;
+  for (int m = 0; m < a.M; ++m) {
+    float total = lane < kWarps ? s_part[m][lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    const float inv = 1.0f / sqrtf(total / static_cast<float>(a.K) + n.eps);
+    for (int q = tid; q < kq; q += kThreads) {
+      const int64_t at = static_cast<int64_t>(m) * a.K + q * 8;
+      float v[8];
+      load_residual8(n, at, v);
+      if (write_residual) {
+        reinterpret_cast<float4*>(n.resid_out + at)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(n.resid_out + at)[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
+      uint4 u;
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        h[i] = __floats2bfloat162_rn(v[2 * i] * inv * n.weight[q * 8 + 2 * i],
+                                     v[2 * i + 1] * inv * n.weight[q * 8 + 2 * i + 1]);
+      *reinterpret_cast<uint4*>(xs + m * xs_stride + q * 8) = u;
+    }
+  }
+  // Zero past K: the warps' last columns may overhang it (the plain staging zero-fills them too).
+  const int xq = xs_stride / 8 - kXPad / 8;
+  for (int i = tid; i < a.M * (xq - kq); i += kThreads) {
+    const int m = i / (xq - kq), q = kq + i % (xq - kq);
+    *reinterpret_cast<uint4*>(xs + m * xs_stride + q * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// NT: n8 token tiles (1: M <= 8, 2: M <= 16). kNorm: the activations are formed by
+// stage_rms_norm_rows ([TAG_GEMV_RMS_NORM]) instead of copied from x.
+template <int NT, typename OutT, bool kNorm>
 __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kRed = 32 * 4 * NT;  // floats one warp contributes per tile
@@ -151,7 +233,11 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
   pdl_wait();  // x is the previous kernel's output; y may still be read by it
   pdl_launch_dependents();
 
-  {  // Stage x [M, K] -> xs by cp.async (all in flight at once), zero past K: the warps' last
+  if constexpr (kNorm) {
+    stage_rms_norm_rows(a, xs, xs_stride);
+    // No copy group here: commit an empty one so the loop's wait counts stay as below.
+    cp_async_commit();
+  } else {  // Stage x [M, K] -> xs by cp.async (all in flight at once), zero past K: the warps' last
      // columns may overhang K. wait_group 0 also waits for the ring, issued earlier, which is
      // due by then anyway; later waits count this group as one more item (see the loop).
     const int xq = xs_stride / 8 - kXPad / 8;  // chunks per staged row
@@ -275,29 +361,74 @@ bool dense_gemv_supports(int M, int K) {
   return dense_gemv_smem_bytes(M, K) <= static_cast<size_t>(optin);
 }
 
-template <typename OutT>
-void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
-                       int64_t ldy, cudaStream_t stream) {
+namespace {
+
+template <bool kNorm, typename OutT>
+void launch_gemv(const GemvArgs& args, OutT* y, cudaStream_t stream) {
+  GemvArgs a = args;
+  const int M = a.M, N = a.N, K = a.K;
   MOEBIUS_LAUNCH_ASSERT(M >= 0 && M <= kDenseGemvMaxM, "dense_gemv: M must be in [0, 16]");
   MOEBIUS_LAUNCH_ASSERT(N > 0 && K > 0 && K % 8 == 0, "dense_gemv: N > 0 and K > 0 a multiple of 8");
-  MOEBIUS_LAUNCH_ASSERT(ldx >= K && ldx % 8 == 0 && ldy >= N, "dense_gemv: ldx >= K (a multiple of 8), ldy >= N");
-  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0,
-                        "dense_gemv: x and w must be 16-byte aligned");
+  MOEBIUS_LAUNCH_ASSERT(a.ldy >= N, "dense_gemv: ldy >= N");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(a.w) % 16 == 0, "dense_gemv: w must be 16-byte aligned");
   if (M == 0) return;
   MOEBIUS_LAUNCH_ASSERT(dense_gemv_supports(M, K), "dense_gemv: x does not fit in shared memory (use cuBLAS)");
   const size_t smem = dense_gemv_smem_bytes(M, K);
   const int64_t tiles = (static_cast<int64_t>(N) + kTileRows - 1) / kTileRows;
   MOEBIUS_LAUNCH_ASSERT(tiles < (int64_t{1} << 30), "dense_gemv: N too large");
-  GemvArgs a{x, ldx, w, y, ldy, M, N, K, static_cast<int>(tiles), columns_per_warp(K)};
-  auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT> : dense_gemv_kernel<2, OutT>;
+  a.y = y;
+  a.tiles = static_cast<int>(tiles);
+  a.cpw = columns_per_warp(K);
+  auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT, kNorm> : dense_gemv_kernel<2, OutT, kNorm>;
   const int64_t resident = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)) * current_device_sm_count();
   const int grid = static_cast<int>(std::min<int64_t>(tiles, resident));
   launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, a);
+}
+
+}  // namespace
+
+template <typename OutT>
+void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
+                       int64_t ldy, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(ldx >= K && ldx % 8 == 0, "dense_gemv: ldx >= K, a multiple of 8");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0, "dense_gemv: x must be 16-byte aligned");
+  GemvArgs a{};
+  a.x = x;
+  a.ldx = ldx;
+  a.w = w;
+  a.ldy = ldy;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  launch_gemv<false>(a, y, stream);
+}
+
+template <typename OutT>
+void launch_dense_gemv_rms_norm(const DenseGemvRmsNorm& norm, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
+                                int64_t ldy, cudaStream_t stream) {
+  auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  MOEBIUS_LAUNCH_ASSERT(norm.resid != nullptr && norm.weight != nullptr, "dense_gemv_rms_norm: resid and weight must be set");
+  MOEBIUS_LAUNCH_ASSERT(aligned16(norm.resid) && aligned16(norm.delta) && aligned16(norm.resid_out),
+                        "dense_gemv_rms_norm: resid, delta and resid_out must be 16-byte aligned");
+  MOEBIUS_LAUNCH_ASSERT(norm.resid_out == nullptr || norm.resid_out != norm.resid,
+                        "dense_gemv_rms_norm: resid_out must be another buffer (every block reads resid)");
+  GemvArgs a{};
+  a.w = w;
+  a.ldy = ldy;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.norm = norm;
+  launch_gemv<true>(a, y, stream);
 }
 
 template void launch_dense_gemv<__nv_bfloat16>(const __nv_bfloat16*, int64_t, const __nv_bfloat16*, int, int, int,
                                                __nv_bfloat16*, int64_t, cudaStream_t);
 template void launch_dense_gemv<float>(const __nv_bfloat16*, int64_t, const __nv_bfloat16*, int, int, int, float*,
                                        int64_t, cudaStream_t);
+template void launch_dense_gemv_rms_norm<__nv_bfloat16>(const DenseGemvRmsNorm&, const __nv_bfloat16*, int, int, int,
+                                                        __nv_bfloat16*, int64_t, cudaStream_t);
+template void launch_dense_gemv_rms_norm<float>(const DenseGemvRmsNorm&, const __nv_bfloat16*, int, int, int, float*,
+                                                int64_t, cudaStream_t);
 
 }  // namespace moebius::kernels

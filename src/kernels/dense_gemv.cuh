@@ -47,4 +47,26 @@ template <typename OutT>
 void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
                        int64_t ldy, cudaStream_t stream);
 
+// [TAG_GEMV_RMS_NORM] The decode layer's "x += delta; h = RMSNorm(x) * weight" folded into the
+// projection that reads h (the qkv GEMV): every block forms h [M, K] from the fp32 residual in
+// shared memory, and block 0 writes the updated residual to resid_out. The output y is
+// bit-identical to launch_add_rms_norm<float, float>(resid, delta, weight, M, K, eps, h) followed
+// by launch_dense_gemv(h, K, w, ...), and resid_out to the residual that call leaves.
+//   resid      [M, K] fp32, read only (contiguous rows), 16-byte aligned
+//   delta      [M, K] bf16 or nullptr (no add: the first layer), 16-byte aligned
+//   weight     [K] fp32 RMSNorm weight
+//   resid_out  [M, K] fp32 or nullptr: resid + delta, written by one block; must not be resid
+//              (the other blocks still read it), 16-byte aligned
+struct DenseGemvRmsNorm {
+  const float* resid = nullptr;
+  const __nv_bfloat16* delta = nullptr;
+  const float* weight = nullptr;
+  float eps = 1e-6f;
+  float* resid_out = nullptr;
+};
+// M, N, K, w, y, ldy as launch_dense_gemv (x is formed from `norm`).
+template <typename OutT>
+void launch_dense_gemv_rms_norm(const DenseGemvRmsNorm& norm, const __nv_bfloat16* w, int M, int N, int K, OutT* y,
+                                int64_t ldy, cudaStream_t stream);
+
 }  // namespace moebius::kernels

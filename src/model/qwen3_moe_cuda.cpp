@@ -254,6 +254,9 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   };
   MOEBIUS_ASSIGN_OR_RETURN(void* x, act(sizeof(float) * T * H));
   x_ = static_cast<float*>(x);
+  x_alt_rows_ = static_cast<int>(std::min<int64_t>(T, kernels::kDenseGemvMaxM));
+  MOEBIUS_ASSIGN_OR_RETURN(void* xa, act(sizeof(float) * x_alt_rows_ * H));
+  x_alt_ = static_cast<float*>(xa);
   MOEBIUS_ASSIGN_OR_RETURN(void* h, act(sizeof(__nv_bfloat16) * T * H));
   h_ = static_cast<__nv_bfloat16*>(h);
   MOEBIUS_ASSIGN_OR_RETURN(void* y, act(sizeof(__nv_bfloat16) * T * H));
@@ -932,12 +935,22 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
     issue_stage_copy(0);
     issue_stage_copy(1);
   }
+  float* resid = x_;  // the residual stream: x_, or x_alt_ after a folded norm ([TAG_GEMV_RMS_NORM])
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     __nv_bfloat16* kc = kv_ + 2 * kv_pool_elems_ * l;
     __nv_bfloat16* vc = kc + kv_pool_elems_;
-    kernels::launch_add_rms_norm<float, float>(x_, l == 0 ? nullptr : y_, L.input_norm, rows, H, eps, h_, s);
-    gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
+    const __nv_bfloat16* delta = l == 0 ? nullptr : y_;
+    if (rows <= x_alt_rows_ && gemm_->fuses_rms_norm(L.wqkv, rows, qkv_dim_, H)) {
+      // [TAG_GEMV_RMS_NORM] The input norm inside the qkv GEMV (decode-sized steps): one kernel
+      // less per layer. The updated residual goes to the other buffer (every block reads this one).
+      float* next = delta == nullptr ? nullptr : (resid == x_ ? x_alt_ : x_);
+      gemm_->linear_rms_norm({resid, delta, L.input_norm, eps, next}, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
+      if (next != nullptr) resid = next;
+    } else {
+      kernels::launch_add_rms_norm<float, float>(resid, delta, L.input_norm, rows, H, eps, h_, s);
+      gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
+    }
     if (decode) {  // QK-norm, RoPE and the K/V write are the decode kernel's prologue
       const Graph& g = graphs_[static_cast<size_t>(graph_index)];
       const kernels::AttentionDecodeToken token{qkv_,    qkv_dim_, qkv_ + q_dim, qkv_dim_, qkv_ + q_dim + nkv * hd,
@@ -952,7 +965,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
                                         in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);
     }
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
-    kernels::launch_add_rms_norm<float, float>(x_, y_, L.post_norm, rows, H, eps, h_, s);
+    kernels::launch_add_rms_norm<float, float>(resid, y_, L.post_norm, rows, H, eps, h_, s);
     if (L.is_moe && ep_) {
       MOEBIUS_TRY(ep_moe(l, h_, num_tokens, y_));  // a collective: every rank, same capacity
     } else if (L.is_moe) {
@@ -979,7 +992,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       gemm_->linear(act_, I, L.down, rows, H, I, y_, H, s);
     }
   }
-  kernels::launch_add_rms_norm<float, float>(x_, y_, final_norm_, rows, H, eps, h_, s);
+  kernels::launch_add_rms_norm<float, float>(resid, y_, final_norm_, rows, H, eps, h_, s);
   if (decode) {
     // A decode graph's logit rows are its rows in order (one token per sequence; padding rows'
     // logits are computed and never read), so the lm_head reads h itself: one kernel less per

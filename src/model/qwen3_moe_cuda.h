@@ -342,6 +342,11 @@ class Qwen3MoeCuda {
   int64_t kv_pool_elems_ = 0;
   // Activations, [max_tokens] rows.
   float* x_ = nullptr;              // [T, H] fp32 residual
+  // [TAG_GEMV_RMS_NORM] The residual's second buffer for steps whose input RMSNorm is folded into
+  // the qkv GEMV (rows <= x_alt_rows_): that kernel reads the residual in every block, so the
+  // updated one goes here and the two buffers alternate layer by layer.
+  float* x_alt_ = nullptr;          // [x_alt_rows_, H]
+  int x_alt_rows_ = 0;
   __nv_bfloat16* h_ = nullptr;      // [T, H]
   __nv_bfloat16* y_ = nullptr;      // [T, H]
   __nv_bfloat16* qkv_ = nullptr;    // [T, qkv_dim]

@@ -55,6 +55,17 @@ bool DenseGemm::uses_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat
          reinterpret_cast<uintptr_t>(w) % 16 == 0 && kernels::dense_gemv_supports(M, K);
 }
 
+bool DenseGemm::fuses_rms_norm(const __nv_bfloat16* w, int M, int N, int K) const {
+  return M >= 1 && M <= gemv_max_m_ && static_cast<int64_t>(N) * K <= kGemvMaxWeightElems &&
+         reinterpret_cast<uintptr_t>(w) % 16 == 0 && kernels::dense_gemv_supports(M, K);
+}
+
+void DenseGemm::linear_rms_norm(const kernels::DenseGemvRmsNorm& norm, const __nv_bfloat16* w, int M, int N, int K,
+                                __nv_bfloat16* y, int64_t ldy, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(fuses_rms_norm(w, M, N, K), "linear_rms_norm: the shape does not take the GEMV kernel");
+  kernels::launch_dense_gemv_rms_norm(norm, w, M, N, K, y, ldy, stream);
+}
+
 void DenseGemm::gemm(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, void* y,
                      int64_t ldy, bool fp32_out, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(M >= 0 && N > 0 && K > 0 && ldx >= K && ldy >= N, "dense gemm: bad shape");

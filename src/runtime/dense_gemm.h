@@ -32,6 +32,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "kernels/dense_gemv.cuh"
 
 namespace moebius::runtime {
 
@@ -49,6 +50,14 @@ class DenseGemm {
               int64_t ldy, cudaStream_t stream);
   void linear(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int M, int N, int K, float* y, int64_t ldy,
               cudaStream_t stream);
+
+  // [TAG_GEMV_RMS_NORM] y = (RMSNorm(resid + delta) * weight) . w^T with the norm folded into the
+  // GEMV kernel (kernels::launch_dense_gemv_rms_norm; the residual update goes to norm.resid_out).
+  // Only where linear() would take the GEMV for this shape: fuses_rms_norm says so, and callers run
+  // the norm kernel and linear() otherwise. Bit-identical to that pair.
+  bool fuses_rms_norm(const __nv_bfloat16* w, int M, int N, int K) const;
+  void linear_rms_norm(const kernels::DenseGemvRmsNorm& norm, const __nv_bfloat16* w, int M, int N, int K,
+                       __nv_bfloat16* y, int64_t ldy, cudaStream_t stream);
 
   size_t workspace_bytes() const { return workspace_.size(); }
 

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "core/dtype.h"
@@ -197,6 +198,92 @@ TEST(DenseGemvGpu, SupportsAndSharedMemoryLimits) {
   EXPECT_FALSE(kernels::dense_gemv_supports(17, 2048));
   EXPECT_FALSE(kernels::dense_gemv_supports(1, 2044));  // rows of 16-byte chunks only
   EXPECT_LT(kernels::dense_gemv_smem_bytes(1, 2048), kernels::dense_gemv_smem_bytes(16, 2048));
+}
+
+// ------------------------------------------------------------------------------------------------
+// [TAG_GEMV_RMS_NORM] The RMSNorm folded into the GEMV against the two kernels it replaces
+// (launch_add_rms_norm<float, float> then launch_dense_gemv): y and the updated residual must be
+// the same bits, resid untouched, and y within the GEMV tolerance of the CPU composition
+// (rms_norm_reference on resid + delta, bf16-rounded, then linear_reference). Shapes: Qwen3-30B-A3B
+// qkv (K = 2048: norm.cu's 256 threads, one chunk each), Qwen3-235B-A22B (K = 4096: two chunks),
+// K = 12288 (norm.cu's loop kernel), the tiny fixture (K = 64: norm.cu runs one warp) and odd N/K;
+// with and without delta (the first layer) and resid_out.
+// ------------------------------------------------------------------------------------------------
+
+// fp32 values uniform in [lo, hi) (full fp32 mantissas: the residual stream is fp32).
+std::vector<float> random_f32(size_t n, float lo, float hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> out(n);
+  for (auto& v : out) v = u(rng);
+  return out;
+}
+
+void check_gemv_rms_norm(int M, int N, int K, bool with_delta, bool with_out, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "M=" << M << " N=" << N << " K=" << K << (with_delta ? " delta" : "")
+                                    << (with_out ? " resid_out" : ""));
+  ASSERT_TRUE(kernels::dense_gemv_supports(M, K));
+  constexpr float kEps = 1e-6f;
+  const size_t mk = static_cast<size_t>(M) * K;
+  const std::vector<float> resid = random_f32(mk, -3.0f, 3.0f, seed);
+  const HostBf16 delta = random_bf16(mk, -1.0f, 1.0f, seed + 1);
+  const std::vector<float> weight = random_f32(static_cast<size_t>(K), 0.5f, 1.5f, seed + 2);
+  const HostBf16 w = random_bf16(static_cast<size_t>(N) * K, -0.05f, 0.05f, seed + 3);
+  CudaStream stream;
+  DeviceBuffer<float> d_resid(mk), d_resid_ref(mk), d_out(mk), d_weight(static_cast<size_t>(K));
+  DeviceBuffer<uint16_t> d_delta(mk), d_w(w.bits.size()), d_h(mk);
+  d_resid.upload(resid);
+  d_resid_ref.upload(resid);
+  d_delta.upload(delta.bits);
+  d_weight.upload(weight);
+  d_w.upload(w.bits);
+  d_out.poison(kPoison, stream);
+  DeviceBuffer<__nv_bfloat16> d_y(static_cast<size_t>(M) * N), d_y_ref(static_cast<size_t>(M) * N);
+  d_y.poison(kPoison, stream);
+  d_y_ref.poison(kPoison, stream);
+  const auto* dw = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
+  const auto* dd = with_delta ? reinterpret_cast<const __nv_bfloat16*>(d_delta.data()) : nullptr;
+  auto* dh = reinterpret_cast<__nv_bfloat16*>(d_h.data());
+  // The two kernels it replaces (the norm updates d_resid_ref in place).
+  kernels::launch_add_rms_norm<float, float>(d_resid_ref.data(), dd, d_weight.data(), M, K, kEps, dh, stream);
+  kernels::launch_dense_gemv<__nv_bfloat16>(dh, K, dw, M, N, K, d_y_ref.data(), N, stream);
+  kernels::launch_dense_gemv_rms_norm<__nv_bfloat16>({d_resid.data(), dd, d_weight.data(), kEps,
+                                                      with_out ? d_out.data() : nullptr},
+                                                     dw, M, N, K, d_y.data(), N, stream);
+  stream.sync();
+  const auto y = d_y.download(), y_ref = d_y_ref.download();
+  EXPECT_EQ(std::memcmp(y.data(), y_ref.data(), y.size() * sizeof(y[0])), 0) << "y differs from norm + GEMV";
+  const auto out = d_out.download(), resid_ref = d_resid_ref.download();
+  if (with_out)
+    EXPECT_EQ(std::memcmp(out.data(), resid_ref.data(), mk * sizeof(float)), 0) << "resid_out differs";
+  else
+    EXPECT_TRUE(bytes_are(out.data(), out.size(), kPoison)) << "resid_out written without being asked";
+  const auto resid_after = d_resid.download();
+  EXPECT_EQ(std::memcmp(resid_after.data(), resid.data(), mk * sizeof(float)), 0) << "resid was written";
+  EXPECT_TRUE(d_y.guards_intact() && d_out.guards_intact() && d_resid.guards_intact());
+
+  // The CPU composition: h = bf16(RMSNorm(resid + delta) * weight), y = h . w^T.
+  std::vector<float> sum(mk), h(mk);
+  for (size_t i = 0; i < mk; ++i) sum[i] = resid[i] + (with_delta ? delta.f[i] : 0.0f);
+  cpu::rms_norm_reference(sum.data(), weight.data(), M, K, kEps, h.data());
+  for (auto& v : h) v = bf16_bits_to_float(float_to_bf16_bits(v));
+  std::vector<__nv_bfloat16> y_poisoned(static_cast<size_t>(M + 2) * N);  // expect_output's layout: 2 rows of slack
+  std::memset(y_poisoned.data(), kPoison, y_poisoned.size() * sizeof(y_poisoned[0]));
+  std::memcpy(y_poisoned.data(), y.data(), y.size() * sizeof(y[0]));
+  expect_output(y_poisoned, M, N, N, reference(h, K, w.f, M, N, K));
+}
+
+TEST(DenseGemvGpu, RmsNormFoldedMatchesNormThenGemvBitForBit) {
+  MOEBIUS_REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (int M : {1, 2, 4}) check_gemv_rms_norm(M, 5120, 2048, true, true, seed += 10);  // Qwen3-30B-A3B qkv
+  check_gemv_rms_norm(1, 5120, 2048, false, false, seed += 10);                     // the first layer
+  check_gemv_rms_norm(16, 300, 2048, true, true, seed += 10);                       // two n8 token tiles
+  for (int M : {1, 3}) check_gemv_rms_norm(M, 1000, 4096, true, true, seed += 10);  // Qwen3-235B-A22B
+  check_gemv_rms_norm(1, 129, 12288, true, true, seed += 10);                       // norm.cu's loop kernel
+  for (int M : {1, 5, 16}) check_gemv_rms_norm(M, 128, 64, true, true, seed += 10);  // the tiny fixture
+  for (int K : {8, 24, 264, 1032, 2056})
+    for (int N : {1, 17}) check_gemv_rms_norm(2, N, K, true, K != 24, seed += 10);
 }
 
 // ------------------------------------------------------------------------------------------------
