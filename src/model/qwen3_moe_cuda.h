@@ -22,7 +22,9 @@
 //
 // Synchronization: nothing inside the forward waits for the host. enqueue() waits (host) only for
 // the previous step's input copy to finish before reusing the pinned staging area; forward()
-// adds the logits download and one stream synchronize at the end.
+// adds the logits download and one stream synchronize at the end. The dynamic expert cache
+// (options.expert_cache, qwen3_moe_cuda_cache.h) adds no wait: enqueue() queries the events of
+// earlier steps' routing read-back and enqueues the swaps it decides before the step.
 //
 // CUDA graphs: a pure decode step (every sequence one new token) whose sequence count fits a
 // graph batch size B (options.graph_batches) is padded to B rows (StepBatch::pad_decode_to) and
