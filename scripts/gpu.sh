@@ -18,7 +18,8 @@
 #      warm rerun that must tune nothing;
 #   7. generate --backend cuda on the tiny fixture (and with --ep N: the runner's EP tests and the
 #      launcher), and bench generate (Qwen3-30B-A3B, dummy nvfp4);
-#      expert offload: its GPU tests, bench generate of Qwen3-235B-A22B int2 under a 24 GiB budget;
+#      expert offload: its GPU tests, bench generate of Qwen3-235B-A22B int2 under a 24 GiB budget
+#      (with MOEBIUS_OFFLOAD_CACHE=1 also with --expert-cache lru and freq);
 #   8. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
 #      nvfp4 weights and the real tokenizer (needs $MOEBIUS_QWEN3_TOKENIZER_DIR).
 # GPU op tests and CUDA benchmarks join this list as the CUDA MoE kernels land.
@@ -279,6 +280,19 @@ bench_offload() {
   fi
 }
 step bench-offload timeout 300 bash -c "$(declare -f bench_offload); BUILD=$BUILD; MOEBIUS_OFFLOAD_FULL=${MOEBIUS_OFFLOAD_FULL:-0}; bench_offload"
+# The dynamic expert cache (docs/OFFLOAD.md, "The cache in the runner"), opt-in with
+# MOEBIUS_OFFLOAD_CACHE=1: the 24 GiB run with --expert-cache lru, then freq (hit rate, swaps and
+# swap bytes per token, PCIe rows with the swaps). Dummy weights route at random, so this checks
+# the path at scale and prices the swaps; ranking the policies needs a real checkpoint (--model).
+bench_offload_cache() {
+  for policy in lru freq; do
+    "$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2 --no-autotune \
+      --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 32 --expert-cache $policy || return 1
+  done
+}
+if [ "${MOEBIUS_OFFLOAD_CACHE:-0}" = 1 ]; then
+  step bench-offload-cache timeout 300 bash -c "$(declare -f bench_offload_cache); BUILD=$BUILD; bench_offload_cache"
+fi
 
 # moebius serve with the CUDA backend on the tiny fixture: start it, one completion and one
 # streamed chat request through the real HTTP server, then /metrics must show no KV in use.
@@ -378,6 +392,7 @@ PY
 [ -f "$OUT/bench-generate.log" ] && cat "$OUT/bench-generate.log"
 [ -f "$OUT/offload-gpu-tests.log" ] && cat "$OUT/offload-gpu-tests.log"
 [ -f "$OUT/bench-offload.log" ] && cat "$OUT/bench-offload.log"
+[ -f "$OUT/bench-offload-cache.log" ] && cat "$OUT/bench-offload-cache.log"
 [ -f "$OUT/serve-tiny-cuda.log" ] && cat "$OUT/serve-tiny-cuda.log"
 [ -f "$OUT/bench-serve.log" ] && cat "$OUT/bench-serve.log"
 [ -f "$OUT/chat-template-ref.log" ] && cat "$OUT/chat-template-ref.log"

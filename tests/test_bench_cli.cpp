@@ -1,6 +1,6 @@
-// `moebius bench moe` through the real binary: its options' bad values get a clear error that
-// names the option and a non-zero exit, before any device or weight work starts (the CUDA
-// backend's options are validated on machines without a GPU too).
+// `moebius bench moe` and `bench generate` through the real binary: their options' bad values get
+// a clear error that names the option and a non-zero exit, before any device or weight work starts
+// (the CUDA backend's options are validated on machines without a GPU too).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -30,6 +30,21 @@ TEST(BenchMoeCli, BadOptionsNameTheOption) {
   expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --block-m 64", "--block-m");
   expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --format int3", "--format");
   expect_error("bench moe --backend cpu --geometry 64,32,8 --tokens 1", "geometry");
+}
+
+TEST(BenchGenerateCli, BadExpertCacheOptionsNameTheOption) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  // Checked before the model is made (so without a GPU too).
+  const std::string base = "bench generate --geometry qwen3-30b-a3b --load-format dummy --context 64 --prefill 16 ";
+  expect_error(base + "--gpu-memory-budget 8 --expert-cache lfu", "'--expert-cache': 'lfu': expected off, lru or freq");
+  expect_error(base + "--gpu-memory-budget 8 --expert-cache freq --expert-cache-decay 0",
+               "'--expert-cache-decay': must be in (0, 1]");
+  expect_error(base + "--gpu-memory-budget 8 --expert-cache freq --expert-cache-decay 2",
+               "'--expert-cache-decay': must be in (0, 1]");
+  expect_error(base + "--gpu-memory-budget 8 --expert-cache lru --expert-cache-swaps -3",
+               "'--expert-cache-swaps': must be >= 0");
+  // No cold experts without offload (--max-resident-experts also makes experts cold).
+  expect_error(base + "--expert-cache lru", "needs expert offload (--gpu-memory-budget)");
 }
 
 TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -13,6 +14,7 @@
 #include "offload/cost_model.h"
 #include "offload/expert_cache.h"
 #include "offload/memory_budget.h"
+#include "offload/model_expert_cache.h"
 #include "offload/placement.h"
 #include "offload/routing_profile.h"
 
@@ -227,12 +229,154 @@ TEST(ExpertCache, SwapsPerStepAreBounded) {
 
 TEST(ExpertCache, BadOptionsAreErrors) {
   EXPECT_FALSE(ExpertCache::create(mask(4, {0}), {CachePolicy::kFreqDecay, 0.0, 1}).ok());
-  EXPECT_FALSE(ExpertCache::create(mask(4, {0}), {CachePolicy::kLru, 0.9, 0}).ok());
+  EXPECT_FALSE(ExpertCache::create(mask(4, {0}), {CachePolicy::kLru, 0.9, -1}).ok());
   EXPECT_FALSE(ExpertCache::create({}, {}).ok());
   EXPECT_EQ(*parse_cache_policy("lru", "--expert-cache"), CachePolicy::kLru);
   auto bad = parse_cache_policy("lfu", "--expert-cache");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.error().what(), HasSubstr("--expert-cache"));
+}
+
+TEST(ExpertCache, ZeroSwapsPerStepOnlyCounts) {
+  // `--expert-cache-swaps 0`: the placement never changes, hits and misses are still counted.
+  for (CachePolicy p : {CachePolicy::kLru, CachePolicy::kFreqDecay}) {
+    auto c = ExpertCache::create(mask(4, {0, 1}), {p, 0.9, 0});
+    ASSERT_TRUE(c.ok());
+    const int32_t a[] = {2, 3, 0};
+    for (int i = 0; i < 5; ++i) EXPECT_TRUE(c->step(a).empty());
+    EXPECT_TRUE(c->resident(0) && c->resident(1) && !c->resident(2) && !c->resident(3));
+    EXPECT_EQ(c->hits(), 5u);
+    EXPECT_EQ(c->misses(), 10u);
+    EXPECT_EQ(c->swaps(), 0u);
+  }
+}
+
+TEST(ExpertCacheFlags, ParseEveryValueAndNameTheFlag) {
+  ExpertCacheFlags f;
+  auto off = parse_expert_cache_flags(f, /*offloading=*/false);  // the default: off, no offload needed
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE(off->has_value());
+  f.policy = "lru";
+  f.max_swaps = 3;
+  auto lru = parse_expert_cache_flags(f, true);
+  ASSERT_TRUE(lru.ok() && lru->has_value());
+  EXPECT_EQ((*lru)->policy, CachePolicy::kLru);
+  EXPECT_EQ((*lru)->max_swaps_per_step, 3);
+  f.policy = "freq";
+  f.decay = 0.5;
+  auto fq = parse_expert_cache_flags(f, true);
+  ASSERT_TRUE(fq.ok() && fq->has_value());
+  EXPECT_EQ((*fq)->policy, CachePolicy::kFreqDecay);
+  EXPECT_EQ((*fq)->decay, 0.5);
+  f.max_swaps = 0;  // observe only
+  EXPECT_TRUE(parse_expert_cache_flags(f, true).ok());
+  f.decay = 1.0;  // no decay: plain frequency
+  EXPECT_TRUE(parse_expert_cache_flags(f, true).ok());
+
+  auto fails = [](ExpertCacheFlags g, bool offloading, const std::string& field) {
+    auto r = parse_expert_cache_flags(g, offloading);
+    ASSERT_FALSE(r.ok()) << field;
+    EXPECT_THAT(r.error().what(), HasSubstr(field));
+  };
+  for (const char* bad : {"static", "lfu", "LRU", ""}) {
+    ExpertCacheFlags g;
+    g.policy = bad;
+    fails(g, true, "--expert-cache");
+  }
+  for (double bad : {0.0, -0.5, 1.5, std::nan("")}) {
+    ExpertCacheFlags g;
+    g.decay = bad;
+    fails(g, true, "--expert-cache-decay");  // checked even while the cache is off
+  }
+  ExpertCacheFlags g;
+  g.max_swaps = -1;
+  fails(g, true, "--expert-cache-swaps");
+  // A cache with nothing cold: the error says what is missing.
+  g = ExpertCacheFlags{};
+  g.policy = "freq";
+  fails(g, false, "--gpu-memory-budget");
+  fails(g, false, "--expert-cache");
+}
+
+// Two MoE layers of 4 experts, k = 2.
+std::vector<std::vector<uint8_t>> two_layers() { return {mask(4, {0, 1}), mask(4, {2, 3})}; }
+
+TEST(ModelExpertCache, FeedsEachLayerItsOwnRowsAndCountsPairs) {
+  auto m = ModelExpertCache::create(two_layers(), {CachePolicy::kLru, 0.9, 2}, 1000);
+  ASSERT_TRUE(m.ok()) << m.error().what();
+  EXPECT_EQ(m->num_layers(), 2);
+  EXPECT_EQ(m->num_experts(), 4);
+  std::vector<uint8_t> ran(8);
+  m->snapshot(ran);
+  EXPECT_THAT(ran, ElementsAre(1, 1, 0, 0, 0, 0, 1, 1));
+  // Stride 6 (3 rows of capacity), 2 live rows: the third row of each layer is stale and unread.
+  const std::vector<int32_t> ids = {0, 2, 0, 1, /*stale*/ 3, 3,  // layer 0
+                                    2, 3, 3, 0, /*stale*/ 1, 1};  // layer 1
+  const auto swaps = m->feed(ids, 6, 2, 2, ran);
+  const ModelCacheStats& s = m->stats();
+  EXPECT_EQ(s.steps, 1u);
+  EXPECT_EQ(s.tokens, 2u);
+  EXPECT_EQ(s.routed_pairs, 8u);
+  EXPECT_EQ(s.resident_pairs, 6u);  // layer 0: 0, 0, 1 of 0, 2, 0, 1; layer 1: 2, 3, 3 of 2, 3, 3, 0
+  EXPECT_DOUBLE_EQ(s.hit_rate(), 0.75);
+  // LRU admits each layer's miss; the victims are the residents not routed in this step: none in
+  // either layer (both resident experts were routed), so nothing moves yet.
+  EXPECT_TRUE(swaps.empty());
+  // Next step: layer 0 routes 2 and 0 (1 is now the LRU victim), layer 1 routes 1 and 2.
+  const std::vector<int32_t> ids2 = {2, 0, 9, 9, 9, 9, 1, 2, 9, 9, 9, 9};
+  m->snapshot(ran);
+  const auto sw2 = m->feed(ids2, 6, 1, 2, ran);
+  ASSERT_EQ(sw2.size(), 2u);
+  EXPECT_EQ(sw2[0].layer, 0);
+  EXPECT_EQ(sw2[0].admit, 2);
+  EXPECT_EQ(sw2[0].evict, 1);
+  EXPECT_EQ(sw2[1].layer, 1);
+  EXPECT_EQ(sw2[1].admit, 1);
+  EXPECT_EQ(sw2[1].evict, 3);
+  EXPECT_TRUE(m->resident(0, 2) && !m->resident(0, 1) && m->resident(1, 1) && !m->resident(1, 3));
+  EXPECT_EQ(m->stats().swaps, 2u);
+  EXPECT_EQ(m->stats().swap_bytes, 2000u);
+  EXPECT_EQ(m->stats().ignored_ids, 0u);  // the 9s are past the live rows
+}
+
+TEST(ModelExpertCache, HitsCountAgainstTheResidencyTheStepRanWith) {
+  // The runner feeds a step after later swaps may already be enqueued: the step's hits are those
+  // of the snapshot it ran with, not of the cache's state at feed time.
+  auto m = ModelExpertCache::create({mask(4, {0})}, {CachePolicy::kLru, 0.9, 1}, 1);
+  ASSERT_TRUE(m.ok());
+  std::vector<uint8_t> before(4), after(4);
+  m->snapshot(before);
+  const int32_t a[] = {1};
+  ASSERT_EQ(m->feed(a, 1, 1, 1, before).size(), 1u);  // 1 takes 0's slot
+  m->snapshot(after);
+  EXPECT_THAT(after, ElementsAre(0, 1, 0, 0));
+  // A step enqueued before that swap routed 0: it ran with 0 resident.
+  const int32_t b[] = {0};
+  (void)m->feed(b, 1, 1, 1, before);
+  EXPECT_EQ(m->stats().resident_pairs, 1u);
+  EXPECT_EQ(m->stats().routed_pairs, 2u);
+  // Ids outside [0, E) are counted and skipped, never fed to a layer's cache.
+  const int32_t c[] = {-1, 4};
+  EXPECT_TRUE(m->feed(c, 2, 2, 1, after).empty());
+  EXPECT_EQ(m->stats().ignored_ids, 2u);
+  EXPECT_EQ(m->stats().routed_pairs, 2u);
+  m->drop();
+  const ModelCacheStats run = m->stats().since(ModelCacheStats{});
+  EXPECT_EQ(run.dropped_steps, 1u);
+  EXPECT_EQ(run.steps, 3u);
+  const ModelCacheStats none = m->stats().since(m->stats());
+  EXPECT_EQ(none.steps, 0u);
+  EXPECT_EQ(none.hit_rate(), 0.0);
+}
+
+TEST(ModelExpertCache, BadLayersAreErrors) {
+  EXPECT_FALSE(ModelExpertCache::create({}, {CachePolicy::kLru}, 1).ok());
+  auto r = ModelExpertCache::create({mask(4, {0}), mask(5, {0})}, {CachePolicy::kLru}, 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.error().what(), HasSubstr("MoE layer 1"));
+  auto d = ModelExpertCache::create({mask(4, {0})}, {CachePolicy::kFreqDecay, 2.0, 1}, 1);
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(d.error().what(), HasSubstr("decay"));
 }
 
 TEST(ExpertCache, BothPoliciesBeatStaticOnADriftingHotSet) {

@@ -176,5 +176,45 @@ TEST(ProfileExpertsCli, WritesAProfileThatPlacementReads) {
   for (const std::string& f : {prompts_ids, prompts_text, out}) std::filesystem::remove(f);
 }
 
+TEST(ExpertCacheCli, BadFlagsAreRefusedBeforeLoading) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  // generate and serve check --expert-cache, --expert-cache-decay and --expert-cache-swaps before
+  // the model loads (so on machines without a GPU too): exit 2, naming the flag.
+  const std::string gen = "generate --model " + kDir + " --prompt-ids 1,2,3 --max-tokens 1 ";
+  const std::string serve = "serve --model " + kDir + " --tokenizer " + testing::test_data_dir() + "/tiny-serve --port 0 ";
+  struct Bad {
+    std::string args, needle;
+  };
+  const std::vector<Bad> bad = {
+      // The CPU backend has no offload.
+      {gen + "--expert-cache lru", "'--expert-cache': expert offload needs --backend cuda"},
+      {serve + "--expert-cache freq", "'--expert-cache': expert offload needs --backend cuda"},
+      // Nothing cold without a budget.
+      {gen + "--backend cuda --expert-cache lru", "needs expert offload (--gpu-memory-budget)"},
+      {serve + "--backend cuda --expert-cache freq", "needs expert offload (--gpu-memory-budget)"},
+      // Values.
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-cache lfu", "'--expert-cache': 'lfu': expected off, lru or freq"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-cache freq --expert-cache-decay 0",
+       "'--expert-cache-decay': must be in (0, 1]"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-cache freq --expert-cache-decay 1.5",
+       "'--expert-cache-decay': must be in (0, 1]"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-cache lru --expert-cache-swaps -1",
+       "'--expert-cache-swaps': must be >= 0"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-cache lru --expert-cache-swaps two",
+       "Could not convert: --expert-cache-swaps"},
+      {serve + "--backend cuda --gpu-memory-budget 2 --expert-cache lru --expert-cache-decay -1",
+       "'--expert-cache-decay': must be in (0, 1]"},
+  };
+  for (const Bad& b : bad) {
+    // A serve that wrongly accepted its flags would serve forever: bounded.
+    const CliRun r = testing::run_shell("timeout 120 " + std::string(MOEBIUS_BIN) + " " + b.args);
+    EXPECT_NE(r.status, 0) << b.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(b.needle), std::string::npos) << b.args << "\n" << r.out;
+  }
+  // The default (off) and its settings need nothing: the CPU run goes through.
+  const CliRun ok = run_moebius(gen + "--expert-cache off --expert-cache-swaps 0 --expert-cache-decay 1");
+  EXPECT_EQ(ok.status, 0) << ok.out;
+}
+
 }  // namespace
 }  // namespace moebius::model

@@ -23,6 +23,11 @@
 // (Qwen3MoeCuda::last_step_cold_bytes: zero-copy reads from the routing, or a staged layer's DMA;
 // prefill from the timed forward, decode averaged over kPcieSteps extra steps after the timed ones) and that rate against --pcie-gbps
 // (55.3 GB/s: pinned cudaMemcpy host-to-device measured on the H200).
+// With --expert-cache lru|freq the "expert cache" rows give, per run (the timed prefills, the timed
+// decode steps at each context), the hit rate (routed (token, expert) pairs whose expert was on the
+// GPU), the swaps and their PCIe bytes per token, counted over the steps whose routing reached the
+// cache during the run (it arrives one step late, two in the back-to-back decode loop:
+// Qwen3MoeCuda::expert_cache_stats); the "pcie" rows add the swap bytes per token to the reads.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -68,9 +73,15 @@ struct BenchGenerateOptions {
   std::string gpu_memory_budget;
   std::string placement_file;
   std::string cold_path = "auto";
+  offload::ExpertCacheFlags expert_cache;
   int max_resident_experts = -1;
   double pcie_gbps = 55.3;
 };
+
+// --expert-cache and its settings (checked in every build, before any device work).
+Result<std::optional<offload::CacheOptions>> expert_cache_options(const BenchGenerateOptions& o) {
+  return offload::parse_expert_cache_flags(o.expert_cache, !o.gpu_memory_budget.empty() || o.max_resident_experts >= 0);
+}
 
 #ifdef MOEBIUS_HAS_CUDA
 
@@ -86,6 +97,7 @@ Status run(const BenchGenerateOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", int64_t{1} << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(source));
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<offload::CacheOptions> expert_cache, expert_cache_options(o));
   constexpr int kWarmup = 3;
   constexpr int kPcieSteps = 8;
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
@@ -108,6 +120,7 @@ Status run(const BenchGenerateOptions& o) {
   co.placement_file = o.placement_file;
   co.cold_path = o.cold_path;
   co.max_resident_experts = o.max_resident_experts;
+  co.expert_cache = expert_cache;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
@@ -145,7 +158,17 @@ Status run(const BenchGenerateOptions& o) {
     return Ok{};
   };
 
-  std::vector<std::string> pcie_rows;
+  std::vector<std::string> pcie_rows, cache_rows;
+  // The expert cache's counts over one run; its swap bytes per token for the pcie rows.
+  auto cache_run = [&](const char* phase, int64_t context, const offload::ModelCacheStats& before) -> double {
+    if (!m->expert_cache_on()) return 0.0;
+    const offload::ModelCacheStats r = m->expert_cache_stats().since(before);
+    const double tokens = static_cast<double>(std::max<uint64_t>(r.tokens, 1));
+    cache_rows.push_back(fmt::format("{:<8} {:>8} {:>9.1f}% {:>10.3f} {:>10.2f} {:>7} {:>7}", phase, context,
+                                     100.0 * r.hit_rate(), static_cast<double>(r.swaps) / tokens,
+                                     static_cast<double>(r.swap_bytes) / tokens / 1e6, r.steps, r.dropped_steps));
+    return static_cast<double>(r.swap_bytes) / tokens;
+  };
   std::printf("\n%-8s %8s %10s %10s %10s %10s %9s %9s\n", "phase", "context", "tok/s", "us/token", "MB/token",
               "GB/s", "floor t/s", "% floor");
   // Prefill.
@@ -155,11 +178,13 @@ Status run(const BenchGenerateOptions& o) {
     const std::vector<int32_t> ids = random_ids(o.prefill);
     MOEBIUS_TRY(prefill(ids, 0, table));  // warm-up
     double best = 1e30;
+    const offload::ModelCacheStats cache_before = m->expert_cache_stats();
     for (int r = 0; r < 3; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       MOEBIUS_TRY(prefill(ids, 0, table));
       best = std::min(best, seconds_since(t0));
     }
+    const double swap_bytes = cache_run("prefill", o.prefill, cache_before);  // per token
     double pcie_bytes = 0;
     if (m->offloaded()) {  // one more prefill with the routing captured (untimed)
       m->set_routing_capture(true);
@@ -169,10 +194,12 @@ Status run(const BenchGenerateOptions& o) {
     }
     blocks.release(table);
     const double tok_s = o.prefill / best;
-    if (m->offloaded())
-      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.1f} {:>8.1f}%", "prefill", o.prefill,
-                                      pcie_bytes / o.prefill / 1e6, pcie_bytes / best / 1e9,
-                                      100.0 * pcie_bytes / best / 1e9 / o.pcie_gbps));
+    if (m->offloaded()) {
+      const double per_token = pcie_bytes / o.prefill + swap_bytes;
+      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.2f} {:>10.1f} {:>8.1f}%", "prefill", o.prefill,
+                                      per_token / 1e6, swap_bytes / 1e6, per_token * tok_s / 1e9,
+                                      100.0 * per_token * tok_s / 1e9 / o.pcie_gbps));
+    }
     const double bytes = static_cast<double>(m->total_weight_bytes()) * std::ceil(double(o.prefill) / m->max_tokens());
     const double floor_s = bytes / o.hbm_bytes_per_s;
     std::printf("%-8s %8d %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", "prefill", o.prefill, tok_s,
@@ -195,6 +222,7 @@ Status run(const BenchGenerateOptions& o) {
     for (int i = 0; i < kWarmup; ++i) MOEBIUS_TRY(step(i));
     CUDA_CHECK(cudaStreamSynchronize(m->stream()));
     const int64_t graphs_before = m->graph_steps();
+    const offload::ModelCacheStats cache_before = m->expert_cache_stats();
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < o.decode_steps; ++i) MOEBIUS_TRY(step(kWarmup + i));
     CUDA_CHECK(cudaStreamSynchronize(m->stream()));
@@ -202,6 +230,7 @@ Status run(const BenchGenerateOptions& o) {
     if (m->graph_steps() - graphs_before != o.decode_steps)
       return Error("decode steps did not run as CUDA graph replays (internal)");
     const double tok_s = o.decode_steps / secs;
+    const double swap_bytes = cache_run("decode", C, cache_before);  // per token
     if (m->offloaded()) {  // the routing of a few more steps (eager, captured), read back one by one
       double pcie = 0;
       m->set_routing_capture(true);
@@ -210,9 +239,9 @@ Status run(const BenchGenerateOptions& o) {
         pcie += static_cast<double>(m->last_step_cold_bytes(1));
       }
       m->set_routing_capture(false);
-      pcie /= kPcieSteps;
-      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C, pcie / 1e6,
-                                      pcie * tok_s / 1e9, 100.0 * pcie * tok_s / 1e9 / o.pcie_gbps));
+      pcie = pcie / kPcieSteps + swap_bytes;
+      pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C, pcie / 1e6,
+                                      swap_bytes / 1e6, pcie * tok_s / 1e9, 100.0 * pcie * tok_s / 1e9 / o.pcie_gbps));
     }
     blocks.release(table);
     const double ctx_mid = static_cast<double>(C) + kWarmup + o.decode_steps / 2.0;
@@ -227,18 +256,27 @@ Status run(const BenchGenerateOptions& o) {
   }
   std::printf("(decode: weights only; +kv: weights plus the KV cache read at that context)\n");
   if (!pcie_rows.empty()) {
-    std::printf("\nexpert offload: bytes moved over PCIe per token (zero-copy reads or staged copies), and that "
-                "rate vs %.1f GB/s\n",
+    std::printf("\nexpert offload: bytes moved over PCIe per token (zero-copy reads or staged copies, plus the "
+                "expert cache's swaps), and that rate vs %.1f GB/s\n",
                 o.pcie_gbps);
-    std::printf("%-8s %8s %10s %10s %9s\n", "phase", "context", "MB/token", "GB/s", "% PCIe");
+    std::printf("%-8s %8s %10s %10s %10s %9s\n", "phase", "context", "MB/token", "swap MB", "GB/s", "% PCIe");
     for (const std::string& r : pcie_rows) std::printf("%s\n", r.c_str());
+  }
+  if (!cache_rows.empty()) {
+    std::printf("\nexpert cache (%s): routed (token, expert) pairs found resident, swaps per token (each moves two "
+                "experts' bytes over PCIe), over the steps fed to the cache during the run\n",
+                m->memory_plan().expert_cache.c_str());
+    std::printf("%-8s %8s %10s %10s %10s %7s %7s\n", "phase", "context", "hit rate", "swaps/tok", "swap MB/tok",
+                "steps", "dropped");
+    for (const std::string& r : cache_rows) std::printf("%s\n", r.c_str());
   }
   return Ok{};
 }
 
 #else
 
-Status run(const BenchGenerateOptions&) {
+Status run(const BenchGenerateOptions& o) {
+  MOEBIUS_TRY(expert_cache_options(o));  // a malformed flag is named the same way in every build
   return Error("this build of moebius has no CUDA support").in_field("--backend");
 }
 
@@ -260,7 +298,7 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
-  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file);
+  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file, &o->expert_cache);
   cmd->add_option("--cold-path", o->cold_path, "prefill: auto (cost model), zero-copy or staged")
       ->capture_default_str();
   cmd->add_option("--max-resident-experts", o->max_resident_experts,

@@ -5,11 +5,16 @@
 
 #include <string>
 
+#include "offload/expert_cache.h"
+
 namespace moebius::cli {
 
 // Flags several commands share (common_options.cpp), registered with one name and help text.
-// --gpu-memory-budget GB|auto and --placement FILE (expert offload, docs/OFFLOAD.md).
-void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file);
+// --gpu-memory-budget GB|auto, --placement FILE and the dynamic cache's --expert-cache off|lru|freq,
+// --expert-cache-decay D, --expert-cache-swaps N (expert offload, docs/OFFLOAD.md; the values are
+// checked by offload::parse_expert_cache_flags before the model loads).
+void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
+                         offload::ExpertCacheFlags* expert_cache);
 // --ep N (expert parallelism, docs/EXPERT_PARALLEL.md).
 void add_ep_option(CLI::App* cmd, int* ep);
 

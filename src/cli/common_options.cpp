@@ -3,12 +3,24 @@
 
 namespace moebius::cli {
 
-void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file) {
+void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
+                         offload::ExpertCacheFlags* expert_cache) {
   cmd->add_option("--gpu-memory-budget", *gpu_memory_budget,
                   "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
                   "pinned host memory (default: every expert on the GPU)");
   cmd->add_option("--placement", *placement_file,
                   "cuda: routing profile (moebius profile-experts) choosing the resident experts (default: uniform)");
+  cmd->add_option("--expert-cache", expert_cache->policy,
+                  "cuda, with --gpu-memory-budget: off, or swap experts between the GPU and host memory as the "
+                  "routing moves, lru or freq (frequency with decay); decided from each step's routing one step late")
+      ->capture_default_str();
+  cmd->add_option("--expert-cache-decay", expert_cache->decay,
+                  "--expert-cache freq: score multiplier per step, in (0, 1]")
+      ->capture_default_str();
+  cmd->add_option("--expert-cache-swaps", expert_cache->max_swaps,
+                  "--expert-cache: experts swapped in per MoE layer per step at most (each moves 2 experts' bytes over "
+                  "PCIe); 0 only measures the hit rate")
+      ->capture_default_str();
 }
 
 void add_ep_option(CLI::App* cmd, int* ep) {

@@ -155,6 +155,7 @@ Result<GenerateStats> generate(Qwen3MoeCuda& model, std::span<const int32_t> pro
   GenerateStats stats;
   stats.prompt_tokens = static_cast<int64_t>(prompt.size());
   stats.weight_bytes_per_token = model.decode_weight_bytes();
+  const offload::ModelCacheStats cache_before = model.expert_cache_stats();
   const int64_t cache_tokens = std::min<int64_t>(context, stats.prompt_tokens + std::max(max_tokens - 1, 0));
   BlockAllocator blocks(model.num_blocks());
   std::vector<int32_t> table;
@@ -186,6 +187,7 @@ Result<GenerateStats> generate(Qwen3MoeCuda& model, std::span<const int32_t> pro
     ++stats.decode_steps;
   }
   stats.decode_seconds = stats.decode_steps > 0 ? seconds_since(t0) : 0.0;
+  if (model.expert_cache_on()) stats.expert_cache = model.expert_cache_stats().since(cache_before);
   blocks.release(table);
   return stats;
 }
@@ -239,8 +241,12 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   if (o.prompt_ids.empty()) return Error("the prompt is empty").in_field("--prompt-ids");
   if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
   if (o.prefill_chunk < 1) return Error::format("must be >= 1, got {}", o.prefill_chunk).in_field("--prefill-chunk");
-  if ((!o.gpu_memory_budget.empty() || !o.placement_file.empty()) && o.backend != "cuda")
-    return Error("expert offload needs --backend cuda").in_field(o.gpu_memory_budget.empty() ? "--placement" : "--gpu-memory-budget");
+  if (const std::string f = offload::first_offload_flag(o.gpu_memory_budget, o.placement_file, o.expert_cache);
+      !f.empty() && o.backend != "cuda")
+    return Error("expert offload needs --backend cuda").in_field(f);
+  MOEBIUS_ASSIGN_OR_RETURN(std::optional<offload::CacheOptions> expert_cache,
+                           offload::parse_expert_cache_flags(o.expert_cache, !o.gpu_memory_budget.empty()));
+  MOEBIUS_ASSERT(!expert_cache || o.backend == "cuda");  // refused above otherwise
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(GenerationConfig gen_config, load_generation_config(o.model_dir));
   MOEBIUS_ASSIGN_OR_RETURN(SamplerParams params, resolve_sampler_params(o, gen_config));
@@ -263,6 +269,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.autotune = o.autotune;
     co.gpu_memory_budget = o.gpu_memory_budget;
     co.placement_file = o.placement_file;
+    co.expert_cache = expert_cache;
     if (o.ep > 1) co.ep_comm = o.ep_comm;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (model->ep_rank() != 0) {  // expert parallelism: serve rank 0's steps until it is done
@@ -293,6 +300,12 @@ std::string format_generate_stats(const GenerateStats& s) {
   out += fmt::format("prefill:          {:.2f} tok/s\n", s.prefill_tok_s());
   out += fmt::format("decode:           {:.2f} tok/s, {:.3f} GB/s ({:.2f} MB of weights per token)\n",
                      s.decode_tok_s(), s.decode_gb_s(), static_cast<double>(s.weight_bytes_per_token) / 1e6);
+  if (s.expert_cache) {
+    const offload::ModelCacheStats& c = *s.expert_cache;
+    out += fmt::format("expert cache:     {:.1f}% of routed (token, expert) pairs resident over {} steps; {} swaps "
+                       "({:.2f} MB over PCIe)\n",
+                       100.0 * c.hit_rate(), c.steps, c.swaps, static_cast<double>(c.swap_bytes) / 1e6);
+  }
   out += fmt::format("logits hash:      #{:08x}\n", s.logits_hash);
   return out;
 }

@@ -19,6 +19,8 @@
 #include "model/qwen3_moe_cpu.h"
 #include "model/qwen3_moe_cuda.h"
 #include "model/sampler.h"
+#include "offload/expert_cache.h"
+#include "offload/model_expert_cache.h"
 
 namespace moebius::model {
 
@@ -40,9 +42,10 @@ struct GenerateOptions {
   std::string load_format = "auto";
   int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
-  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
+  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file / expert_cache).
   std::string gpu_memory_budget;
   std::string placement_file;
+  offload::ExpertCacheFlags expert_cache;
   // Expert parallelism: the experts split over `ep` ranks (cpu: threads of this process over the
   // in-process communicator; rank 0 runs the prompt, the others serve their experts). 1: off.
   // cuda: this process is one rank of ep_comm (an NCCL communicator of size ep, made by the
@@ -69,6 +72,8 @@ struct GenerateStats {
   uint64_t weight_bytes_per_token = 0;
   uint32_t logits_hash = 0;        // fnv1a_logits() of the logits the last token was sampled from
   bool ep_follower = false;        // cuda --ep: this process was a rank other than 0 (no output)
+  // cuda --expert-cache: the cache's counts over the run (the steps whose routing it was fed).
+  std::optional<offload::ModelCacheStats> expert_cache;
 
   double prefill_tok_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tok_s() const { return decode_seconds > 0 ? decode_steps / decode_seconds : 0.0; }

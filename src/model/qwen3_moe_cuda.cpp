@@ -22,6 +22,7 @@
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
 #include "model/qwen3_moe_cpu.h"
+#include "model/qwen3_moe_cuda_cache.h"
 #include "model/qwen3_moe_cuda_ep.h"
 #include "moe/moe_layer_cuda.h"
 #include "offload/cost_model.h"
@@ -98,6 +99,10 @@ std::string format_memory_plan(const MemoryPlan& p) {
     s += fmt::format("  cold experts (host) {}  (pinned, zero-copy; {} of {} experts resident, placement {})\n",
                      gib(p.experts_host), p.resident_experts, p.total_experts, p.placement);
   if (!p.cold_paths.empty()) s += fmt::format("  cold expert path per MoE bucket (tokens): {}\n", p.cold_paths);
+  if (!p.expert_cache.empty())
+    s += fmt::format("  expert cache        {}{}\n", p.expert_cache,
+                     p.cache_host ? fmt::format("; routing read-back {:.1f} MB pinned", static_cast<double>(p.cache_host) / 1e6)
+                                  : std::string());
   return s;
 }
 
@@ -362,6 +367,7 @@ uint64_t Qwen3MoeCuda::estimate_runtime_bytes(const moe::PackedMatrix& w2) const
          a256(padded / 8 * 4) + 256 + a256(padded * static_cast<uint64_t>(w2.cols_padded) * 2) + a256(C * k * H * 4) +
          2 * a256((C + 63) / 64 * 64 * 4);
   }
+  b += a256(routing_buffer_bytes());  // routing_capture_ (setup_staging), made whenever an expert is cold
   return b + plan_.workspace;  // + what init already counted (the cuBLAS workspace, rope table)
 }
 
@@ -452,7 +458,9 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
     const int cold = static_cast<int>(std::count(resident_[i].begin(), resident_[i].end(), uint8_t{0}));
     bytes += moe::expert_region_bytes(w13, w2, cold);
   }
-  MOEBIUS_TRY(offload::check_host_memory(bytes, offload::host_available_bytes()));
+  // The expert cache's routing read-back is pinned too (setup_expert_cache: two steps of routing).
+  const uint64_t readback = opt_.expert_cache ? 2 * routing_buffer_bytes() : 0;
+  MOEBIUS_TRY(offload::check_host_memory(bytes + readback, offload::host_available_bytes()));
   auto pinned = Buffer::allocate(MemoryKind::kPinnedHost, bytes);
   if (!pinned.ok())
     return Error::format("cannot allocate {:.2f} GiB of pinned host memory for the cold experts: {}",
@@ -483,10 +491,8 @@ Status Qwen3MoeCuda::add_moe_layer(
 Status Qwen3MoeCuda::setup_staging() {
   if (!offloaded()) return Ok{};
   const Qwen3MoeConfig& c = config_;
-  {  // routing capture for the PCIe byte count (set_routing_capture)
-    const size_t n = moe_layer_ids_.size() * static_cast<size_t>(opt_.max_tokens) *
-                     static_cast<size_t>(c.num_experts_per_tok);
-    MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(n * sizeof(int32_t), &plan_.workspace));
+  {  // each MoE layer's routing: the PCIe byte count (set_routing_capture) and the expert cache
+    MOEBIUS_ASSIGN_OR_RETURN(void* p, device_alloc(routing_buffer_bytes(), &plan_.workspace));
     routing_capture_ = static_cast<int32_t*>(p);
   }
   size_t slot_bytes = 0;
@@ -574,6 +580,11 @@ Status Qwen3MoeCuda::swap_experts(int layer, int cold, int resident) {
   if (layer < 0 || layer >= config_.num_hidden_layers || !layers_[static_cast<size_t>(layer)].is_moe)
     return Error::format("layer {} is not a MoE layer", layer);
   if (swap_scratch_ == nullptr) return Error("no expert is offloaded (no --gpu-memory-budget below the model)");
+  if (cache_) return Error("the expert cache (--expert-cache) decides the residency; swap_experts is for runs without it");
+  return move_expert(layer, cold, resident);
+}
+
+Status Qwen3MoeCuda::move_expert(int layer, int cold, int resident) {
   return layers_[static_cast<size_t>(layer)].moe.primary().swap_experts(cold, resident, swap_scratch_, stream_);
 }
 
@@ -745,6 +756,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
     if (m->opt_.progress) m->opt_.progress(l + 2, total);
   }
   MOEBIUS_TRY(m->setup_staging());
+  MOEBIUS_TRY(m->setup_expert_cache());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -870,6 +882,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
   }
   CUDA_CHECK(cudaStreamSynchronize(s));
   MOEBIUS_TRY(m->setup_staging());
+  MOEBIUS_TRY(m->setup_expert_cache());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -973,7 +986,10 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
       moe_layer.forward(h_, num_tokens, y_, s);
-      if (capture_routing_ && !decode)  // eager steps only (set_routing_capture turns graphs off)
+      // Eager steps for the routing capture (set_routing_capture turns graphs off); every step, graph
+      // replays included, for the expert cache [TAG_EXPERT_CACHE] (qwen3_moe_cuda_cache.h: the layers
+      // share topk_ids, so each layer's ids are copied while they are current).
+      if (copies_routing(decode))
         CUDA_CHECK(cudaMemcpyAsync(routing_capture_ + static_cast<size_t>(moe_index) * opt_.max_tokens *
                                                           static_cast<size_t>(c.num_experts_per_tok),
                                    moe_layer.topk_ids(), sizeof(int32_t) * static_cast<size_t>(rows) *
@@ -1053,6 +1069,9 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
 
   // Pack the inputs ([TAG_STEP_ARENA]); first wait until the previous copy has read the staging area.
   if (staged_pending_) CUDA_CHECK(cudaEventSynchronize(staged_));
+  // [TAG_EXPERT_CACHE] The routing of earlier steps that has arrived (event queries, no wait) goes
+  // to the cache; its swaps are enqueued here, before this step's forward.
+  if (cache_) MOEBIUS_TRY(cache_before_step());
   auto put = [this](size_t off, const std::vector<int32_t>& v) {
     std::memcpy(staging_ + off, v.data(), v.size() * sizeof(int32_t));
   };
@@ -1073,8 +1092,14 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   CUDA_CHECK(cudaEventRecord(staged_, stream_));
   staged_pending_ = true;
 
+  MOEBIUS_TRY(enqueue_step(graph_index, T, R, in_batch.max_q_len));
+  if (cache_) cache_after_step(T);  // the routing of the T live rows, read back asynchronously
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::enqueue_step(int graph_index, int T, int R, int max_q_len) {
   if (graph_index < 0) {
-    MOEBIUS_TRY(enqueue_layers(T, R, /*decode=*/false, -1, in_batch.max_q_len));
+    MOEBIUS_TRY(enqueue_layers(T, R, /*decode=*/false, -1, max_q_len));
     ++eager_steps_;
     return Ok{};
   }

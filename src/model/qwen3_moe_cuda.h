@@ -22,7 +22,9 @@
 //
 // Synchronization: nothing inside the forward waits for the host. enqueue() waits (host) only for
 // the previous step's input copy to finish before reusing the pinned staging area; forward()
-// adds the logits download and one stream synchronize at the end.
+// adds the logits download and one stream synchronize at the end. The dynamic expert cache
+// (options.expert_cache, qwen3_moe_cuda_cache.h) adds no wait: enqueue() queries the events of
+// earlier steps' routing read-back and enqueues the swaps it decides before the step.
 //
 // CUDA graphs: a pure decode step (every sequence one new token) whose sequence count fits a
 // graph batch size B (options.graph_batches) is padded to B rows (StepBatch::pad_decode_to) and
@@ -68,6 +70,8 @@
 #include "model/step_batch.h"
 #include "model/weight_source.h"
 #include "moe/expert_layout.h"
+#include "offload/expert_cache.h"
+#include "offload/model_expert_cache.h"
 
 namespace moebius::parallel {
 class Communicator;
@@ -122,6 +126,10 @@ struct Qwen3MoeCudaOptions {
   // model (offload/cost_model.h) prefers DMA staging to zero-copy, "zero-copy" never stages,
   // "staged" stages every eager bucket (tests, measurements). Decode graphs always read zero-copy.
   std::string cold_path = "auto";
+  // The dynamic expert cache [TAG_EXPERT_CACHE] (`--expert-cache lru|freq`, offload/expert_cache.h,
+  // qwen3_moe_cuda_cache.h): nullopt keeps the load-time placement. It needs cold experts; when the
+  // budget holds every expert it stays off and the memory plan says so. Not with expert parallelism.
+  std::optional<offload::CacheOptions> expert_cache;
   // Expert parallelism: this runner is rank ep_comm->rank() of ep_comm->size() (an
   // NcclCommunicator on this process's GPU; it must outlive the runner). Null: one GPU holding
   // every expert. Every rank must be created with the same max_tokens and graph_batches (checked
@@ -145,6 +153,8 @@ struct MemoryPlan {
   uint64_t budget = 0;
   std::string placement;    // "uniform" or the profile's path
   std::string cold_paths;   // the cost model's zero-copy / staged choice per capacity bucket
+  std::string expert_cache; // the dynamic cache's settings, or why it is off ("": not asked for)
+  uint64_t cache_host = 0;  // the cache's pinned routing read-back (not in total())
   std::string expert_format;
   int64_t kv_tokens = 0;    // tokens the KV pool holds
   uint64_t weights() const { return attention + experts + dense_mlp + embeddings; }
@@ -248,7 +258,15 @@ class Qwen3MoeCuda {
   // Moves cold expert `cold` of model layer `layer` into resident expert `resident`'s device slot
   // and `resident` to pinned memory (MoeLayerCuda::swap_experts), enqueued on stream() between
   // steps. Only the expert address table changes for the kernels, so captured graphs stay valid.
+  // An error while the expert cache runs (it owns the residency then).
   Status swap_experts(int layer, int cold, int resident);
+  // The dynamic expert cache [TAG_EXPERT_CACHE] (options.expert_cache; qwen3_moe_cuda_cache.h):
+  // whether it runs, and its counts so far (hit rate over routed (token, expert) pairs, swaps and
+  // their PCIe bytes; zeros when off). A step's routing is counted when it is fed to the cache, one
+  // step later (two when steps are enqueued back to back), so the last step or two of a run are
+  // counted at the next step.
+  bool expert_cache_on() const { return cache_ != nullptr; }
+  offload::ModelCacheStats expert_cache_stats() const;
   // Routing capture, for measuring PCIe bytes: while on, every step runs eagerly (no graph
   // replay; the same MoE buckets and kernels) and each MoE layer's top-k ids are copied into a
   // buffer of their own (the layers of a bucket share one workspace [TAG_MOE_WORKSPACE_POOL], so
@@ -278,6 +296,7 @@ class Qwen3MoeCuda {
   struct Layer;
   struct Graph;
   struct EpState;  // qwen3_moe_cuda_ep.h
+  struct CacheState;  // qwen3_moe_cuda_cache.h
   Qwen3MoeCuda();
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
   // [TAG_EXPERT_OFFLOAD] With a budget: plans the device memory (offload/memory_budget.h) for
@@ -296,6 +315,18 @@ class Qwen3MoeCuda {
   // Whether a step of `rows` (eager) stages, and the copy of the j-th staged layer into its slot.
   void issue_stage_copy(size_t j);
   Status allocate_runtime(int moe_decode_capacity);
+  // [TAG_EXPERT_CACHE] (qwen3_moe_cuda_cache.cpp). setup_expert_cache: at load, after
+  // setup_staging (it reads the routing buffer back); the cache, the pinned read-back, the events.
+  // cache_before_step: feeds the routing of earlier steps that has arrived (event queries, never a
+  // wait) and enqueues the swaps it returns. cache_after_step: enqueues the read-back of the step
+  // just enqueued (`rows` live tokens).
+  Status setup_expert_cache();
+  // swap_experts without its checks (the cache's swaps, on experts it knows are on the right sides).
+  Status move_expert(int layer, int cold, int resident);
+  Status cache_before_step();
+  void cache_after_step(int rows);
+  // Whether enqueue_layers copies each MoE layer's top-k ids into routing_capture_.
+  bool copies_routing(bool decode) const { return (capture_routing_ && !decode) || cache_ != nullptr; }
   Result<void*> device_alloc(size_t bytes, uint64_t* account);
   // Synchronous host-to-device copies of staged weights into existing buffers.
   static void upload(const std::vector<uint16_t>& bf16_bits, __nv_bfloat16* dst);
@@ -303,6 +334,9 @@ class Qwen3MoeCuda {
   void upload_embeddings(const Qwen3MoeStagedWeights& w);
   void upload_dense(const Qwen3MoeStagedWeights::Layer& w, Layer& L);
   Status enqueue_layers(int rows, int logit_rows, bool decode, int graph_index, int max_q_len);
+  // enqueue()'s step once the inputs are uploaded: eager (graph_index < 0), or the decode graph of
+  // graph_index (captured after an eager run the first time, replayed after).
+  Status enqueue_step(int graph_index, int T, int R, int max_q_len);
   // Expert parallelism (qwen3_moe_cuda_ep.cpp). init_ep: after init(), the communicator, the
   // header buffers and the cross-rank check of the capacities. add_ep_moe_layer(_dummy): model
   // layer l's EP layers (decode and prefill capacity, sharing weights). ep_step_header: posts
@@ -317,6 +351,7 @@ class Qwen3MoeCuda {
   Status ep_run_empty_layers();
   Status attach_ep_layers(int l, std::unique_ptr<moe::MoeLayerEpCuda> decode);  // + prefill, bytes
   uint64_t moe_expert_bytes(int l) const;  // one expert's packed bytes in model layer l
+  uint64_t routing_buffer_bytes() const;   // routing_capture_: every MoE layer's ids at max_tokens
 
   Qwen3MoeConfig config_;
   Qwen3MoeCudaOptions opt_;
@@ -375,7 +410,7 @@ class Qwen3MoeCuda {
   uint8_t* cold_host_ = nullptr;                   // the pinned region (host address)
   size_t cold_host_bytes_ = 0, cold_host_used_ = 0;
   uint8_t* swap_scratch_ = nullptr;                // one expert (device), for swap_experts
-  int32_t* routing_capture_ = nullptr;             // [MoE layers][max_tokens * k] (set_routing_capture)
+  int32_t* routing_capture_ = nullptr;             // [MoE layers][max_tokens * k] (set_routing_capture, the cache)
   bool capture_routing_ = false;
   uint64_t planned_staging_ = 0;                   // staging bytes the budget plan reserved
   // DMA staging [TAG_EXPERT_STAGING]: layer staged_layers_[j] copies into slot j % 2.
@@ -386,6 +421,7 @@ class Qwen3MoeCuda {
   std::vector<int> staged_layers_;
 
   std::unique_ptr<EpState> ep_;  // expert parallelism; null without
+  std::unique_ptr<CacheState> cache_;  // the dynamic expert cache; null when off
 };
 
 }  // namespace moebius::model

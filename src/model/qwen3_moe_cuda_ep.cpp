@@ -60,7 +60,8 @@ Status Qwen3MoeCuda::init_ep() {
     return Error::format("the CUDA runner's expert parallelism runs over NCCL, not a '{}' communicator",
                          opt_.ep_comm->name())
         .in_field("--ep");
-  if (!opt_.gpu_memory_budget.empty() || !opt_.placement_file.empty() || opt_.max_resident_experts >= 0)
+  if (!opt_.gpu_memory_budget.empty() || !opt_.placement_file.empty() || opt_.max_resident_experts >= 0 ||
+      opt_.expert_cache)
     return Error("expert offload is not supported together with expert parallelism yet").in_field("--ep");
   if (Status st = parallel::check_expert_split(config_.num_experts, comm->size()); !st.ok())
     return std::move(st).error().in_field("--ep");

@@ -21,11 +21,38 @@ Result<CachePolicy> parse_cache_policy(const std::string& s, const std::string& 
   return Error::format("'{}' is not a cache policy (static, lru, freq)", s).in_field(field);
 }
 
+Result<std::optional<CacheOptions>> parse_expert_cache_flags(const ExpertCacheFlags& f, bool offloading) {
+  if (f.policy != "off" && f.policy != "lru" && f.policy != "freq")
+    return Error::format("'{}': expected off, lru or freq", f.policy).in_field("--expert-cache");
+  if (!(f.decay > 0 && f.decay <= 1))
+    return Error::format("must be in (0, 1], got {}", f.decay).in_field("--expert-cache-decay");
+  if (f.max_swaps < 0) return Error::format("must be >= 0, got {}", f.max_swaps).in_field("--expert-cache-swaps");
+  if (f.policy == "off") return std::optional<CacheOptions>{};
+  if (!offloading)
+    return Error::format("--expert-cache {} needs expert offload (--gpu-memory-budget): without it every expert "
+                         "stays on the GPU and none is cold",
+                         f.policy)
+        .in_field("--expert-cache");
+  CacheOptions o;
+  MOEBIUS_ASSIGN_OR_RETURN(o.policy, parse_cache_policy(f.policy, "--expert-cache"));
+  o.decay = f.decay;
+  o.max_swaps_per_step = f.max_swaps;
+  return std::optional<CacheOptions>{o};
+}
+
+std::string first_offload_flag(const std::string& gpu_memory_budget, const std::string& placement_file,
+                               const ExpertCacheFlags& cache) {
+  if (!gpu_memory_budget.empty()) return "--gpu-memory-budget";
+  if (!placement_file.empty()) return "--placement";
+  if (cache.policy != "off") return "--expert-cache";
+  return "";
+}
+
 Result<ExpertCache> ExpertCache::create(std::span<const uint8_t> resident, const CacheOptions& o) {
   if (resident.empty()) return Error("a layer needs at least one expert");
   if (!(o.decay > 0 && o.decay <= 1)) return Error::format("must be in (0, 1], got {}", o.decay).in_field("decay");
-  if (o.max_swaps_per_step < 1)
-    return Error::format("must be >= 1, got {}", o.max_swaps_per_step).in_field("max_swaps_per_step");
+  if (o.max_swaps_per_step < 0)
+    return Error::format("must be >= 0, got {}", o.max_swaps_per_step).in_field("max_swaps_per_step");
   ExpertCache c;
   c.opt_ = o;
   const size_t E = resident.size();

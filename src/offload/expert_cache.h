@@ -11,10 +11,12 @@
 //               routed to; a missed expert is admitted only when its score beats the lowest
 //               resident score (a one-off miss does not evict a steadily hot expert).
 // Experts routed to in the current forward are never evicted by it. At most max_swaps_per_step
-// promotions per forward bound the PCIe traffic the cache adds.
+// promotions per forward bound the PCIe traffic the cache adds (0: the cache only counts hits, so
+// a run measures its starting placement with the same bookkeeping).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,8 +33,25 @@ Result<CachePolicy> parse_cache_policy(const std::string& s, const std::string& 
 struct CacheOptions {
   CachePolicy policy = CachePolicy::kStatic;
   double decay = 0.9;           // kFreqDecay: score multiplier per forward, in (0, 1]
-  int max_swaps_per_step = 4;   // promotions per forward (>= 1)
+  int max_swaps_per_step = 4;   // promotions per forward (>= 0)
 };
+
+// The CUDA runner's dynamic cache as the command line gives it (generate, serve, bench generate;
+// cli/common_options.cpp): `--expert-cache off|lru|freq`, `--expert-cache-decay D` (freq),
+// `--expert-cache-swaps N` (promotions per MoE layer per step).
+struct ExpertCacheFlags {
+  std::string policy = "off";
+  double decay = 0.9;
+  int max_swaps = 2;
+};
+// The options the flags ask for (nullopt: off). Every value is checked, whatever the policy; then
+// a cache without expert offload (`offloading`: --gpu-memory-budget or another way of making
+// experts cold was given) is an error, since no expert would be cold. Errors name the flag.
+Result<std::optional<CacheOptions>> parse_expert_cache_flags(const ExpertCacheFlags& flags, bool offloading);
+// The first expert-offload flag a command was given ("--gpu-memory-budget", "--placement",
+// "--expert-cache"), or "" for none: the commands refuse them on the CPU backend, naming it.
+std::string first_offload_flag(const std::string& gpu_memory_budget, const std::string& placement_file,
+                               const ExpertCacheFlags& cache);
 
 struct CacheSwap {
   int evict = -1;  // expert leaving the GPU; its slot goes to `admit`

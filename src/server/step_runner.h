@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "model/qwen3_moe_config.h"
 #include "model/weight_source.h"
+#include "offload/expert_cache.h"
 #include "parallel/communicator.h"
 
 namespace moebius::server {
@@ -81,9 +82,10 @@ struct RunnerOptions {
   int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
   std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
-  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file).
+  // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file / expert_cache).
   std::string gpu_memory_budget;
   std::string placement_file;
+  offload::ExpertCacheFlags expert_cache;
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
   // communicator; the runner's model is rank 0 (it runs every sequence), the other ranks hold
   // their E / N experts and serve them each step. cuda: one process per GPU, this one rank

@@ -6,12 +6,16 @@
 //  - decode graphs captured before a residency change (swap_experts: copies plus table writes)
 //    replay after it and stay bit-identical;
 //  - a routing profile places the hottest experts; a budget too small for the non-expert weights
-//    is a clear error.
+//    is a clear error;
+//  - the dynamic expert cache [TAG_EXPERT_CACHE] (lru and freq: routing read back one step late,
+//    swaps enqueued between steps) keeps every logit bit-identical while it moves experts, in graph
+//    replays, padded graph buckets, staged prefill and back-to-back enqueues; it really swaps.
 #include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -20,8 +24,12 @@
 #include <vector>
 
 #include "model/block_allocator.h"
+#include "model/generate.h"
+#include "model/sampler.h"
 #include "model/qwen3_moe_cuda.h"
 #include "model/step_batch.h"
+#include "offload/expert_cache.h"
+#include "offload/model_expert_cache.h"
 #include "offload/routing_profile.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
@@ -232,6 +240,188 @@ TEST(OffloadCuda, ABudgetTooSmallForTheNonExpertWeightsIsAClearError) {
   auto big = load(o);
   ASSERT_TRUE(big);
   EXPECT_FALSE(big->offloaded());
+}
+
+// ---- the dynamic expert cache [TAG_EXPERT_CACHE] -------------------------------------------------
+
+constexpr int kMoeLayers = 2, kTopK = 4;  // the tiny fixture: MoE layers 0 and 2, top-4 of 16
+
+Qwen3MoeCudaOptions cached(std::optional<WeightFormat> f, offload::CachePolicy p, int resident, int swaps = 2) {
+  Qwen3MoeCudaOptions o = options(f, resident);
+  o.expert_cache = offload::CacheOptions{p, 0.8, swaps};
+  return o;
+}
+
+// [MoE layer][E] which experts are on the GPU now.
+std::vector<std::vector<bool>> residency(const Qwen3MoeCuda& m) {
+  std::vector<std::vector<bool>> r;
+  for (int layer : {0, 2}) {
+    r.emplace_back();
+    for (int e = 0; e < 16; ++e) r.back().push_back(m.expert_resident(layer, e));
+  }
+  return r;
+}
+
+// What every cache run must show: the routing of each fed token arrived whole (k pairs per MoE
+// layer, every id in range), nothing was dropped, the cache swapped, each layer kept its slot count.
+void expect_cache_worked(const Qwen3MoeCuda& m, const offload::ModelCacheStats& s, int resident) {
+  EXPECT_GT(s.steps, 0u);
+  EXPECT_EQ(s.dropped_steps, 0u);
+  EXPECT_EQ(s.ignored_ids, 0u);
+  EXPECT_EQ(s.routed_pairs, s.tokens * kTopK * kMoeLayers);
+  EXPECT_GT(s.resident_pairs, 0u);
+  EXPECT_LT(s.resident_pairs, s.routed_pairs);
+  ASSERT_GT(s.swaps, 0u);  // the cache moved experts: the bit-identity checked with it is not vacuous
+  EXPECT_GT(s.swap_bytes, 0u);
+  EXPECT_EQ(s.swap_bytes % s.swaps, 0u);  // the same bytes per swap (two experts' packed bytes)
+  for (const std::vector<bool>& layer : residency(m))
+    EXPECT_EQ(std::count(layer.begin(), layer.end(), true), resident);
+}
+
+TEST(OffloadCuda, DynamicCacheKeepsLogitsBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  // Two prefill chunks (eager) around graph decodes, teacher-forced, compared logit for logit with
+  // the all-resident runner; then greedy generation, compared token for token.
+  struct Case {
+    offload::CachePolicy policy;
+    WeightFormat format;
+    const char* cold_path;
+  };
+  for (const Case& c : {Case{offload::CachePolicy::kLru, WeightFormat::kNvFp4, "auto"},
+                        Case{offload::CachePolicy::kFreqDecay, WeightFormat::kInt2, "auto"},
+                        Case{offload::CachePolicy::kLru, WeightFormat::kInt2, "staged"},
+                        Case{offload::CachePolicy::kFreqDecay, WeightFormat::kInt4, "staged"}}) {
+    SCOPED_TRACE(::testing::Message() << offload::cache_policy_name(c.policy) << ", " << weight_format_name(c.format)
+                                      << ", cold path " << c.cold_path);
+    auto all = load(options(c.format));
+    Qwen3MoeCudaOptions o = cached(c.format, c.policy, 5);
+    o.cold_path = c.cold_path;
+    auto off = load(o);
+    ASSERT_TRUE(all && off);
+    ASSERT_TRUE(off->expert_cache_on());
+    EXPECT_NE(off->memory_plan().expert_cache.find(offload::cache_policy_name(c.policy)), std::string::npos);
+    EXPECT_GT(off->memory_plan().cache_host, 0u);
+    const auto start = residency(*off);
+    Seq sa(*all), so(*off);
+    expect_bit_identical("prefill", prefill(*all, sa, kPrompt), prefill(*off, so, kPrompt));
+    const std::vector<int32_t> ids = {9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 301, 5, 99, 42, 7, 250};
+    expect_bit_identical("decode", decode(*all, sa, ids), decode(*off, so, ids));
+    expect_bit_identical("second prefill chunk", prefill(*all, sa, kDecode), prefill(*off, so, kDecode));
+    expect_bit_identical("decode after it", decode(*all, sa, kDecode), decode(*off, so, kDecode));
+    expect_cache_worked(*off, off->expert_cache_stats(), 5);
+    EXPECT_NE(residency(*off), start);
+    // While the cache owns the residency, a swap from outside is refused.
+    int cold = -1, res = -1;
+    for (int e = 0; e < 16; ++e) {
+      if (cold < 0 && !off->expert_resident(0, e)) cold = e;
+      if (res < 0 && off->expert_resident(0, e)) res = e;
+    }
+    const Status refused = off->swap_experts(0, cold, res);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.error().what().find("--expert-cache"), std::string::npos);
+
+    // Greedy generation through model::generate (prefill, then graph decodes and sampling).
+    auto greedy = [](Qwen3MoeCuda& m) {
+      auto sampler = Sampler::create(SamplerParams{0.0f});
+      EXPECT_TRUE(sampler.ok());
+      auto r = generate(m, kPrompt, 24, *sampler, {}, nullptr);
+      EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().what());
+      return r.ok() ? std::move(r).value() : GenerateStats{};
+    };
+    const GenerateStats ga = greedy(*all), go = greedy(*off);
+    EXPECT_EQ(ga.generated, go.generated);
+    EXPECT_EQ(ga.logits_hash, go.logits_hash);
+    EXPECT_EQ(go.generated.size(), 24u);
+    EXPECT_FALSE(ga.expert_cache.has_value());
+    ASSERT_TRUE(go.expert_cache.has_value());
+    EXPECT_GT(go.expert_cache->steps, 0u);
+    EXPECT_EQ(go.expert_cache->routed_pairs, go.expert_cache->tokens * kTopK * kMoeLayers);
+  }
+}
+
+TEST(OffloadCuda, DynamicCacheSwapsBetweenGraphReplays) {
+  MOEBIUS_REQUIRE_GPU();
+  // Decode graphs captured at the first step replay while the cache swaps between them. A graph
+  // bucket of 2 runs one sequence padded to 2 rows: only the live row's routing may reach the
+  // cache (routed pairs = tokens * k per layer exactly).
+  for (offload::CachePolicy p : {offload::CachePolicy::kLru, offload::CachePolicy::kFreqDecay}) {
+    SCOPED_TRACE(offload::cache_policy_name(p));
+    Qwen3MoeCudaOptions ao = options(WeightFormat::kInt4), co = cached(WeightFormat::kInt4, p, 6, 1);
+    ao.graph_batches = co.graph_batches = {2};
+    auto all = load(ao);
+    auto off = load(co);
+    ASSERT_TRUE(all && off);
+    Seq sa(*all), so(*off);
+    expect_bit_identical("prefill", prefill(*all, sa, kPrompt), prefill(*off, so, kPrompt));
+    expect_bit_identical("decode (capture)", decode(*all, sa, {9}), decode(*off, so, {9}));
+    const offload::ModelCacheStats before = off->expert_cache_stats();
+    const int64_t g0 = off->graph_steps();
+    const std::vector<int32_t> ids = {8, 7, 6, 5, 4, 3, 2, 1, 400, 11, 3, 250};
+    expect_bit_identical("graph replays between swaps", decode(*all, sa, ids), decode(*off, so, ids));
+    EXPECT_EQ(off->graph_steps() - g0, static_cast<int64_t>(ids.size()));  // every step a replay
+    const offload::ModelCacheStats run = off->expert_cache_stats().since(before);
+    EXPECT_GE(run.steps, ids.size() - 1);  // forward() synchronizes: one step of lag
+    EXPECT_EQ(run.tokens, run.steps);      // one live row per step, not the bucket's two
+    expect_cache_worked(*off, run, 6);
+  }
+}
+
+TEST(OffloadCuda, DynamicCacheFeedsBackToBackSteps) {
+  MOEBIUS_REQUIRE_GPU();
+  // enqueue() back to back (bench generate's decode loop): the host runs one step ahead, so the
+  // routing arrives two steps late through the second read-back slot; nothing is dropped and the
+  // last step's logits match the all-resident runner's.
+  auto all = load(options(WeightFormat::kInt2));
+  auto off = load(cached(WeightFormat::kInt2, offload::CachePolicy::kLru, 4));
+  ASSERT_TRUE(all && off);
+  Seq sa(*all), so(*off);
+  expect_bit_identical("prefill", prefill(*all, sa, kPrompt), prefill(*off, so, kPrompt));
+  const std::vector<int32_t> ids = {9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 301, 5, 99, 42};
+  const offload::ModelCacheStats before = off->expert_cache_stats();
+  auto back_to_back = [&](Qwen3MoeCuda& m, Seq& s) {
+    EXPECT_TRUE(s.blocks.ensure(s.table, s.pos + static_cast<int64_t>(ids.size()), m.block_size()).ok());
+    for (const int32_t& id : ids) {
+      const SequenceStep q{std::span<const int32_t>(&id, 1), s.pos++, s.table};
+      auto b = m.make_batch(std::span<const SequenceStep>(&q, 1));
+      EXPECT_TRUE(b.ok());
+      EXPECT_TRUE(m.enqueue(*b).ok());
+    }
+    std::vector<float> last(static_cast<size_t>(m.config().vocab_size));
+    CUDA_CHECK(cudaMemcpyAsync(last.data(), m.logits_device(), last.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                               m.stream()));
+    CUDA_CHECK(cudaStreamSynchronize(m.stream()));
+    return last;
+  };
+  expect_bit_identical("the last of back-to-back steps", back_to_back(*all, sa), back_to_back(*off, so));
+  const offload::ModelCacheStats run = off->expert_cache_stats().since(before);
+  EXPECT_GE(run.steps, ids.size() - 2);
+  expect_cache_worked(*off, run, 4);
+  // And the steps after them, synchronized again, still agree.
+  expect_bit_identical("decode after", decode(*all, sa, kDecode), decode(*off, so, kDecode));
+}
+
+TEST(OffloadCuda, DynamicCacheNeedsColdExpertsAndValidOptions) {
+  MOEBIUS_REQUIRE_GPU();
+  // Every expert resident (no budget; a generous one): the cache stays off and the plan says why.
+  for (const char* budget : {"", "4"}) {
+    Qwen3MoeCudaOptions o = options(WeightFormat::kInt4);
+    o.gpu_memory_budget = budget;
+    o.expert_cache = offload::CacheOptions{offload::CachePolicy::kLru, 0.9, 2};
+    auto m = load(o);
+    ASSERT_TRUE(m);
+    EXPECT_FALSE(m->expert_cache_on());
+    EXPECT_NE(m->memory_plan().expert_cache.find("every expert is resident"), std::string::npos)
+        << m->memory_plan().expert_cache;
+    EXPECT_NE(format_memory_plan(m->memory_plan()).find("expert cache"), std::string::npos);
+    EXPECT_EQ(m->expert_cache_stats().steps, 0u);
+  }
+  // Options the flags would have refused, given to the runner directly: an error naming the flag.
+  Qwen3MoeCudaOptions bad = cached(WeightFormat::kInt4, offload::CachePolicy::kFreqDecay, 5);
+  bad.expert_cache->decay = 0.0;
+  auto m = Qwen3MoeCuda::load(fixture_dir(), bad);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.error().what().find("--expert-cache"), std::string::npos) << m.error().what();
+  EXPECT_NE(m.error().what().find("decay"), std::string::npos) << m.error().what();
 }
 
 }  // namespace
