@@ -137,8 +137,12 @@ __device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_
 // residual resid + delta to resid_out (a different buffer: the other blocks still read resid).
 // Two passes over the rows (the sums, one barrier, then the outputs), so any M fits in the
 // registers; the second pass re-reads the rows from L1.
+// Static shared memory of the kNorm kernels (the per-warp partial sums below): the opt-in limit
+// covers static + dynamic, so dense_gemv_supports keeps this much of it free.
+constexpr size_t kNormStaticSmem = sizeof(float) * kDenseGemvMaxM * kWarps;
+
 __device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs_stride) {
-  __shared__ float s_part[kDenseGemvMaxM][kWarps];
+  __shared__ float s_part[kDenseGemvMaxM][kWarps];  // kNormStaticSmem
   const DenseGemvRmsNorm& n = a.norm;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kq = a.K / 8;  // chunks per row
@@ -330,11 +334,15 @@ int blocks_per_sm(const void* kernel, size_t smem) {
   std::lock_guard<std::mutex> lock(cache.mu);
   for (const auto& e : cache.entries)
     if (e.kernel == kernel && e.device == device && e.smem == smem) return e.blocks;
-  // Dynamic shared memory above 48 KB needs the opt-in; set it to the device's maximum once per
-  // kernel and device (not a stream operation: legal during graph capture).
+  // Dynamic shared memory above 48 KB needs the opt-in; set it to the device's maximum (less the
+  // kernel's static shared memory: the limit covers both) once per kernel and device (not a
+  // stream operation: legal during graph capture).
   int optin = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  optin - static_cast<int>(attr.sharedSizeBytes)));
   int blocks = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
   MOEBIUS_LAUNCH_ASSERT(blocks > 0, "dense_gemv: the kernel does not fit on a multiprocessor");
@@ -358,7 +366,8 @@ bool dense_gemv_supports(int M, int K) {
     (void)cudaGetLastError();
     return false;
   }
-  return dense_gemv_smem_bytes(M, K) <= static_cast<size_t>(optin);
+  // Room for the kNorm kernels' static shared memory too, so one answer serves both launchers.
+  return dense_gemv_smem_bytes(M, K) + kNormStaticSmem <= static_cast<size_t>(optin);
 }
 
 namespace {
