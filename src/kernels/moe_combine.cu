@@ -1,5 +1,7 @@
 #include "kernels/moe_combine.cuh"
 
+#include <cstdlib>
+
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
 
@@ -19,9 +21,13 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const float* __restrict__ y, int y_stride,  // [capacity*k, y_stride]
                        const float* __restrict__ w,                // [capacity*k]
                        const int32_t* __restrict__ num_tokens, int capacity, int top_k, int hidden,
-                       __nv_bfloat16* __restrict__ out, int out_stride) {  // [capacity, out_stride]
+                       __nv_bfloat16* __restrict__ out, int out_stride,  // [capacity, out_stride]
+                       bool early_trigger) {
+  // [TAG_PDL_EARLY_TRIGGER] (opt-in, MOEBIUS_COMBINE_EARLY_TRIGGER=1, under measurement): the next
+  // layer's first kernel (a GEMV that streams its weights before its wait) launches with this one.
+  if (early_trigger) pdl_launch_dependents();
   pdl_wait();  // y comes from GEMM2
-  pdl_launch_dependents();
+  if (!early_trigger) pdl_launch_dependents();
   const int t = blockIdx.y;
   const int T = min(max(*num_tokens, 0), capacity);
   if (t >= T) return;  // [TAG_MOE_GRAPH_CAPACITY]
@@ -71,12 +77,16 @@ void launch_moe_combine(const float* y, int y_stride, const float* topk_weights,
   if (capacity <= 0) return;
   const dim3 grid((hidden + kCombineThreads * 4 - 1) / (kCombineThreads * 4), capacity);
   const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  static const bool early = [] {
+    const char* v = std::getenv("MOEBIUS_COMBINE_EARLY_TRIGGER");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
   if (vec)
     launch_pdl(moe_combine_kernel<true>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights, num_tokens,
-               capacity, top_k, hidden, out, out_stride);
+               capacity, top_k, hidden, out, out_stride, early);
   else
     launch_pdl(moe_combine_kernel<false>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights,
-               num_tokens, capacity, top_k, hidden, out, out_stride);
+               num_tokens, capacity, top_k, hidden, out, out_stride, early);
 }
 
 }  // namespace moebius::kernels

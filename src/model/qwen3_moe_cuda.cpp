@@ -3,6 +3,7 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -954,7 +955,11 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
     __nv_bfloat16* kc = kv_ + 2 * kv_pool_elems_ * l;
     __nv_bfloat16* vc = kc + kv_pool_elems_;
     const __nv_bfloat16* delta = l == 0 ? nullptr : y_;
-    if (rows <= x_alt_rows_ && gemm_->fuses_rms_norm(L.wqkv, rows, qkv_dim_, H)) {
+    static const bool fold_norm = [] {  // MOEBIUS_FUSE_QKV_NORM=0 turns the fold off (A/B runs)
+      const char* v = std::getenv("MOEBIUS_FUSE_QKV_NORM");
+      return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+    }();
+    if (fold_norm && rows <= x_alt_rows_ && gemm_->fuses_rms_norm(L.wqkv, rows, qkv_dim_, H)) {
       // [TAG_GEMV_RMS_NORM] The input norm inside the qkv GEMV (decode-sized steps): one kernel
       // less per layer. The updated residual goes to the other buffer (every block reads this one).
       float* next = delta == nullptr ? nullptr : (resid == x_ ? x_alt_ : x_);
