@@ -1,7 +1,5 @@
 #include "kernels/moe_combine.cuh"
 
-#include <cstdlib>
-
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
 
@@ -23,8 +21,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                        const int32_t* __restrict__ num_tokens, int capacity, int top_k, int hidden,
                        __nv_bfloat16* __restrict__ out, int out_stride,  // [capacity, out_stride]
                        bool early_trigger) {
-  // [TAG_PDL_EARLY_TRIGGER] (opt-in, MOEBIUS_COMBINE_EARLY_TRIGGER=1, under measurement): the next
-  // layer's first kernel (a GEMV that streams its weights before its wait) launches with this one.
+  // [TAG_PDL_EARLY_TRIGGER] Optional (launch_moe_combine's trigger_early): the next kernel launches
+  // with this one instead of after its wait.
   if (early_trigger) pdl_launch_dependents();
   pdl_wait();  // y comes from GEMM2
   if (!early_trigger) pdl_launch_dependents();
@@ -71,22 +69,19 @@ __global__ void __launch_bounds__(kCombineThreads)
 }  // namespace
 
 void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
-                        int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream) {
+                        int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
+                        bool trigger_early) {
   MOEBIUS_LAUNCH_ASSERT(top_k >= 1 && hidden >= 1, "bad combine shape");
   MOEBIUS_LAUNCH_ASSERT(capacity <= 65535, "capacity must fit grid.y");
   if (capacity <= 0) return;
   const dim3 grid((hidden + kCombineThreads * 4 - 1) / (kCombineThreads * 4), capacity);
   const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  static const bool early = [] {
-    const char* v = std::getenv("MOEBIUS_COMBINE_EARLY_TRIGGER");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
-  }();
   if (vec)
     launch_pdl(moe_combine_kernel<true>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights, num_tokens,
-               capacity, top_k, hidden, out, out_stride, early);
+               capacity, top_k, hidden, out, out_stride, trigger_early);
   else
     launch_pdl(moe_combine_kernel<false>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights,
-               num_tokens, capacity, top_k, hidden, out, out_stride, early);
+               num_tokens, capacity, top_k, hidden, out, out_stride, trigger_early);
 }
 
 }  // namespace moebius::kernels

@@ -481,6 +481,9 @@ Status Qwen3MoeCuda::add_moe_layer(
   if (!d.ok()) return std::move(d).error().with_context(fmt::format("layer {}", l));
   Layer& L = layers_[static_cast<size_t>(l)];
   L.moe = std::move(d).value();
+  // The kernel after each MoE layer is the next layer's qkv GEMV (or its norm), which streams its
+  // weights before its PDL wait: let it launch with the combine ([TAG_PDL_EARLY_TRIGGER]).
+  for (size_t i = 0; i < L.moe.size(); ++i) L.moe.layer(i).set_combine_trigger_early(true);
   const moe::MoeLayerCuda& p = L.moe.primary();
   plan_.experts += p.device_weight_bytes();
   plan_.experts_host += p.cold_bytes();

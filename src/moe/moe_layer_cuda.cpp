@@ -702,7 +702,8 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       }
       return;
     case MoeStage::kCombine:
-      if (store) kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream);
+      if (store)
+        kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream, combine_trigger_early_);
       return;
     case MoeStage::kCount:
       return;

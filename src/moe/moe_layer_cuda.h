@@ -211,6 +211,13 @@ class MoeLayerCuda {
   Status set_staging_slot(uint8_t* slot);
   void set_use_staging(bool on) { use_staging_ = on && res_->staged13 != nullptr; }
   bool uses_staging() const { return use_staging_; }
+
+  // [TAG_PDL_EARLY_TRIGGER] The combine lets the next kernel on the stream launch before its own
+  // PDL wait. For callers whose next kernel streams weights before its wait: the model runner,
+  // where it is the qkv GEMV with the folded norm (docs/PERF.md run N3: decode +0.9% with the
+  // fold, which alone lost 0.9% for want of that head start). Off by default: in a chain of MoE
+  // layers (bench moe) the next kernel is the routing, and there it cost ~0.2 us per layer.
+  void set_combine_trigger_early(bool on) { combine_trigger_early_ = on; }
   // The host address of the cold region (the DMA source) and its device alias.
   const uint8_t* cold_region_host() const { return cw13_; }
 
@@ -268,6 +275,7 @@ class MoeLayerCuda {
   kernels::ExpertMatrixPtrs staged_entry(int e, bool w13) const;
   void write_staged_tables();  // both staged tables from the host mirrors (synchronous)
   bool use_staging_ = false;
+  bool combine_trigger_early_ = false;
   std::shared_ptr<Residency> res_;
   int slots_ = 0;
   size_t cold_bytes_ = 0;
