@@ -372,10 +372,15 @@ bool dense_gemv_supports(int M, int K) {
 
 namespace {
 
+// `a` carries the activations (x and ldx, or the norm); the rest is filled here.
 template <bool kNorm, typename OutT>
-void launch_gemv(const GemvArgs& args, OutT* y, cudaStream_t stream) {
-  GemvArgs a = args;
-  const int M = a.M, N = a.N, K = a.K;
+void launch_gemv(GemvArgs a, const __nv_bfloat16* w, int M, int N, int K, OutT* y, int64_t ldy,
+                 cudaStream_t stream) {
+  a.w = w;
+  a.ldy = ldy;
+  a.M = M;
+  a.N = N;
+  a.K = K;
   MOEBIUS_LAUNCH_ASSERT(M >= 0 && M <= kDenseGemvMaxM, "dense_gemv: M must be in [0, 16]");
   MOEBIUS_LAUNCH_ASSERT(N > 0 && K > 0 && K % 8 == 0, "dense_gemv: N > 0 and K > 0 a multiple of 8");
   MOEBIUS_LAUNCH_ASSERT(a.ldy >= N, "dense_gemv: ldy >= N");
@@ -404,12 +409,7 @@ void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16*
   GemvArgs a{};
   a.x = x;
   a.ldx = ldx;
-  a.w = w;
-  a.ldy = ldy;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  launch_gemv<false>(a, y, stream);
+  launch_gemv<false>(a, w, M, N, K, y, ldy, stream);
 }
 
 template <typename OutT>
@@ -422,13 +422,8 @@ void launch_dense_gemv_rms_norm(const DenseGemvRmsNorm& norm, const __nv_bfloat1
   MOEBIUS_LAUNCH_ASSERT(norm.resid_out == nullptr || norm.resid_out != norm.resid,
                         "dense_gemv_rms_norm: resid_out must be another buffer (every block reads resid)");
   GemvArgs a{};
-  a.w = w;
-  a.ldy = ldy;
-  a.M = M;
-  a.N = N;
-  a.K = K;
   a.norm = norm;
-  launch_gemv<true>(a, y, stream);
+  launch_gemv<true>(a, w, M, N, K, y, ldy, stream);
 }
 
 template void launch_dense_gemv<__nv_bfloat16>(const __nv_bfloat16*, int64_t, const __nv_bfloat16*, int, int, int,
