@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "model/generate.h"
@@ -89,6 +90,25 @@ void wait_for_idle(Engine& e) {
   while ((e.metrics().running.load() > 0 || e.metrics().kv_blocks_used.load() > 0) &&
          std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(5ms);
+}
+
+// /metrics carries the dynamic expert cache's counts only when the runner has a cache; the hit
+// ratio is resident / routed pairs.
+TEST(EngineMetrics, ExpertCacheRenderedOnlyWhenOn) {
+  EngineMetrics m;
+  EXPECT_EQ(m.render().find("expert_cache"), std::string::npos);
+  m.expert_cache_on = true;
+  m.expert_cache_routed_pairs_total = 400;
+  m.expert_cache_resident_pairs_total = 300;
+  m.expert_cache_swaps_total = 7;
+  m.expert_cache_swap_bytes_total = 7000;
+  const std::string r = m.render();
+  EXPECT_NE(r.find("moebius_expert_cache_routed_pairs_total 400\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_expert_cache_resident_pairs_total 300\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_expert_cache_hit_ratio 0.75\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_expert_cache_swaps_total 7\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_expert_cache_swap_bytes_total 7000\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("# TYPE moebius_expert_cache_hit_ratio gauge"), std::string::npos) << r;
 }
 
 TEST(Engine, OneRequestMatchesGenerate) {

@@ -357,6 +357,13 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   }
   Status st = runner_->step(seqs, logits_);
   ++metrics_.steps_total;
+  if (const std::optional<offload::ModelCacheStats> c = runner_->expert_cache_stats()) {
+    metrics_.expert_cache_on = true;
+    metrics_.expert_cache_routed_pairs_total = static_cast<int64_t>(c->routed_pairs);
+    metrics_.expert_cache_resident_pairs_total = static_cast<int64_t>(c->resident_pairs);
+    metrics_.expert_cache_swaps_total = static_cast<int64_t>(c->swaps);
+    metrics_.expert_cache_swap_bytes_total = static_cast<int64_t>(c->swap_bytes);
+  }
   if (!st.ok()) {
     log_error("engine step failed: {}", st.error().what());
     for (Seq* s : batch) finish(*s, "", "the model step failed: " + st.error().what());

@@ -69,6 +69,20 @@ std::string EngineMetrics::render() const {
   metric(out, "engine_steps_total", "counter", "Forward steps run.", double(steps_total.load()));
   metric(out, "weight_updates_total", "counter", "Weight updates from disk that took effect.",
          double(weight_updates_total.load()));
+  if (expert_cache_on.load()) {
+    const double routed = double(expert_cache_routed_pairs_total.load()),
+                 resident = double(expert_cache_resident_pairs_total.load());
+    metric(out, "expert_cache_routed_pairs_total", "counter",
+           "Routed (token, expert) pairs fed to the expert cache, summed over the MoE layers.", routed);
+    metric(out, "expert_cache_resident_pairs_total", "counter",
+           "Of those, the pairs whose expert was on the GPU when the step ran.", resident);
+    metric(out, "expert_cache_hit_ratio", "gauge", "resident_pairs_total / routed_pairs_total since start.",
+           routed > 0 ? resident / routed : 0.0);
+    metric(out, "expert_cache_swaps_total", "counter", "Experts swapped into the GPU by the cache.",
+           double(expert_cache_swaps_total.load()));
+    metric(out, "expert_cache_swap_bytes_total", "counter", "Bytes the swaps moved over PCIe (both directions).",
+           double(expert_cache_swap_bytes_total.load()));
+  }
   out += ttft.render("moebius_time_to_first_token_seconds", "Time from arrival to the first generated token.");
   out += itl.render("moebius_inter_token_latency_seconds", "Time between consecutive generated tokens of a request.");
   out += e2e.render("moebius_e2e_request_latency_seconds", "Time from arrival to the last token.");

@@ -41,6 +41,13 @@ struct EngineMetrics {
   std::atomic<int64_t> preemptions_total{0};
   std::atomic<int64_t> steps_total{0};
   std::atomic<int64_t> weight_updates_total{0};     // POST /update_weights_from_disk that took effect
+  // The dynamic expert cache (--expert-cache), copied from the runner after every step; rendered
+  // only when expert_cache_on. Pairs are routed (token, expert) pairs summed over the MoE layers.
+  std::atomic<bool> expert_cache_on{false};
+  std::atomic<int64_t> expert_cache_routed_pairs_total{0};
+  std::atomic<int64_t> expert_cache_resident_pairs_total{0};
+  std::atomic<int64_t> expert_cache_swaps_total{0};
+  std::atomic<int64_t> expert_cache_swap_bytes_total{0};
   std::atomic<double> generation_tokens_per_second{0.0};  // over the last few seconds
   Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60}};
   Histogram itl{{0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5}};

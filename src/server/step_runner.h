@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "model/qwen3_moe_config.h"
 #include "model/weight_source.h"
 #include "offload/expert_cache.h"
+#include "offload/model_expert_cache.h"
 #include "parallel/communicator.h"
 
 namespace moebius::server {
@@ -59,6 +61,9 @@ class StepRunner {
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it.
   virtual void release(int64_t id) = 0;
+  // The dynamic expert cache's counts since the runner started (--expert-cache), or nothing when
+  // the runner has no cache.
+  virtual std::optional<offload::ModelCacheStats> expert_cache_stats() const { return std::nullopt; }
 
   // Weight updates (POST /update_weights_from_disk; Engine::update_weights), in two steps:
   // stage_weights reads the checkpoint directory `dir` completely and checks it against the

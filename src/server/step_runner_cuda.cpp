@@ -22,6 +22,10 @@ class CudaRunner final : public StepRunner {
   ~CudaRunner() override { (void)model_->ep_idle_until_all_done(); }
 
   const model::Qwen3MoeConfig& config() const override { return model_->config(); }
+  std::optional<offload::ModelCacheStats> expert_cache_stats() const override {
+    if (!model_->expert_cache_on()) return std::nullopt;
+    return model_->expert_cache_stats();
+  }
   const RunnerLimits& limits() const override { return limits_; }
   std::string describe() const override {
     return fmt::format("cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}\n{}",
