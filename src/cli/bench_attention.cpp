@@ -51,6 +51,7 @@ struct BenchAttentionOptions {
   std::string context = "1024,10240";
   std::string batch = "1,8,64";
   int iters = 20;
+  int max_splits = 0;  // decode: 0 = the planner's choice, else this many splits at most
   uint64_t seed = 1;
   double hbm_bytes_per_s = 4.57e12;
   double bf16_flops_per_s = 791e12;
@@ -76,6 +77,7 @@ Status run(const BenchAttentionOptions& o) {
   if (o.mode == "decode" && o.heads / o.kv_heads > 16)
     return Error("decode supports at most 16 query heads per kv head").in_field("--heads");
   if (o.block_size <= 0) return Error("must be positive").in_field("--block-size");
+  if (o.max_splits < 0 || o.max_splits > 256) return Error("must be in [0, 256]").in_field("--max-splits");
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", 1 << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> batches, parse_int_list(o.batch, "--batch", 4096));
   const bool decode = o.mode == "decode";
@@ -137,8 +139,9 @@ Status run(const BenchAttentionOptions& o) {
       CUDA_CHECK(cudaMemcpy(d_n, &n_live, 4, cudaMemcpyHostToDevice));
       const kernels::AttentionDims dims{o.heads, o.kv_heads, o.head_dim, o.block_size,
                                         static_cast<int>(blocks_per_seq)};
-      const kernels::AttentionDecodePlan plan = kernels::plan_attention_decode(
+      kernels::AttentionDecodePlan plan = kernels::plan_attention_decode(
           dims, static_cast<int>(batch), static_cast<int>(ctx), prop.multiProcessorCount);
+      if (o.max_splits > 0) plan.max_splits = o.max_splits;  // a sweep of the split count
       const size_t ws_bytes = decode ? kernels::attention_decode_workspace_bytes(dims, plan) : 0;
       auto* ws = device_alloc<uint8_t>(ws_bytes);
       if (ws_bytes > 0) kernels::init_attention_decode_workspace(ws, dims, plan, stream);
@@ -213,6 +216,9 @@ void register_bench_attention(CLI::App& bench) {
   cmd->add_option("--batch", opts->batch, "comma-separated batch sizes (sequences)")->capture_default_str();
   cmd->add_option("--iters", opts->iters, "graph replays timed per configuration")->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
+  cmd->add_option("--max-splits", opts->max_splits,
+                  "decode: at most this many split blocks per (sequence, kv head); 0 = the planner's choice")
+      ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run(*opts);
     if (!s.ok()) {

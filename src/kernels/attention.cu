@@ -192,6 +192,39 @@ __device__ __forceinline__ void load_kv_tile_pair_one_block(uint32_t k_dst, uint
   }
 }
 
+// K and V tiles at once for a power-of-two block_size (1 << block_shift) whose tiles may span
+// several cache blocks (prefill's 64-key tiles at block_size 16): the block and the slot of a key
+// are a shift and a mask, one table read per row serves both pools. [TAG_ATTN_KV_ONE_BLOCK]
+template <int HD, int ROWS, int NT>
+__device__ __forceinline__ void load_kv_tile_pair_pow2(uint32_t k_dst, uint32_t v_dst,
+                                                       const __nv_bfloat16* __restrict__ k_pool,
+                                                       const __nv_bfloat16* __restrict__ v_pool,
+                                                       const int32_t* __restrict__ table_row, int kvh, int key0,
+                                                       int kv_end, int nkv, int block_shift, int tid,
+                                                       int skip_key = -1) {
+  constexpr int C = HD / 8;
+  static_assert(NT % C == 0 && (ROWS * C) % NT == 0, "whole rows per pass, whole passes per tile");
+  const int c = tid % C, r0 = tid / C;
+  const int block_size = 1 << block_shift;
+#pragma unroll
+  for (int i = 0; i < ROWS * C / NT; ++i) {
+    const int r = r0 + (NT / C) * i, key = key0 + r;
+    if (key == skip_key) continue;
+    const bool live = key < kv_end;
+    int64_t off = 0;
+    if (live)
+      off = kv_cache_offset(table_row[key >> block_shift], kvh, key & (block_size - 1), nkv, block_size, HD) + c * 8;
+    const uint32_t at = tile_offset<HD>(r, c);
+    cp_async16(k_dst + at, k_pool + off, live ? 16 : 0);
+    cp_async16(v_dst + at, v_pool + off, live ? 16 : 0);
+  }
+}
+
+// log2(block_size) when it is a power of two, else -1.
+__device__ __forceinline__ int pow2_shift(int block_size) {
+  return (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+}
+
 // A fragments of Q (16 rows of the tile starting at row0) for every k-step of hd.
 template <int HD>
 __device__ __forceinline__ void load_q_frags(uint32_t (&qa)[HD / 16][4], uint32_t q_tile, int row0, int lane) {
@@ -367,12 +400,19 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Prefi
     }
   }
   const bool one_block = d.block_size % kPrefillBN == 0;  // tiles start at multiples of kPrefillBN
+  const int block_shift = pow2_shift(d.block_size);
   auto load_stage = [&](int it) {
     const uint32_t k_dst = kv_base + (it & 1) * 2 * kTileBytes;
     if (one_block) {  // [TAG_ATTN_KV_ONE_BLOCK]
       load_kv_tile_pair_one_block<HD, kPrefillBN, kThreads>(k_dst, k_dst + kTileBytes, args.k_cache, args.v_cache,
                                                             table_row, kvh, it * kPrefillBN, kv_end, d.num_kv_heads,
                                                             d.block_size, tid);
+      return;
+    }
+    if (block_shift >= 0) {
+      load_kv_tile_pair_pow2<HD, kPrefillBN, kThreads>(k_dst, k_dst + kTileBytes, args.k_cache, args.v_cache,
+                                                       table_row, kvh, it * kPrefillBN, kv_end, d.num_kv_heads,
+                                                       block_shift, tid);
       return;
     }
     load_kv_tile<HD, kPrefillBN, kThreads>(k_dst, args.k_cache, table_row, kvh, it * kPrefillBN, kv_end,
@@ -577,12 +617,18 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // k_begin is 0 or a multiple of the partition, itself a multiple of kDecodeBN, so every tile
   // starts at a multiple of kDecodeBN.
   const bool one_block = d.block_size % kDecodeBN == 0;
+  const int block_shift = pow2_shift(d.block_size);
   auto load_stage = [&](int i) {
     const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     if (one_block) {  // [TAG_ATTN_KV_ONE_BLOCK]
       load_kv_tile_pair_one_block<HD, kDecodeBN, 32>(dst, dst + kTileBytes, args.k_cache, args.v_cache, table_row, kvh,
                                                      key0, k_end, d.num_kv_heads, d.block_size, lane, newest);
+      return;
+    }
+    if (block_shift >= 0) {
+      load_kv_tile_pair_pow2<HD, kDecodeBN, 32>(dst, dst + kTileBytes, args.k_cache, args.v_cache, table_row, kvh, key0,
+                                                k_end, d.num_kv_heads, block_shift, lane, newest);
       return;
     }
     load_kv_tile<HD, kDecodeBN, 32>(dst, args.k_cache, table_row, kvh, key0, k_end, d.num_kv_heads, d.block_size,

@@ -396,7 +396,9 @@ TEST(AttentionGpuPrefill, ChunkedPrefillAndMixedBatch) {
 TEST(AttentionGpuPrefill, BlockSizesAndPeakySoftmax) {
   MOEBIUS_REQUIRE_GPU();
   const std::vector<int> q = {1, 40, 300}, c = {17, 40, 777};
-  for (int bs : {1, 7, 32, 64, 128}) {  // 64, 128: one cache block per key tile ([TAG_ATTN_KV_ONE_BLOCK])
+  // [TAG_ATTN_KV_ONE_BLOCK] 64, 128: one cache block per 64-key tile; 1, 16, 32: the power-of-two
+  // loader; 7: the general one.
+  for (int bs : {1, 7, 16, 32, 64, 128}) {
     SCOPED_TRACE(::testing::Message() << "block_size " << bs);
     run_prefill(make_batch(kQwen3_30B, bs, q, c, 31u + bs));
     run_prefill(make_batch(kTiny, bs, q, c, 37u + bs));
@@ -442,10 +444,11 @@ TEST(AttentionGpuDecode, OneLongSequenceSplits) {
 TEST(AttentionGpuDecode, BlockSizesAroundTheKeyTile) {
   MOEBIUS_REQUIRE_GPU();
   // [TAG_ATTN_KV_ONE_BLOCK] Block sizes that are multiples of the 16-key tile take the one-block
-  // loader, with tiles at every offset inside a block (32, 48, 64); 8 and 24 take the general one.
-  // Natural plans and a forced 64-split plan (64-key splits that start inside blocks).
+  // loader, with tiles at every offset inside a block (32, 48, 64); 4 and 8 the power-of-two one
+  // (a tile over several blocks); 24 the general one. Natural plans and a forced 64-split plan
+  // (64-key splits that start inside blocks).
   const std::vector<int> ctx = {1, 16, 17, 100, 255, 256, 257, 1000, 3001};
-  for (int bs : {8, 24, 32, 48, 64}) {
+  for (int bs : {4, 8, 24, 32, 48, 64}) {
     SCOPED_TRACE(::testing::Message() << "block_size " << bs);
     for (const Geometry& g : {kQwen3_30B, kTiny}) {
       SCOPED_TRACE(g.name);
