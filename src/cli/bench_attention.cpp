@@ -52,6 +52,7 @@ struct BenchAttentionOptions {
   std::string batch = "1,8,64";
   int iters = 20;
   int max_splits = 0;  // decode: 0 = the planner's choice, else this many splits at most
+  std::string merge = "auto";  // decode: auto (the planner's), cluster or workspace
   uint64_t seed = 1;
   double hbm_bytes_per_s = 4.57e12;
   double bf16_flops_per_s = 791e12;
@@ -78,6 +79,8 @@ Status run(const BenchAttentionOptions& o) {
     return Error("decode supports at most 16 query heads per kv head").in_field("--heads");
   if (o.block_size <= 0) return Error("must be positive").in_field("--block-size");
   if (o.max_splits < 0 || o.max_splits > 256) return Error("must be in [0, 256]").in_field("--max-splits");
+  if (o.merge != "auto" && o.merge != "cluster" && o.merge != "workspace")
+    return Error::format("expected auto, cluster or workspace, got '{}'", o.merge).in_field("--merge");
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", 1 << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> batches, parse_int_list(o.batch, "--batch", 4096));
   const bool decode = o.mode == "decode";
@@ -86,8 +89,8 @@ Status run(const BenchAttentionOptions& o) {
   std::printf("moebius bench attention  %s (%s)  nh=%d nkv=%d hd=%d block=%d\n", o.mode.c_str(), prop.name, o.heads,
               o.kv_heads, o.head_dim, o.block_size);
   if (decode)
-    std::printf("%8s %6s %5s %7s %5s %10s %10s %9s %8s\n", "context", "batch", "sets", "splits", "part", "us",
-                "KV MB", "GB/s", "of HBM");
+    std::printf("%8s %6s %5s %7s %5s %5s %10s %10s %9s %8s\n", "context", "batch", "sets", "splits", "part", "merge",
+                "us", "KV MB", "GB/s", "of HBM");
   else
     std::printf("%8s %6s %10s %10s %9s %8s\n", "context", "batch", "us", "GFLOP", "TFLOP/s", "of peak");
 
@@ -141,7 +144,16 @@ Status run(const BenchAttentionOptions& o) {
                                         static_cast<int>(blocks_per_seq)};
       kernels::AttentionDecodePlan plan = kernels::plan_attention_decode(
           dims, static_cast<int>(batch), static_cast<int>(ctx), prop.multiProcessorCount);
-      if (o.max_splits > 0) plan.max_splits = o.max_splits;  // a sweep of the split count
+      if (o.max_splits > 0) {  // a sweep of the split count: clusters when they may hold that many
+        plan.max_splits = o.max_splits;
+        plan.cluster_merge = o.max_splits > 1 && o.max_splits <= kernels::attention_decode_cluster_cap(dims);
+      }
+      if (o.merge == "workspace") plan.cluster_merge = false;
+      if (o.merge == "cluster" && plan.max_splits > 1 && !plan.cluster_merge) {
+        std::printf("%8lld %6lld   skipped (--merge cluster: %d splits are not one cluster)\n", static_cast<long long>(ctx),
+                    static_cast<long long>(batch), plan.max_splits);
+        continue;
+      }
       const size_t ws_bytes = decode ? kernels::attention_decode_workspace_bytes(dims, plan) : 0;
       auto* ws = device_alloc<uint8_t>(ws_bytes);
       if (ws_bytes > 0) kernels::init_attention_decode_workspace(ws, dims, plan, stream);
@@ -176,8 +188,9 @@ Status run(const BenchAttentionOptions& o) {
       });
       if (decode) {
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
-        std::printf("%8lld %6lld %5d %7d %5d %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
-                    static_cast<long long>(batch), sets, split.splits, split.partition, us, kv_bytes / 1e6, gbs,
+        const char* merge = split.splits == 1 ? "-" : (plan.cluster_merge ? "clus" : "ws");
+        std::printf("%8lld %6lld %5d %7d %5d %5s %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
+                    static_cast<long long>(batch), sets, split.splits, split.partition, merge, us, kv_bytes / 1e6, gbs,
                     100.0 * gbs * 1e9 / o.hbm_bytes_per_s);
       } else {
         const double flops = 2.0 * o.heads * o.head_dim * static_cast<double>(ctx) * (ctx + 1) * batch;
@@ -218,6 +231,10 @@ void register_bench_attention(CLI::App& bench) {
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
   cmd->add_option("--max-splits", opts->max_splits,
                   "decode: at most this many split blocks per (sequence, kv head); 0 = the planner's choice")
+      ->capture_default_str();
+  cmd->add_option("--merge", opts->merge,
+                  "decode: how splits merge: auto (the planner's choice), cluster (shared memory of a thread-block "
+                  "cluster) or workspace (global memory, the last split)")
       ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run(*opts);

@@ -31,12 +31,23 @@
 // warp: decode is a stream of K/V bytes, and bytes in flight are what hide HBM latency), and merge
 // their (max, sum, acc) states through shared memory at the end. A 16-key tile is one whole
 // cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
-// Shared memory: Q 16 x hd + 4 warps x 4 stages x (K + V) 16 x hd bf16 = 132 KiB at hd 128, so one
-// block per SM, and the plan sizes the grid to one wave.
+// Shared memory: Q 16 x hd + 4 warps x 4 stages x (K + V) 16 x hd bf16 = 132 KiB at hd 128, plus
+// the cluster merge's partials (65 KiB), so one block per SM, and the plan sizes the grid to one
+// wave.
 //  - Splits per sequence come from its LIVE length (attention_decode_split, [TAG_ATTN_DECODE_SPLIT]):
 //    up to 256 keys one split, written straight to bf16 (no workspace, no counter); longer, up to
 //    the plan's max_splits equal splits of >= 64 keys. Blocks past a sequence's splits exit.
-//  - The merge is in the same kernel (FlashDecoding's second kernel folded in with the CUDA
+//  - [TAG_ATTN_CLUSTER_MERGE] When the plan says so (plan.cluster_merge: at most 16 splits,
+//    128 / G, every (sequence, kv head)'s cluster resident at once, and a context short enough that
+//    fewer splits cost less than the merge saves), the splits of a (sequence, kv head) are one
+//    thread-block cluster: each writes its partial (fp32 o, max, sum per row) straight into the
+//    leader's shared memory (DSMEM stores into a 65 KiB region past the ring), one cluster barrier
+//    (release / acquire), and the leader merges from shared memory in split order. The workspace
+//    merge below costs a fence, an atomic and three dependent L2 round trips, ~4 us at 1k context;
+//    the cluster merge ~1.3 (run O4: 1k context 9.1 -> 6.4-6.7 us). Pulling the partials from the
+//    others' shared memory instead (two barriers, 132 KiB blocks) measured slower (run O6). A block
+//    without keys exits at once; the cluster barrier waits only for threads that have not exited.
+//  - Otherwise the merge is in the same kernel (FlashDecoding's second kernel folded in with the CUDA
 //    samples' threadFenceReduction pattern): a split writes fp32 (o, max, sum) per row to
 //    the workspace, fences, and counts itself in with one atomic per (sequence, kv head); the block
 //    that brings the count to the number of splits merges all of them in split order (the result's
@@ -64,6 +75,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "kernels/cuda_check.h"
 #include "kernels/kv_cache.cuh"
@@ -83,6 +95,12 @@ constexpr int kDecodeBN = 16;            // keys per tile (per warp)
 constexpr int kDecodeStages = 4;
 constexpr int kDecodeMaxGroup = 16;      // query heads per kv head that fit one m16 tile
 constexpr int kDecodeMaxSplits = 256;    // splits per (sequence, kv head): the merge's weights in smem
+// [TAG_ATTN_CLUSTER_MERGE] Up to this many splits of a (sequence, kv head) run as one thread-block
+// cluster (16: the non-portable maximum on sm_90) and merge through the leader's shared memory,
+// whose partial region holds kDecodeClusterRows rows of hd fp32: a cluster takes at most
+// kDecodeClusterRows / G splits (Qwen3-30B-A3B, G = 8: 16; Qwen3-235B-A22B, G = 16: 8).
+constexpr int kDecodeMaxCluster = 16;
+constexpr int kDecodeClusterRows = 128;
 
 // ------------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -491,6 +509,7 @@ struct DecodeArgs {
   int max_num_seqs;
   int max_splits;
   float scale_log2;
+  bool cluster_merge;  // [TAG_ATTN_CLUSTER_MERGE]: the grid's x dimension is one cluster (max_splits blocks)
   int* counters;  // [max_num_seqs, nkv]: splits of the (sequence, kv head) finished so far; 0 between launches
   float2* ws_ml;  // [max_num_seqs, nkv, max_splits, G]: (max in the log2 domain, sum) of a split's rows
   float* ws_o;    // [max_num_seqs, nkv, max_splits, G, hd]: a split's output, not yet divided by its sum
@@ -504,7 +523,41 @@ constexpr int decode_smem_bytes() {
   constexpr int rings = kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;  // 128 KiB at hd 128
   constexpr int states = kWarps * 16 * HD * 4;
   constexpr int merge = 2 * 16 * kDecodeMaxSplits * 4;  // 32 KiB
-  return 16 * HD * 2 + std::max(rings, std::max(states, merge));
+  // Then the cluster merge's region ([TAG_ATTN_CLUSTER_MERGE]): partial outputs [rows][HD] fp32 and
+  // their (max, sum) [rows] float2, written by every split of the cluster into the leader's copy.
+  // Its own region, not the ring: a split that finishes early must not write over the ring of a
+  // leader that is still streaming keys.
+  constexpr int partials = kDecodeClusterRows * HD * 4 + kDecodeClusterRows * 8;  // 65 KiB at hd 128
+  return 16 * HD * 2 + std::max(rings, std::max(states, merge)) + partials;
+}
+template <int HD>
+constexpr int decode_partials_offset() {
+  return decode_smem_bytes<HD>() - (kDecodeClusterRows * HD * 4 + kDecodeClusterRows * 8);
+}
+// Splits one cluster can merge for G query heads per kv head.
+inline int decode_cluster_cap(int G) { return std::min(kDecodeMaxCluster, kDecodeClusterRows / G); }
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Shared-memory address of the same variable in block `rank` of the cluster (DSMEM).
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ void st_cluster_f32(uint32_t addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_cluster_f32x2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // One head row of the new token through QK-norm and RoPE, by one warp, in rope.cu's arithmetic
@@ -602,6 +655,11 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const int ctx = args.seq_lens[s];
   const AttentionDecodeSplit sp = attention_decode_split(ctx, args.max_splits);
   if (split >= sp.splits) return;  // [TAG_ATTN_DECODE_SPLIT] the merge reads exactly splits 0 .. sp.splits-1
+  // [TAG_ATTN_CLUSTER_MERGE] Phase 0 of the cluster barrier: its wait, before the first store into
+  // the leader's shared memory, guarantees that every block of the cluster has started. Blocks
+  // that exit above (no keys) never arrive; the barrier waits only for threads that have not exited.
+  const bool in_cluster = args.cluster_merge && sp.splits > 1;
+  if (in_cluster) cluster_arrive_relaxed();
   const int k_begin = split * sp.partition;
   const int k_end = min(ctx, k_begin + sp.partition);
   const int newest = ctx - 1;  // the new token's position and key
@@ -758,6 +816,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const bool direct = sp.splits == 1;
   const int64_t pair = static_cast<int64_t>(s) * d.num_kv_heads + kvh;  // (sequence, kv head)
   const int64_t slot0 = pair * args.max_splits;                          // its split 0
+  // [TAG_ATTN_CLUSTER_MERGE] The leader's partial region (rank 0 = split 0: the cluster spans the
+  // grid's x dimension): row (split, r) of the outputs and its (max, sum).
+  const uint32_t part_local = smem_addr(smem + decode_partials_offset<HD>());
+  const uint32_t ml_local = part_local + kDecodeClusterRows * HD * 4;
+  uint32_t part_leader = 0, ml_leader = 0;
+  if (in_cluster) {
+    cluster_wait_acquire();  // phase 0: the leader has started
+    part_leader = cluster_map(part_local, 0);
+    ml_leader = cluster_map(ml_local, 0);
+  }
   for (int idx = tid; idx < G * HD; idx += kThreads) {
     const int r = idx / HD, c = idx % HD;
     float M = -INFINITY;
@@ -772,6 +840,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     }
     if (direct) {
       args.out[(static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c] = __float2bfloat16(O / L);
+    } else if (in_cluster) {
+      const int row = split * G + r;
+      st_cluster_f32(part_leader + static_cast<uint32_t>(row * HD + c) * 4, O);
+      if (c == 0) st_cluster_f32x2(ml_leader + static_cast<uint32_t>(row) * 8, M, L);
     } else {
       const int64_t row = (slot0 + split) * G + r;
       args.ws_o[row * HD + c] = O;
@@ -779,6 +851,42 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     }
   }
   if (direct) return;
+  if (in_cluster) {
+    // Phase 1: the partials are in the leader's shared memory (release / acquire). The other
+    // splits leave: nobody reads their shared memory.
+    cluster_arrive_release();
+    if (split != 0) return;
+    cluster_wait_acquire();
+    // The merge, in split order 0 .. n-1 from shared memory: out = (sum_i e_i o_i) / (sum_i e_i l_i),
+    // e_i = 2^(m_i - M). Bit-reproducible (a fixed order per element).
+    const int n = sp.splits;
+    const float* part = reinterpret_cast<const float*>(smem + decode_partials_offset<HD>());
+    const float2* ml = reinterpret_cast<const float2*>(part + kDecodeClusterRows * HD);
+    for (int p = tid; p < G * (HD / 4); p += kThreads) {
+      const int r = p / (HD / 4), c4 = p % (HD / 4);
+      float M = -INFINITY;
+      for (int i = 0; i < n; ++i) M = fmaxf(M, ml[i * G + r].x);
+      float L = 0.0f;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int i = 0; i < n; ++i) {
+        const float2 mli = ml[i * G + r];
+        const float e = mli.x == -INFINITY ? 0.0f : exp2f(mli.x - M);
+        const float4 v = reinterpret_cast<const float4*>(part + (i * G + r) * HD)[c4];
+        L = fmaf(mli.y, e, L);
+        acc.x = fmaf(e, v.x, acc.x);
+        acc.y = fmaf(e, v.y, acc.y);
+        acc.z = fmaf(e, v.z, acc.z);
+        acc.w = fmaf(e, v.w, acc.w);
+      }
+      const float inv = 1.0f / L;
+      uint2 packed;
+      packed.x = pack_bf16(acc.x * inv, acc.y * inv);
+      packed.y = pack_bf16(acc.z * inv, acc.w * inv);
+      *reinterpret_cast<uint2*>(args.out + (static_cast<int64_t>(s) * d.num_q_heads + kvh * G + r) * HD + c4 * 4) =
+          packed;
+    }
+    return;
+  }
 
   // Arrival: every thread fences its partial writes (device scope) before the barrier, then one
   // atomic. The block that brings the count to sp.splits saw every other split's fence-ordered
@@ -896,7 +1004,43 @@ void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
   constexpr int smem = decode_smem_bytes<HD>();
   set_smem(attention_decode_kernel<HD>, smem);
   const dim3 grid(a.max_splits, a.dims.num_kv_heads, a.max_num_seqs);
+  if (a.cluster_merge) {  // [TAG_ATTN_CLUSTER_MERGE] one cluster per (sequence, kv head)
+    if (a.max_splits > 8)
+      CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    launch_pdl_cluster(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, a.max_splits, stream, a);
+    return;
+  }
   launch_pdl(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
+}
+
+// Clusters of `cluster` decode blocks that can be resident at once on the current device.
+template <int HD>
+int decode_max_active_clusters_hd(int cluster) {
+  constexpr int smem = decode_smem_bytes<HD>();
+  set_smem(attention_decode_kernel<HD>, smem);
+  if (cluster > 8)
+    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster, 1, 1);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, attention_decode_kernel<HD>, &config));
+  return n;
+}
+int decode_max_active_clusters(const AttentionDims& d, int cluster) {
+  switch (d.head_dim) {
+    case 16: return decode_max_active_clusters_hd<16>(cluster);
+    case 64: return decode_max_active_clusters_hd<64>(cluster);
+    default: return decode_max_active_clusters_hd<128>(cluster);
+  }
 }
 
 }  // namespace
@@ -919,6 +1063,40 @@ void launch_attention_prefill(const __nv_bfloat16* q, int64_t q_stride, const in
   }
 }
 
+namespace {
+
+bool cluster_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOEBIUS_ATTN_CLUSTER_MERGE");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
+
+// The most splits (<= cap and <= wave) whose clusters, one per (sequence, kv head), are all
+// resident at once; 1 when even pairs do not fit. GPCs of 14-18 SMs leave holes: run O4 measured a
+// second wave of clusters at 1.4-2x the time.
+int decode_cluster_splits(const AttentionDims& dims, int max_num_seqs, int wave) {
+  const int64_t clusters = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  int c = std::min(wave, attention_decode_cluster_cap(dims));
+  while (c > 1 && decode_max_active_clusters(dims, c) < clusters) --c;
+  return c;
+}
+
+// [TAG_ATTN_CLUSTER_MERGE] The cost model (runs O4-O5, H200, Qwen3-30B-A3B, batches 1-16): one split
+// block streams ~73 keys per us (its per-tile chain, not HBM, bounds it: ~14 us per 1024 keys), and
+// the cluster merge costs ~2.7 us less than the workspace merge. The cluster plan has fewer splits
+// (c <= 16 against the wave's w), so it pays while the longer splits cost less than that:
+// (keys per split at c - keys per split at w) / 73 < 2.7. Batch 1: up to ~6k keys; batch 2: ~4k.
+constexpr double kDecodeUsPerSplitKey = 14.0 / 1024.0;
+constexpr double kClusterMergeSavingUs = 2.7;
+bool cluster_merge_pays(int context, int c, int w) {
+  const AttentionDecodeSplit at_c = attention_decode_split(context, c), at_w = attention_decode_split(context, w);
+  return (at_c.partition - at_w.partition) * kDecodeUsPerSplitKey < kClusterMergeSavingUs;
+}
+
+}  // namespace
+
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms) {
   MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && max_context > 0 && num_sms > 0 && dims.num_kv_heads > 0,
                         "plan_attention_decode: bad sizes");
@@ -932,18 +1110,46 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
   p.max_num_seqs = max_num_seqs;
   p.max_context = max_context;
   p.max_splits = static_cast<int>(std::min(wave, by_context));
+  if (cluster_enabled() && p.max_splits > 1 && base <= 65535) {
+    const int c = decode_cluster_splits(dims, max_num_seqs, p.max_splits);
+    if (c > 1 && cluster_merge_pays(max_context, c, p.max_splits)) {
+      p.max_splits = c;
+      p.cluster_merge = true;
+    }
+  }
   return p;
 }
 
+int attention_decode_cluster_context(const AttentionDims& dims, int max_num_seqs, int num_sms) {
+  MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && num_sms > 0 && dims.num_kv_heads > 0, "attention_decode_cluster_context: bad sizes");
+  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  if (!cluster_enabled() || base > 65535) return 0;
+  const int wave = static_cast<int>(std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, num_sms / base)));
+  const int c = decode_cluster_splits(dims, max_num_seqs, wave);
+  if (c <= 1) return 0;
+  // The model's cost grows with the context (every split count is monotone in it): walk up in
+  // 16-key steps to the last context the cluster plan still wins, 1 << 20 at most.
+  int ctx = 0;
+  while (ctx < (1 << 20) &&
+         cluster_merge_pays(ctx + 16, c, static_cast<int>(std::min<int64_t>(wave, attention_decode_split(ctx + 16, kDecodeMaxSplits).splits))))
+    ctx += 16;
+  return ctx;
+}
+
+int attention_decode_cluster_cap(const AttentionDims& dims) {
+  MOEBIUS_LAUNCH_ASSERT(dims.num_kv_heads > 0 && dims.num_q_heads % dims.num_kv_heads == 0, "attention: nkv must divide nh");
+  return decode_cluster_cap(dims.num_q_heads / dims.num_kv_heads);
+}
+
 size_t attention_decode_workspace_bytes(const AttentionDims& dims, const AttentionDecodePlan& plan) {
-  if (plan.max_splits <= 1) return 0;
+  if (plan.max_splits <= 1 || plan.cluster_merge) return 0;
   const DecodeWorkspace w = decode_workspace_layout(dims, plan);
   return w.counter_bytes + w.ml_bytes + w.o_bytes;
 }
 
 void init_attention_decode_workspace(void* workspace, const AttentionDims& dims, const AttentionDecodePlan& plan,
                                      cudaStream_t stream) {
-  if (plan.max_splits <= 1) return;
+  if (plan.max_splits <= 1 || plan.cluster_merge) return;
   MOEBIUS_LAUNCH_ASSERT(workspace != nullptr, "attention decode: a split plan needs a workspace");
   CUDA_CHECK(cudaMemsetAsync(workspace, 0, decode_workspace_layout(dims, plan).counter_bytes, stream));
 }
@@ -975,7 +1181,10 @@ void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* s
   MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.max_splits >= 1 &&
                             plan.max_splits <= kDecodeMaxSplits,
                         "attention decode: bad plan (use plan_attention_decode)");
-  MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
+  MOEBIUS_LAUNCH_ASSERT(!plan.cluster_merge || plan.max_splits <= attention_decode_cluster_cap(dims),
+                        "attention decode: a cluster-merge plan has at most attention_decode_cluster_cap splits");
+  MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || plan.cluster_merge ||
+                            (workspace != nullptr && reinterpret_cast<uintptr_t>(workspace) % 16 == 0),
                         "attention decode: a split plan needs a 16-byte aligned workspace");
   DecodeArgs a{};
   a.token = token;
@@ -989,7 +1198,8 @@ void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* s
   a.max_splits = plan.max_splits;
   a.scale_log2 = kLog2e / std::sqrt(static_cast<float>(dims.head_dim));
   a.out = out;
-  if (plan.max_splits > 1) {  // [TAG_ATTN_DECODE_WORKSPACE]
+  a.cluster_merge = plan.cluster_merge && plan.max_splits > 1;  // [TAG_ATTN_CLUSTER_MERGE]
+  if (plan.max_splits > 1 && !a.cluster_merge) {  // [TAG_ATTN_DECODE_WORKSPACE]
     const DecodeWorkspace w = decode_workspace_layout(dims, plan);
     auto* base = static_cast<uint8_t*>(workspace);
     a.counters = reinterpret_cast<int*>(base);

@@ -13,9 +13,11 @@
 //  - prefill: any q_len, including chunked prefill (a chunk appended to an existing context) and
 //    q_len 1; a mixed batch of prefill chunks and decodes may go through it whole.
 //  - decode: exactly one query token per sequence (row s of q), split-KV ("flash-decoding") so that
-//    a few long sequences still fill the GPU, in ONE kernel: the last split block of a (sequence,
-//    kv head) to finish merges the splits (an atomic counter), and a sequence short enough for
-//    one split is written directly, with no merge and no counter.
+//    a few long sequences still fill the GPU, in ONE kernel: the splits of a (sequence, kv head)
+//    merge in the shared memory of a thread-block cluster (AttentionDecodePlan::cluster_merge) or,
+//    for plans with more splits than a cluster holds, the last split block to finish merges them
+//    through a workspace (an atomic counter); a sequence short enough for one split is written
+//    directly, with no merge.
 // Prefill reads q and a cache that the rope kernel (rope.cuh) prepared; decode takes the new
 // token's raw q/k/v and does that work itself (AttentionDecodeToken). Both are launched with
 // programmatic dependent launch (pdl.cuh). Prefill reads nothing before the wait; decode reads the
@@ -73,7 +75,15 @@ struct AttentionDecodePlan {
   int max_num_seqs = 0;
   int max_context = 0;  // the longest context the plan is sized for (more is correct, just fewer splits per key)
   int max_splits = 0;   // 1..256; 1 = never a merge, no workspace
+  // [TAG_ATTN_CLUSTER_MERGE] The max_splits blocks of a (sequence, kv head) form one thread-block
+  // cluster and merge through the leader's shared memory (no workspace round trip); needs
+  // max_splits <= attention_decode_cluster_cap(dims). Otherwise the last split to finish merges
+  // through the workspace.
+  bool cluster_merge = false;
 };
+
+// The most splits one cluster merges: min(16, 128 / G), G = nh / nkv (16 at G = 8, 8 at G = 16).
+int attention_decode_cluster_cap(const AttentionDims& dims);
 
 // [TAG_ATTN_DECODE_SPLIT] How one sequence of ctx >= 1 keys is split, on the host and the device
 // alike. Up to 256 keys (one block's pipeline: 4 warps x 4 stages x 16 keys) stay in one split: the
@@ -95,11 +105,22 @@ __host__ __device__ inline AttentionDecodeSplit attention_decode_split(int ctx, 
 
 // Picks max_splits so that max_num_seqs * nkv * max_splits blocks fit one wave of `num_sms`
 // multiprocessors (cudaDevAttrMultiProcessorCount; one decode block per SM fits in shared memory)
-// and never more than max_context's splits.
+// and never more than max_context's splits. Then the cluster merge, with as many splits as let
+// clusters of up to attention_decode_cluster_cap splits, one per (sequence, kv head), all fit the
+// GPU at once (cudaOccupancyMaxActiveClusters on the current device), when a cost model says its
+// cheaper merge outweighs its fewer, longer splits at max_context (attention.cu); else the
+// workspace merge. MOEBIUS_ATTN_CLUSTER_MERGE=0 never picks the cluster merge.
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms);
 
+// The longest context for which plan_attention_decode(dims, max_num_seqs, context, num_sms) picks
+// the cluster merge (0: never). A runner whose plan for its max_context merges through the
+// workspace can keep a second decode graph planned at this context for steps whose sequences are
+// all this short.
+int attention_decode_cluster_context(const AttentionDims& dims, int max_num_seqs, int num_sms);
+
 // Split partials and merge counters: [max_num_seqs, nkv] int32 counters, then per (sequence, kv
-// head, split) the G = nh / nkv rows' (max, sum) and fp32 partial outputs. 0 when max_splits == 1.
+// head, split) the G = nh / nkv rows' (max, sum) and fp32 partial outputs. 0 when max_splits == 1
+// or the plan merges in clusters.
 size_t attention_decode_workspace_bytes(const AttentionDims& dims, const AttentionDecodePlan& plan);
 
 // Zeroes the workspace's counters (a memset on `stream`). Once, after allocating it: every decode

@@ -30,7 +30,9 @@
 // graph batch size B (options.graph_batches) is padded to B rows (StepBatch::pad_decode_to) and
 // runs as a graph captured once for B (the first step of that size runs eagerly, then the graph
 // is captured). Decode graphs use the split-KV decode attention kernel with a plan for B
-// sequences up to max_context; everything else (prefill, chunked prefill, mixed batches) runs
+// sequences up to max_context, and, where a shorter context would merge its splits in a cluster,
+// a second graph for B planned at that context, replayed while every live sequence is that short
+// ([TAG_ATTN_CLUSTER_MERGE]); everything else (prefill, chunked prefill, mixed batches) runs
 // eagerly through the prefill attention kernel. [TAG_ATTN_GRAPH_BUCKET] [TAG_MOE_GRAPH_CAPACITY]
 //
 // Expert parallelism (Qwen3MoeCudaOptions::ep_comm, docs/EXPERT_PARALLEL.md): DP attention + EP
@@ -365,7 +367,7 @@ class Qwen3MoeCuda {
   std::unique_ptr<tune::MoeLayerFactory> moe_layers_;
   std::vector<Buffer> buffers_;  // every device and pinned allocation
   std::vector<Layer> layers_;
-  std::vector<Graph> graphs_;    // one per graph batch size, captured on first use
+  std::vector<Graph> graphs_;    // per graph batch size (a short-context one first), captured on first use
 
   // Weights.
   __nv_bfloat16* embed_ = nullptr;    // [V, H]

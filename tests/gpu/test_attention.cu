@@ -341,13 +341,15 @@ void run_prefill(const Batch& b, int max_q_len = -1) {
 }
 
 // Decode: every q_len is 1. plan_splits = 0: the planner's choice; else a forced max_splits (1:
-// never a merge).
-void run_decode(const Batch& b, int plan_splits = 0) {
+// never a merge), merged through the workspace or, with `cluster`, in a thread-block cluster
+// ([TAG_ATTN_CLUSTER_MERGE]).
+void run_decode(const Batch& b, int plan_splits = 0, bool cluster = false) {
   const int max_ctx = *std::max_element(b.ctxs.begin(), b.ctxs.end());
   CudaStream stream;
   DeviceBatch d(b, /*decode=*/true);
   AttentionDecodePlan plan = kernels::plan_attention_decode(d.dims(b), b.max_seqs, max_ctx, num_sms());
-  if (plan_splits > 0) plan = AttentionDecodePlan{b.max_seqs, max_ctx, plan_splits};
+  if (plan_splits > 0) plan = AttentionDecodePlan{b.max_seqs, max_ctx, plan_splits, cluster};
+  SCOPED_TRACE(::testing::Message() << "cluster merge " << plan.cluster_merge);
   const size_t ws_bytes = kernels::attention_decode_workspace_bytes(d.dims(b), plan);
   DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
   ws.poison(0xFF, stream);  // NaN partials: a merge that read an unwritten split would show it
@@ -455,6 +457,7 @@ TEST(AttentionGpuDecode, BlockSizesAroundTheKeyTile) {
       const Batch b = make_batch(g, bs, ones(ctx.size()), ctx, 91u + bs);
       run_decode(b);
       run_decode(b, /*plan_splits=*/64);
+      run_decode(b, /*plan_splits=*/16, /*cluster=*/true);
     }
   }
 }
@@ -468,6 +471,56 @@ TEST(AttentionGpuDecode, ShortSequencesSkipTheMerge) {
   for (const Geometry& g : {kQwen3_30B, kTiny, kHd64G8}) {
     SCOPED_TRACE(g.name);
     run_decode(make_batch(g, 16, ones(ctx.size()), ctx, 87), /*plan_splits=*/64);
+  }
+}
+
+TEST(AttentionGpuDecode, ClusterMergeAtEverySplitCount) {
+  MOEBIUS_REQUIRE_GPU();
+  // [TAG_ATTN_CLUSTER_MERGE] Forced cluster plans of 2 to the cap (16), odd counts included, over
+  // contexts from one key (no merge) to 10000 (640-key splits), in a batch whose sequences split
+  // differently within one launch.
+  const std::vector<int> ctx = {1, 63, 64, 65, 257, 1000, 4097, 10000};
+  for (const Geometry& g : {kQwen3_30B, kTiny, kHd64G8}) {
+    SCOPED_TRACE(g.name);
+    const Batch b = make_batch(g, 16, ones(ctx.size()), ctx, 97);
+    for (int c : {2, 3, 7, 8, 13, 16}) run_decode(b, c, /*cluster=*/true);
+  }
+  // Qwen3-235B-A22B (G = 16: a full m16 tile, at most 8 splits a cluster), and one query head per
+  // kv head.
+  const Batch b = make_batch(kQwen3_235B, 16, {1, 1}, {3000, 300}, 101);
+  for (int c : {2, 5, 8}) run_decode(b, c, /*cluster=*/true);  // 8: the cap at G = 16
+  run_decode(make_batch(kHd64Mha, 16, {1, 1}, {3000, 300}, 103), 16, /*cluster=*/true);
+}
+
+TEST(AttentionGpuDecode, PlannerPicksClustersThatFitOneWave) {
+  MOEBIUS_REQUIRE_GPU();
+  // [TAG_ATTN_CLUSTER_MERGE] One sequence of Qwen3-30B-A3B: 4 clusters of up to 16 splits fit any
+  // H100/H200, and the cost model takes them at 1k context, not at 10k (32 shorter splits win).
+  const AttentionDims d{32, 4, 128, 16, 4096};
+  const AttentionDecodePlan at1k = kernels::plan_attention_decode(d, 1, 1024, num_sms());
+  EXPECT_TRUE(at1k.cluster_merge);
+  EXPECT_GE(at1k.max_splits, 2);
+  EXPECT_LE(at1k.max_splits, kernels::attention_decode_cluster_cap(d));
+  EXPECT_EQ(kernels::attention_decode_workspace_bytes(d, at1k), 0u);
+  const AttentionDecodePlan at10k = kernels::plan_attention_decode(d, 1, 10240, num_sms());
+  EXPECT_FALSE(at10k.cluster_merge);
+  EXPECT_GT(at10k.max_splits, at1k.max_splits);
+  // The boundary the runner plans its short-context graphs at: cluster up to it, not past it.
+  const int limit = kernels::attention_decode_cluster_context(d, 1, num_sms());
+  EXPECT_GT(limit, 1024);
+  EXPECT_LT(limit, 10240);
+  EXPECT_TRUE(kernels::plan_attention_decode(d, 1, limit, num_sms()).cluster_merge);
+  EXPECT_FALSE(kernels::plan_attention_decode(d, 1, limit + 16, num_sms()).cluster_merge);
+  for (int seqs : {2, 4, 8, 64}) {
+    for (int ctx : {1024, 10240}) {
+      const AttentionDecodePlan p = kernels::plan_attention_decode(d, seqs, ctx, num_sms());
+      SCOPED_TRACE(::testing::Message() << seqs << " sequences, context " << ctx << ": " << p.max_splits << " splits");
+      // One wave of blocks, unless one split per (sequence, kv head) is already more than that.
+      EXPECT_LE(static_cast<int64_t>(p.max_splits) * seqs * d.num_kv_heads,
+                std::max<int64_t>(num_sms(), int64_t{seqs} * d.num_kv_heads));
+      if (p.cluster_merge) EXPECT_LE(p.max_splits, kernels::attention_decode_cluster_cap(d));
+      EXPECT_EQ(kernels::attention_decode_workspace_bytes(d, p) == 0, p.max_splits == 1 || p.cluster_merge);
+    }
   }
 }
 
