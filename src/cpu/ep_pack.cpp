@@ -39,32 +39,22 @@ void ep_compact_reference(const uint16_t* recv_x, const int32_t* recv_meta, cons
   *num_local = static_cast<int32_t>(j);
 }
 
-template <typename T>
-void ep_return_pack_reference(const T* y_local, const int32_t* counts, int me, int num_ranks, int64_t slots,
-                              int64_t hidden, T* ret_send) {
+void ep_return_pack_reference(const float* y_local, const int32_t* counts, int me, int num_ranks, int64_t slots,
+                              int64_t hidden, float* ret_send) {
   int64_t j = 0;
   for (int s = 0; s < num_ranks; ++s)
     for (int64_t i = 0; i < counts[s * num_ranks + me]; ++i, ++j)
-      std::memcpy(ret_send + (s * slots + i) * hidden, y_local + j * hidden, static_cast<size_t>(hidden) * sizeof(T));
+      std::memcpy(ret_send + (s * slots + i) * hidden, y_local + j * hidden, static_cast<size_t>(hidden) * 4);
 }
 
-template <typename T>
-void ep_unpack_return_reference(const T* ret_recv, const int32_t* ids, const int32_t* send_pos, int64_t num_tokens,
-                                int top_k, int num_experts, int num_ranks, int64_t slots, int64_t hidden, T* y_pairs) {
+void ep_unpack_return_reference(const float* ret_recv, const int32_t* ids, const int32_t* send_pos,
+                                int64_t num_tokens, int top_k, int num_experts, int num_ranks, int64_t slots,
+                                int64_t hidden, float* y_pairs) {
   const int per = num_experts / num_ranks;
   for (int64_t p = 0; p < num_tokens * top_k; ++p) {
     const int d = ids[p] / per;
-    std::memcpy(y_pairs + p * hidden, ret_recv + (d * slots + send_pos[p]) * hidden,
-                static_cast<size_t>(hidden) * sizeof(T));
+    std::memcpy(y_pairs + p * hidden, ret_recv + (d * slots + send_pos[p]) * hidden, static_cast<size_t>(hidden) * 4);
   }
 }
-
-template void ep_return_pack_reference<float>(const float*, const int32_t*, int, int, int64_t, int64_t, float*);
-template void ep_return_pack_reference<uint16_t>(const uint16_t*, const int32_t*, int, int, int64_t, int64_t,
-                                                 uint16_t*);
-template void ep_unpack_return_reference<float>(const float*, const int32_t*, const int32_t*, int64_t, int, int, int,
-                                                int64_t, int64_t, float*);
-template void ep_unpack_return_reference<uint16_t>(const uint16_t*, const int32_t*, const int32_t*, int64_t, int, int,
-                                                   int, int64_t, int64_t, uint16_t*);
 
 }  // namespace moebius::cpu

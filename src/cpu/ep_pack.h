@@ -36,14 +36,12 @@ void ep_pack_rows_reference(const uint16_t* x, int64_t num_tokens, int64_t hidde
 void ep_compact_reference(const uint16_t* recv_x, const int32_t* recv_meta, const int32_t* counts, int me,
                           int num_ranks, int64_t slots, int64_t hidden, uint16_t* x_local, int32_t* local_ids,
                           int32_t* num_local);
-// y_local rows back to their source's region. Rows of T: float (the CPU EP layer), uint16_t
-// (bf16 bits: the CUDA EP layer's rows, [TAG_MOE_Y_BF16]).
-template <typename T>
-void ep_return_pack_reference(const T* y_local, const int32_t* counts, int me, int num_ranks, int64_t slots,
-                              int64_t hidden, T* ret_send);
+// y_local rows back to their source's region.
+void ep_return_pack_reference(const float* y_local, const int32_t* counts, int me, int num_ranks, int64_t slots,
+                              int64_t hidden, float* ret_send);
 // y_pairs[p] = ret_recv[dest(p)][send_pos[p]] for every live pair p.
-template <typename T>
-void ep_unpack_return_reference(const T* ret_recv, const int32_t* ids, const int32_t* send_pos, int64_t num_tokens,
-                                int top_k, int num_experts, int num_ranks, int64_t slots, int64_t hidden, T* y_pairs);
+void ep_unpack_return_reference(const float* ret_recv, const int32_t* ids, const int32_t* send_pos,
+                                int64_t num_tokens, int top_k, int num_experts, int num_ranks, int64_t slots,
+                                int64_t hidden, float* y_pairs);
 
 }  // namespace moebius::cpu

@@ -110,10 +110,7 @@ Status moe_experts_reference(const MoeShape& shape, const std::vector<ExpertWeig
           h[static_cast<size_t>(i)] = a;
         }
         float* y = slot_out.data() + pair * H;
-        for (int64_t j = 0; j < H; ++j) {
-          y[j] = static_cast<float>(dot(wd.data() + j * I, h.data(), I));
-          if (options.round_intermediate_to_bf16) y[j] = bf16_bits_to_float(float_to_bf16_bits(y[j]));
-        }
+        for (int64_t j = 0; j < H; ++j) y[j] = static_cast<float>(dot(wd.data() + j * I, h.data(), I));
       }
     }
   }

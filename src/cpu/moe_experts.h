@@ -49,9 +49,8 @@ struct MoeShape {
 
 struct MoeReferenceOptions {
   ActivationConfig activation;
-  // Round h to bf16 before the down projection, and each (token, slot) output of the down
-  // projection to bf16 before the routed weights. The GPU kernels keep h and those outputs in bf16
-  // ([TAG_MOE_Y_BF16]; HF in bf16 rounds both too), so the oracle does too unless told otherwise.
+  // Round h to bf16 before the down projection. The GPU kernels keep h in bf16 between the two
+  // GEMMs (as HF does in bf16), so the oracle does too unless told otherwise.
   bool round_intermediate_to_bf16 = true;
 };
 

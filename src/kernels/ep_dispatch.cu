@@ -95,25 +95,25 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 __global__ void __launch_bounds__(kCopyThreads)
-    ep_return_pack_kernel(const __nv_bfloat16* __restrict__ y_local, const int32_t* __restrict__ counts, int me,
-                          int num_ranks, int slots, int hidden, __nv_bfloat16* __restrict__ ret_send) {
+    ep_return_pack_kernel(const float* __restrict__ y_local, const int32_t* __restrict__ counts, int me, int num_ranks,
+                          int slots, int hidden, float* __restrict__ ret_send) {
   const int s = blockIdx.x / slots, i = blockIdx.x % slots;
   if (i >= counts[s * num_ranks + me]) return;
   const int j = prefix_before(counts, me, num_ranks, s) + i;
   copy_row(reinterpret_cast<const int4*>(y_local + int64_t{j} * hidden),
-           reinterpret_cast<int4*>(ret_send + (static_cast<int64_t>(s) * slots + i) * hidden), hidden / 8);
+           reinterpret_cast<int4*>(ret_send + (static_cast<int64_t>(s) * slots + i) * hidden), hidden / 4);
 }
 
 __global__ void __launch_bounds__(kCopyThreads)
-    ep_unpack_return_kernel(const __nv_bfloat16* __restrict__ ret_recv, const int32_t* __restrict__ ids,
+    ep_unpack_return_kernel(const float* __restrict__ ret_recv, const int32_t* __restrict__ ids,
                             const int32_t* __restrict__ send_pos, const int32_t* __restrict__ num_tokens, int capacity,
-                            int top_k, int per, int slots, int hidden, __nv_bfloat16* __restrict__ y_pairs) {
+                            int top_k, int per, int slots, int hidden, float* __restrict__ y_pairs) {
   const int p = blockIdx.x;
   const int T = min(max(*num_tokens, 0), capacity);
   if (p >= T * top_k) return;
   const int d = ids[p] / per;
   copy_row(reinterpret_cast<const int4*>(ret_recv + (static_cast<int64_t>(d) * slots + send_pos[p]) * hidden),
-           reinterpret_cast<int4*>(y_pairs + static_cast<int64_t>(p) * hidden), hidden / 8);
+           reinterpret_cast<int4*>(y_pairs + static_cast<int64_t>(p) * hidden), hidden / 4);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -150,19 +150,19 @@ void launch_ep_compact(const __nv_bfloat16* recv_x, const int32_t* recv_meta, co
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_ep_return_pack(const __nv_bfloat16* y_local, const int32_t* counts, int me, int num_ranks, int slots,
-                           int hidden, __nv_bfloat16* ret_send, cudaStream_t stream) {
-  MOEBIUS_LAUNCH_ASSERT(hidden % 8 == 0 && aligned16(y_local) && aligned16(ret_send), "bf16 rows in 16-byte vectors");
+void launch_ep_return_pack(const float* y_local, const int32_t* counts, int me, int num_ranks, int slots, int hidden,
+                           float* ret_send, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(hidden % 4 == 0 && aligned16(y_local) && aligned16(ret_send), "fp32 rows in 16-byte vectors");
   MOEBIUS_LAUNCH_ASSERT(me >= 0 && me < num_ranks && slots >= 1, "rank and slots");
   ep_return_pack_kernel<<<num_ranks * slots, kCopyThreads, 0, stream>>>(y_local, counts, me, num_ranks, slots, hidden,
                                                                         ret_send);
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_ep_unpack_return(const __nv_bfloat16* ret_recv, const int32_t* topk_ids, const int32_t* send_pos,
+void launch_ep_unpack_return(const float* ret_recv, const int32_t* topk_ids, const int32_t* send_pos,
                              const int32_t* num_tokens, int capacity, int top_k, int num_experts, int num_ranks,
-                             int hidden, __nv_bfloat16* y_pairs, cudaStream_t stream) {
-  MOEBIUS_LAUNCH_ASSERT(hidden % 8 == 0 && aligned16(ret_recv) && aligned16(y_pairs), "bf16 rows in 16-byte vectors");
+                             int hidden, float* y_pairs, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(hidden % 4 == 0 && aligned16(ret_recv) && aligned16(y_pairs), "fp32 rows in 16-byte vectors");
   MOEBIUS_LAUNCH_ASSERT(num_experts % num_ranks == 0, "E % N == 0");
   if (capacity * top_k == 0) return;
   ep_unpack_return_kernel<<<capacity * top_k, kCopyThreads, 0, stream>>>(ret_recv, topk_ids, send_pos, num_tokens,

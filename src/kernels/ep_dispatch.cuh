@@ -37,15 +37,15 @@ void launch_ep_compact(const __nv_bfloat16* recv_x, const int32_t* recv_meta, co
                        int num_ranks, int slots, int hidden, __nv_bfloat16* x_local, int32_t* local_ids,
                        int32_t* num_local, cudaStream_t stream);
 
-// ret_send [N, slots, H] bf16: the local FC2 rows y_local [N * slots, H] bf16 ([TAG_MOE_Y_BF16])
-// back to the region and row they arrived in. H % 8 == 0.
-void launch_ep_return_pack(const __nv_bfloat16* y_local, const int32_t* counts, int me, int num_ranks, int slots,
-                           int hidden, __nv_bfloat16* ret_send, cudaStream_t stream);
+// ret_send [N, slots, H] fp32: the local FC2 rows y_local [N * slots, H] fp32 back to the region
+// and row they arrived in.
+void launch_ep_return_pack(const float* y_local, const int32_t* counts, int me, int num_ranks, int slots, int hidden,
+                           float* ret_send, cudaStream_t stream);
 
-// y_pairs [capacity * k, H] bf16: y_pairs[p] = ret_recv[dest(p)][send_pos[p]] for live pairs;
+// y_pairs [capacity * k, H] fp32: y_pairs[p] = ret_recv[dest(p)][send_pos[p]] for live pairs;
 // the input of launch_moe_combine (routed weights applied there, fp32, slot order).
-void launch_ep_unpack_return(const __nv_bfloat16* ret_recv, const int32_t* topk_ids, const int32_t* send_pos,
+void launch_ep_unpack_return(const float* ret_recv, const int32_t* topk_ids, const int32_t* send_pos,
                              const int32_t* num_tokens, int capacity, int top_k, int num_experts, int num_ranks,
-                             int hidden, __nv_bfloat16* y_pairs, cudaStream_t stream);
+                             int hidden, float* y_pairs, cudaStream_t stream);
 
 }  // namespace moebius::kernels

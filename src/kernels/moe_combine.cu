@@ -10,16 +10,14 @@ namespace {
 constexpr int kCombineThreads = 128;
 
 // Grid (column blocks, capacity): a thread owns 4 consecutive columns of one token (kVec: one
-// 8-byte load of 4 bf16 per slot) and issues all k slot loads before the first add, so a decode
-// token is one L2 round trip spread over H/512 blocks instead of a single block walking the row
-// (the first version, one 256-thread block per token, measured 6.5 us at T=1 on the H200;
-// docs/PERF.md). The sum runs in slot order j = 0..k-1 in fp32, the same order for every thread
-// and every run. [TAG_MOE_Y_BF16] y is bf16: at T = 4096 the fp32 rows were 268 MB of reads here
-// (66 us) and as many bytes of GEMM2 stores.
+// 16-byte load per slot) and issues all k slot loads before the first add, so a decode token is
+// one L2 round trip spread over H/512 blocks instead of a single block walking the row (the first
+// version, one 256-thread block per token, measured 6.5 us at T=1 on the H200; docs/PERF.md).
+// The sum runs in slot order j = 0..k-1 in fp32, the same order for every thread and every run.
 template <bool kVec>
 __global__ void __launch_bounds__(kCombineThreads)
-    moe_combine_kernel(const __nv_bfloat16* __restrict__ y, int y_stride,  // [capacity*k, y_stride]
-                       const float* __restrict__ w,                        // [capacity*k]
+    moe_combine_kernel(const float* __restrict__ y, int y_stride,  // [capacity*k, y_stride]
+                       const float* __restrict__ w,                // [capacity*k]
                        const int32_t* __restrict__ num_tokens, int capacity, int top_k, int hidden,
                        __nv_bfloat16* __restrict__ out, int out_stride,  // [capacity, out_stride]
                        bool early_trigger) {
@@ -33,31 +31,29 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (t >= T) return;  // [TAG_MOE_GRAPH_CAPACITY]
   const int n0 = (blockIdx.x * kCombineThreads + threadIdx.x) * 4;
   if (n0 >= hidden) return;
-  const __nv_bfloat16* yt = y + static_cast<int64_t>(t) * top_k * y_stride + n0;
+  const float* yt = y + static_cast<int64_t>(t) * top_k * y_stride + n0;
   const float* wt = w + static_cast<int64_t>(t) * top_k;
   __nv_bfloat16* o = out + static_cast<int64_t>(t) * out_stride + n0;
   float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if constexpr (kVec) {  // hidden, y_stride multiples of 4 and y 8-byte aligned: whole quads
+  if constexpr (kVec) {  // hidden, y_stride multiples of 4 and y 16-byte aligned: whole quads
     constexpr int kBatch = 8;  // slots in flight per thread
     for (int j0 = 0; j0 < top_k; j0 += kBatch) {
-      uint2 v[kBatch];
+      float4 v[kBatch];
       float wj[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (j0 + j < top_k) {
-          v[j] = __ldcs(reinterpret_cast<const uint2*>(yt + static_cast<int64_t>(j0 + j) * y_stride));
+          v[j] = __ldcs(reinterpret_cast<const float4*>(yt + static_cast<int64_t>(j0 + j) * y_stride));
           wj[j] = wt[j0 + j];
         }
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (j0 + j < top_k) {
-          const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[j].x));
-          const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[j].y));
-          s[0] += wj[j] * a.x;
-          s[1] += wj[j] * a.y;
-          s[2] += wj[j] * b.x;
-          s[3] += wj[j] * b.y;
+          s[0] += wj[j] * v[j].x;
+          s[1] += wj[j] * v[j].y;
+          s[2] += wj[j] * v[j].z;
+          s[3] += wj[j] * v[j].w;
         }
       }
     }
@@ -65,21 +61,21 @@ __global__ void __launch_bounds__(kCombineThreads)
   } else {
     const int nc = min(4, hidden - n0);
     for (int j = 0; j < top_k; ++j)
-      for (int c = 0; c < nc; ++c) s[c] += wt[j] * __bfloat162float(yt[static_cast<int64_t>(j) * y_stride + c]);
+      for (int c = 0; c < nc; ++c) s[c] += wt[j] * yt[static_cast<int64_t>(j) * y_stride + c];
     for (int c = 0; c < nc; ++c) o[c] = __float2bfloat16(s[c]);
   }
 }
 
 }  // namespace
 
-void launch_moe_combine(const __nv_bfloat16* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
+void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
                         bool trigger_early) {
   MOEBIUS_LAUNCH_ASSERT(top_k >= 1 && hidden >= 1, "bad combine shape");
   MOEBIUS_LAUNCH_ASSERT(capacity <= 65535, "capacity must fit grid.y");
   if (capacity <= 0) return;
   const dim3 grid((hidden + kCombineThreads * 4 - 1) / (kCombineThreads * 4), capacity);
-  const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 8 == 0;
+  const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
   if (vec)
     launch_pdl(moe_combine_kernel<true>, grid, dim3(kCombineThreads), 0, stream, y, y_stride, topk_weights, num_tokens,
                capacity, top_k, hidden, out, out_stride, trigger_early);

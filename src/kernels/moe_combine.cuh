@@ -10,13 +10,13 @@ namespace moebius::kernels {
 
 // out[t][n] = bf16( sum_{s=0..k-1} w[t*k+s] * y[t*k+s][n] ), summed in slot order in fp32, so the
 // default (non-atomic) MoE output is bit-identical run to run.
-//   y            [capacity*k, y_stride] bf16 (GEMM2's kStore rows, [TAG_MOE_Y_BF16])
+//   y            [capacity*k, y_stride] fp32
 //   topk_weights [capacity*k] fp32
 //   out          [capacity, out_stride] bf16; rows >= *num_tokens untouched.
 // [TAG_MOE_GRAPH_CAPACITY] num_tokens is a device pointer; the grid covers `capacity` rows.
 // trigger_early ([TAG_PDL_EARLY_TRIGGER]): the next kernel on the stream may launch as soon as this
 // one does (before its PDL wait), for a next kernel that streams weights before its own wait.
-void launch_moe_combine(const __nv_bfloat16* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
+void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
                         bool trigger_early = false);
 

@@ -43,7 +43,7 @@ struct GemmKernelArgs {
   MoeActivationParams act;
   __nv_bfloat16* h_out;  // GEMM1
   int h_stride;
-  __nv_bfloat16* y;  // GEMM2 kStore: [TAG_MOE_Y_BF16]
+  float* y;  // GEMM2 kStore
   int y_stride;
   const float* topk_weights;  // GEMM2 kAtomic
   __nv_bfloat16* out;
@@ -230,9 +230,9 @@ __device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, 
   } else {
     const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
     if constexpr (EPI == Epilogue::kDownStore) {
-      __nv_bfloat16* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
-      if (n_lo < d.n_out) yrow[n_lo] = __float2bfloat16(lo);
-      if (n_hi < d.n_out) yrow[n_hi] = __float2bfloat16(hi);
+      float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
+      if (n_lo < d.n_out) yrow[n_lo] = lo;
+      if (n_hi < d.n_out) yrow[n_hi] = hi;
     } else {
       const float w = args.topk_weights[pair];
       __nv_bfloat16* orow = args.out + static_cast<int64_t>(pair / args.tiles.top_k) * args.out_stride;

@@ -636,7 +636,7 @@ void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* exp
 
 void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                           const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                          __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
+                          float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
                           cudaStream_t stream) {
   check_dims(format, dims, tiles);
   GemmKernelArgs a{};

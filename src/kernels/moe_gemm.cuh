@@ -8,11 +8,8 @@
 //     g_i = W_gate[e][i] . x[p / top_k],  u_i = W_up[e][i] . x[p / top_k]
 //     h[pos][i] = bf16(act(g_i, u_i))                              (SwiGLU fused in registers)
 //   GEMM2 (down), same tiles:
-//     kStore:  y[p][n] = bf16(W_down[e][n] . h[pos])               unweighted; the combine
-//              (moe_combine.cuh) applies the routed weights in fp32 in fixed slot order:
-//              deterministic. [TAG_MOE_Y_BF16] y is bf16 (as vLLM's and SGLang's per-pair
-//              outputs): at T = 4096 an fp32 y was 268 MB written by GEMM2 and read back by the
-//              combine, ~66 us of its 858 (run O1).
+//     kStore:  y[p][n] = W_down[e][n] . h[pos]                     fp32, unweighted; the combine
+//              (moe_combine.cuh) applies the routed weights in fixed slot order: deterministic.
 //     kAtomic: out[p / top_k][n] += bf16(w[p] * (W_down[e][n] . h[pos]))   opt-in, not
 //              deterministic (bf16 atomics in arrival order).
 //
@@ -83,12 +80,12 @@ void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* exp
                              const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,
                              const MoeActivationParams& act, __nv_bfloat16* h, int h_stride, cudaStream_t stream);
 
-// kStore: y [capacity * top_k, y_stride] bf16, rows of live pairs written (columns < n_out).
+// kStore: y [capacity * top_k, y_stride] fp32, rows of live pairs written (columns < n_out).
 // kAtomic: out [capacity, out_stride] bf16 accumulated into (the caller zeroes it first);
 //          topk_weights [capacity * top_k] fp32.
 void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                           const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                          __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
+                          float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out, int out_stride,
                           cudaStream_t stream);
 
 // Live tiles never exceed this for `capacity` tokens. Callers take the min with

@@ -411,7 +411,7 @@ void launch_moe_gemm_prefill_gate_up(MoeWeightFormat format, const ExpertMatrixP
 
 void launch_moe_gemm_prefill_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                                   const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                                  __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
+                                  float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
                                   int out_stride, cudaStream_t stream) {
   check_dims(format, dims, tiles);
   MOEBIUS_LAUNCH_ASSERT(rows_aligned(h, h_stride), "prefill GEMM2: h rows must be 16-byte aligned");

@@ -5,7 +5,7 @@
 // MoeWeightFormat, [TAG_EXPERT_PTR_TABLE] pointer table, MoeGemmDims, and MoeTiles from
 // launch_moe_align; activations gathered through padded_pair_ids (no permuted copy); GEMM1 with
 // the activation fused on the accumulators through the gate/up 8-row interleave; GEMM2 kStore
-// (bf16 y rows per pair, unweighted, deterministic: [TAG_MOE_Y_BF16]) or kAtomic (bf16 atomics into out). The
+// (fp32 y rows per pair, unweighted, deterministic) or kAtomic (bf16 atomics into out). The
 // weights are the same [TAG_EXPERT_TILE_LAYOUT] bytes the decode kernel reads: a layer can switch
 // between the two paths per launch without repacking.
 //
@@ -43,10 +43,10 @@ void launch_moe_gemm_prefill_gate_up(MoeWeightFormat format, const ExpertMatrixP
                                      cudaStream_t stream);
 
 // Arguments as launch_moe_gemm_down: h [max_padded, h_stride] bf16; kStore writes y
-// [capacity * top_k, y_stride] bf16; kAtomic adds bf16(w * y) into out [capacity, out_stride].
+// [capacity * top_k, y_stride] fp32; kAtomic adds bf16(w * y) into out [capacity, out_stride].
 void launch_moe_gemm_prefill_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                                   const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                                  __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
+                                  float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
                                   int out_stride, cudaStream_t stream);
 
 }  // namespace moebius::kernels

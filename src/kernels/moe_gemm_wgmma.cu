@@ -863,7 +863,7 @@ void launch_moe_gemm_wgmma_gate_up(MoeWeightFormat format, const ExpertMatrixPtr
 
 void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                                 const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                                __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
+                                float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
                                 int out_stride, cudaStream_t stream) {
   check_dims(format, dims, tiles);
   MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_rows_aligned(h, h_stride), "wgmma GEMM2: h rows must be 16-byte aligned");

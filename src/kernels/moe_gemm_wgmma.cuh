@@ -6,8 +6,8 @@
 // Same contract as the mma.sync prefill launchers in moe_gemm_prefill.cuh (and the decode ones in
 // moe_gemm.cuh): the same MoeWeightFormat, [TAG_EXPERT_PTR_TABLE] pointer table, MoeGemmDims and
 // MoeTiles from launch_moe_align; activations gathered through padded_pair_ids; GEMM1 with the
-// activation fused on the accumulators through the gate/up 8-row interleave; GEMM2 kStore (bf16 y
-// rows per pair, unweighted, deterministic: [TAG_MOE_Y_BF16]) or kAtomic (bf16 atomics into out). The weights are
+// activation fused on the accumulators through the gate/up 8-row interleave; GEMM2 kStore (fp32 y
+// rows per pair, unweighted, deterministic) or kAtomic (bf16 atomics into out). The weights are
 // the same [TAG_EXPERT_TILE_LAYOUT] bytes: a layer can switch between the three GEMM kernel
 // families per launch without repacking.
 //
@@ -66,10 +66,10 @@ void launch_moe_gemm_wgmma_gate_up(MoeWeightFormat format, const ExpertMatrixPtr
                                    cudaStream_t stream);
 
 // Arguments as launch_moe_gemm_prefill_down: h [max_padded, h_stride] bf16; kStore writes y
-// [capacity * top_k, y_stride] bf16; kAtomic adds bf16(w * y) into out [capacity, out_stride].
+// [capacity * top_k, y_stride] fp32; kAtomic adds bf16(w * y) into out [capacity, out_stride].
 void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                                 const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
-                                __nv_bfloat16* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
+                                float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,
                                 int out_stride, cudaStream_t stream);
 
 }  // namespace moebius::kernels

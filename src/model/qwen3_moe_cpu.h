@@ -68,9 +68,8 @@ struct Qwen3MoeLoadOptions {
   // pre-quantized checkpoint excludes) become kBF16 even from F16/F32 checkpoints (the CUDA
   // runner has no fp32 experts); otherwise BF16 stays as is and F16/F32 is upcast to kF32.
   bool unquantized_experts_bf16 = false;
-  // Round the SwiGLU intermediate to bf16 before the down projection, and the experts' outputs
-  // before the routed weights, as the GPU kernels do. Off (pure fp32) for comparisons with
-  // transformers in fp32.
+  // Round the SwiGLU intermediate to bf16 before the down projection, as the GPU kernels do.
+  // Off (pure fp32) for comparisons with transformers in fp32.
   bool round_intermediate_to_bf16 = false;
   // Expert parallelism (moe/ep_moe_cpu.h): with a communicator, this model is rank
   // ep_comm->rank() of ep_comm->size(). It loads only its own E / N experts of every MoE layer

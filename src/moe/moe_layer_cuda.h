@@ -168,10 +168,10 @@ class MoeLayerCuda {
   // Routing of the last forward, [capacity, k] (device).
   const int32_t* topk_ids() const { return topk_ids_; }
   const float* topk_weights() const { return topk_weights_; }
-  // GEMM2's bf16 rows [capacity * k, H] of the last kDown stage in kStore mode ([TAG_MOE_Y_BF16]),
-  // pair t * k + s at row t * k + s, before the routed weights (expert parallelism sends them back
-  // to the token's rank, which combines them).
-  const __nv_bfloat16* expert_outputs() const { return y_; }
+  // GEMM2's fp32 rows [capacity * k, H] of the last kDown stage in kStore mode, pair t * k + s at
+  // row t * k + s, before the routed weights (expert parallelism sends them back to the token's
+  // rank, which combines them).
+  const float* expert_outputs() const { return y_; }
   // Packed bytes of one expert (gate_up + down, weights and scales): what a forward reads per
   // touched expert.
   size_t expert_bytes() const { return expert_bytes_; }
@@ -298,7 +298,7 @@ class MoeLayerCuda {
   // sharing the workspace run one after another, and each launch leaves its pair zeroed.
   int32_t* work_counters_ = nullptr;
   __nv_bfloat16* h_ = nullptr;          // [max_padded, h_stride]
-  __nv_bfloat16* y_ = nullptr;          // [cap * k, H]: [TAG_MOE_Y_BF16]
+  float* y_ = nullptr;                  // [cap * k, H]
 };
 
 }  // namespace moebius::moe

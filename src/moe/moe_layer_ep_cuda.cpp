@@ -193,7 +193,7 @@ Status MoeLayerEpCuda::allocate(MoeLayerEpCuda& L, const cpu::MoeShape& s, const
   // ever crosses the wire.
   CUDA_CHECK(cudaMemset(L.send_x_, 0, n * region * 2));
   CUDA_CHECK(cudaMemset(L.send_meta_, 0, n * static_cast<size_t>(S) * 4));
-  CUDA_CHECK(cudaMemset(L.ret_send_, 0, n * region * 2));
+  CUDA_CHECK(cudaMemset(L.ret_send_, 0, n * region * 4));
   return Ok{};
 }
 
@@ -203,7 +203,7 @@ size_t MoeLayerEpCuda::dispatch_wire_bytes() const {
   return static_cast<size_t>(N_) * static_cast<size_t>(slots_) * (static_cast<size_t>(shape_.hidden) * 2 + 4);
 }
 size_t MoeLayerEpCuda::return_wire_bytes() const {
-  return static_cast<size_t>(N_) * static_cast<size_t>(slots_) * static_cast<size_t>(shape_.hidden) * 2;  // bf16 rows
+  return static_cast<size_t>(N_) * static_cast<size_t>(slots_) * static_cast<size_t>(shape_.hidden) * 4;
 }
 size_t MoeLayerEpCuda::router_bytes() const {
   size_t n = 0;
@@ -249,7 +249,7 @@ Status MoeLayerEpCuda::enqueue_phase(EpPhase phase, const __nv_bfloat16* x, cons
       return Ok{};
     case EpPhase::kReturn:
       kernels::launch_ep_return_pack(local_->expert_outputs(), counts_, me_, N_, slots_, H, ret_send_, stream);
-      return all_to_all_fixed(ret_send_, ret_recv_, S * static_cast<size_t>(H) * 2);
+      return all_to_all_fixed(ret_send_, ret_recv_, S * static_cast<size_t>(H) * 4);
     case EpPhase::kCombine:
       kernels::launch_ep_unpack_return(ret_recv_, topk_ids_, send_pos_, num_tokens, C, k, E, N_, H, y_pairs_, stream);
       kernels::launch_moe_combine(y_pairs_, H, topk_weights_, num_tokens, C, k, H, out, H, stream);

@@ -8,9 +8,8 @@
 //   pack       rows into the send regions (launch_ep_pack_rows)
 //   dispatch   grouped ncclSend/ncclRecv: rows [slots, H] bf16 + local ids [slots] per peer
 //   compact    live received rows, source order (launch_ep_compact)
-//   experts    the local MoeLayerCuda (E/N experts, k = 1: align, GEMM1+SwiGLU, GEMM2 kStore bf16)
-//   return     launch_ep_return_pack, grouped ncclSend/ncclRecv of bf16 rows [slots, H] per peer
-//              ([TAG_MOE_Y_BF16]: half the bytes of the fp32 rows this sent before)
+//   experts    the local MoeLayerCuda (E/N experts, k = 1: align, GEMM1+SwiGLU, GEMM2 kStore fp32)
+//   return     launch_ep_return_pack, grouped ncclSend/ncclRecv of fp32 rows [slots, H] per peer
 //   combine    launch_ep_unpack_return, then launch_moe_combine: routed weights on the token's
 //              rank, fp32, slot order (the single-GPU layer's combine)
 // [TAG_EP_CAPACITY_SLOTS] Every all-to-all moves fixed regions of slots = capacity * k rows per
@@ -79,7 +78,7 @@ class MoeLayerEpCuda {
   int slots() const { return slots_; }
   const MoeLayerCuda& local() const { return *local_; }
   // Bytes one rank puts on the wire per step (all peers, itself included): dispatch (rows + ids)
-  // and return (bf16 rows).
+  // and return (fp32 rows).
   size_t dispatch_wire_bytes() const;
   size_t return_wire_bytes() const;
   // Device bytes of the router (shared by share_weights layers) and of this layer's own buffers
@@ -126,9 +125,9 @@ class MoeLayerEpCuda {
   int32_t* local_ids_ = nullptr;            // [N * slots]
   float* local_w_ = nullptr;                // [N * slots] ones (the local layer's combine is not run)
   int32_t* num_local_ = nullptr;            // [1]
-  __nv_bfloat16* ret_send_ = nullptr;       // [N, slots, H]
-  __nv_bfloat16* ret_recv_ = nullptr;       // [N, slots, H]
-  __nv_bfloat16* y_pairs_ = nullptr;        // [slots, H]
+  float* ret_send_ = nullptr;               // [N, slots, H]
+  float* ret_recv_ = nullptr;               // [N, slots, H]
+  float* y_pairs_ = nullptr;                // [slots, H]
 };
 
 }  // namespace moebius::moe

@@ -121,16 +121,17 @@ TEST(EpDispatchGpu, KernelsMatchTheirCpuReferences) {
     dlids.poison(0xFB, stream);
     kernels::launch_ep_compact(drecv.data(), drmeta.data(), dcounts.data(), me, c.N, static_cast<int>(S),
                                static_cast<int>(H), dxl.data(), dlids.data(), dnl.data(), stream);
-    // Return path: y_local rows (bf16, [TAG_MOE_Y_BF16]) -> regions; then the pairs' rows back
-    // from a ret_recv.
-    std::vector<uint16_t> yl(static_cast<size_t>(c.N * S * H));
-    for (size_t i = 0; i < yl.size(); ++i) yl[i] = static_cast<uint16_t>(0x3C00u + i % 1013);  // distinct bf16
+    // Return path: y_local rows -> regions; then the pairs' rows back from a ret_recv.
+    std::vector<float> yl(static_cast<size_t>(c.N * S * H));
+    for (size_t i = 0; i < yl.size(); ++i) yl[i] = static_cast<float>(i % 1013) * 0.5f;
     // Reference outputs start as the GPU poison (all bytes 0xFF), so untouched rows compare equal.
-    std::vector<uint16_t> ret(yl.size(), 0xFFFF);
+    std::vector<float> ret(yl.size());
+    std::memset(ret.data(), 0xFF, ret.size() * sizeof(float));
     cpu::ep_return_pack_reference(yl.data(), counts.data(), me, c.N, S, H, ret.data());
-    std::vector<uint16_t> yp(static_cast<size_t>(S * H), 0xFFFF);
+    std::vector<float> yp(static_cast<size_t>(S * H));
+    std::memset(yp.data(), 0xFF, yp.size() * sizeof(float));
     cpu::ep_unpack_return_reference(yl.data(), ids.data(), pos.data(), c.T, c.k, c.E, c.N, S, H, yp.data());
-    DeviceBuffer<__nv_bfloat16> dyl(yl.size()), dret(ret.size()), dyp(yp.size());
+    DeviceBuffer<float> dyl(yl.size()), dret(ret.size()), dyp(yp.size());
     dyl.upload(yl);
     dret.poison(0xFF, stream);
     dyp.poison(0xFF, stream);
@@ -148,9 +149,8 @@ TEST(EpDispatchGpu, KernelsMatchTheirCpuReferences) {
     EXPECT_TRUE(bytes_are(gxl.data() + nl * H, static_cast<size_t>(c.N * S - nl) * H, 0xFF));
     EXPECT_TRUE(same_values(glids.data(), lids.data(), static_cast<size_t>(nl)));
     const auto gret = dret.download(), gyp = dyp.download();
-    // bitwise: untouched rows stay poisoned
-    EXPECT_TRUE(same_values(reinterpret_cast<const uint16_t*>(gret.data()), ret.data(), ret.size()));
-    EXPECT_TRUE(same_values(reinterpret_cast<const uint16_t*>(gyp.data()), yp.data(), yp.size()));
+    EXPECT_TRUE(same_values(gret.data(), ret.data(), ret.size()));  // bitwise: untouched rows stay poisoned
+    EXPECT_TRUE(same_values(gyp.data(), yp.data(), yp.size()));
     EXPECT_TRUE(dxl.guards_intact() && dlids.guards_intact() && dret.guards_intact() && dyp.guards_intact());
   }
 }
