@@ -179,6 +179,27 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const __nv_bfloat16* 
   }
 }
 
+// K and V rows of one tile at once: the same destination and zero fill as load_kv_tile, with the
+// row's element offset in the pools from row_offset(key, r), once for both (before the chunk).
+template <int HD, int ROWS, int NT, typename RowOffset>
+__device__ __forceinline__ void load_kv_rows(uint32_t k_dst, uint32_t v_dst, const __nv_bfloat16* __restrict__ k_pool,
+                                             const __nv_bfloat16* __restrict__ v_pool, int key0, int kv_end, int tid,
+                                             int skip_key, RowOffset row_offset) {
+  constexpr int C = HD / 8;
+  static_assert(NT % C == 0 && (ROWS * C) % NT == 0, "whole rows per pass, whole passes per tile");
+  const int c = tid % C, r0 = tid / C;
+#pragma unroll
+  for (int i = 0; i < ROWS * C / NT; ++i) {
+    const int r = r0 + (NT / C) * i, key = key0 + r;
+    if (key == skip_key) continue;
+    const bool live = key < kv_end;
+    const int64_t off = live ? row_offset(key, r) + c * 8 : 0;
+    const uint32_t at = tile_offset<HD>(r, c);
+    cp_async16(k_dst + at, k_pool + off, live ? 16 : 0);
+    cp_async16(v_dst + at, v_pool + off, live ? 16 : 0);
+  }
+}
+
 // [TAG_ATTN_KV_ONE_BLOCK] load_kv_tile for K and V at once when the tile's ROWS keys sit in ONE
 // cache block (block_size % ROWS == 0 and key0 % ROWS == 0; the caller checks): one block-table
 // read and one offset serve every row of both pools, rows hd elements apart. The general path
@@ -192,22 +213,10 @@ __device__ __forceinline__ void load_kv_tile_pair_one_block(uint32_t k_dst, uint
                                                             const int32_t* __restrict__ table_row, int kvh, int key0,
                                                             int kv_end, int nkv, int block_size, int tid,
                                                             int skip_key = -1) {
-  constexpr int C = HD / 8;
-  static_assert(NT % C == 0 && (ROWS * C) % NT == 0, "whole rows per pass, whole passes per tile");
-  const int c = tid % C, r0 = tid / C;
   int64_t base = 0;
-  if (key0 < kv_end)
-    base = kv_cache_offset(table_row[key0 / block_size], kvh, key0 % block_size, nkv, block_size, HD) + c * 8;
-#pragma unroll
-  for (int i = 0; i < ROWS * C / NT; ++i) {
-    const int r = r0 + (NT / C) * i, key = key0 + r;
-    if (key == skip_key) continue;
-    const bool live = key < kv_end;
-    const int64_t off = live ? base + static_cast<int64_t>(r) * HD : 0;
-    const uint32_t at = tile_offset<HD>(r, c);
-    cp_async16(k_dst + at, k_pool + off, live ? 16 : 0);
-    cp_async16(v_dst + at, v_pool + off, live ? 16 : 0);
-  }
+  if (key0 < kv_end) base = kv_cache_offset(table_row[key0 / block_size], kvh, key0 % block_size, nkv, block_size, HD);
+  load_kv_rows<HD, ROWS, NT>(k_dst, v_dst, k_pool, v_pool, key0, kv_end, tid, skip_key,
+                             [base](int, int r) { return base + static_cast<int64_t>(r) * HD; });
 }
 
 // K and V tiles at once for a power-of-two block_size (1 << block_shift) whose tiles may span
@@ -220,22 +229,10 @@ __device__ __forceinline__ void load_kv_tile_pair_pow2(uint32_t k_dst, uint32_t 
                                                        const int32_t* __restrict__ table_row, int kvh, int key0,
                                                        int kv_end, int nkv, int block_shift, int tid,
                                                        int skip_key = -1) {
-  constexpr int C = HD / 8;
-  static_assert(NT % C == 0 && (ROWS * C) % NT == 0, "whole rows per pass, whole passes per tile");
-  const int c = tid % C, r0 = tid / C;
   const int block_size = 1 << block_shift;
-#pragma unroll
-  for (int i = 0; i < ROWS * C / NT; ++i) {
-    const int r = r0 + (NT / C) * i, key = key0 + r;
-    if (key == skip_key) continue;
-    const bool live = key < kv_end;
-    int64_t off = 0;
-    if (live)
-      off = kv_cache_offset(table_row[key >> block_shift], kvh, key & (block_size - 1), nkv, block_size, HD) + c * 8;
-    const uint32_t at = tile_offset<HD>(r, c);
-    cp_async16(k_dst + at, k_pool + off, live ? 16 : 0);
-    cp_async16(v_dst + at, v_pool + off, live ? 16 : 0);
-  }
+  load_kv_rows<HD, ROWS, NT>(k_dst, v_dst, k_pool, v_pool, key0, kv_end, tid, skip_key, [&](int key, int) {
+    return kv_cache_offset(table_row[key >> block_shift], kvh, key & (block_size - 1), nkv, block_size, HD);
+  });
 }
 
 // log2(block_size) when it is a power of two, else -1.
@@ -1024,11 +1021,7 @@ int decode_max_active_clusters_hd(int cluster) {
   config.gridDim = dim3(cluster, 1, 1);
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_x_attribute(cluster)};
   config.attrs = attr;
   config.numAttrs = 1;
   int n = 0;

@@ -58,6 +58,16 @@ void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t sme
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...));
 }
 
+// The launch attribute that groups blocks into clusters of `cluster_x` along x.
+inline cudaLaunchAttribute cluster_x_attribute(int cluster_x) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = static_cast<unsigned>(cluster_x);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
 // The same with the blocks grouped into thread-block clusters of `cluster_x` (sm_90: their shared
 // memory is addressable across the cluster and they meet at a hardware cluster barrier).
 template <typename... KernelArgs, typename... Args>
@@ -71,10 +81,7 @@ void launch_pdl_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, si
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = static_cast<unsigned>(cluster_x);
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = 1;
+  attr[1] = cluster_x_attribute(cluster_x);
   config.attrs = attr;
   config.numAttrs = 2;
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...));
