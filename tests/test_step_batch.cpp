@@ -100,6 +100,21 @@ TEST(StepBatch, PadsADecodeStepToAGraphBucket) {
   EXPECT_EQ(s.logit_rows, (std::vector<int32_t>{0, 1, -1, -1}));
 }
 
+TEST(StepBatch, PicksTheShortContextGraphWhileEverySequenceFitsIt) {
+  // The runner's order ([TAG_ATTN_CLUSTER_MERGE]): batch 1 short (6.5k) then full (40k), batch 4
+  // full only, batch 8 short then full.
+  const DecodeGraphSlot g[] = {{1, 6528}, {1, 40960}, {4, 40960}, {8, 4096}, {8, 40960}};
+  EXPECT_EQ(pick_decode_graph(g, 1, 1024), 0);
+  EXPECT_EQ(pick_decode_graph(g, 1, 6528), 0);  // the plan's context is inclusive
+  EXPECT_EQ(pick_decode_graph(g, 1, 6529), 1);
+  EXPECT_EQ(pick_decode_graph(g, 2, 100), 2);   // the next batch size up
+  EXPECT_EQ(pick_decode_graph(g, 5, 4000), 3);
+  EXPECT_EQ(pick_decode_graph(g, 8, 4097), 4);
+  EXPECT_EQ(pick_decode_graph(g, 9, 10), -1);        // more sequences than any graph: eager
+  EXPECT_EQ(pick_decode_graph(g, 1, 50000), -1);     // longer than every plan: eager
+  EXPECT_EQ(pick_decode_graph({}, 1, 1), -1);
+}
+
 TEST(Qwen3MoeConfig, NamedGeometries) {
   auto c = named_qwen3_moe_config("qwen3-30b-a3b");
   ASSERT_TRUE(c.ok());

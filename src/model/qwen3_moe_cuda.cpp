@@ -298,7 +298,10 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
       if (short_ctx > 256) {  // 256 keys and fewer never split
         Graph s = g;
         s.plan = kernels::plan_attention_decode(dims, b, short_ctx, num_sms_);
-        if (s.plan.cluster_merge) graphs_.push_back(s);
+        if (s.plan.cluster_merge) {
+          graphs_.push_back(s);
+          graph_slots_.push_back(DecodeGraphSlot{s.batch, s.plan.max_context});
+        }
       }
     }
     if (const size_t ws = kernels::attention_decode_workspace_bytes(dims, g.plan); ws > 0) {
@@ -306,6 +309,7 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
       kernels::init_attention_decode_workspace(g.attn_workspace, dims, g.plan, stream_);
     }
     graphs_.push_back(g);
+    graph_slots_.push_back(DecodeGraphSlot{g.batch, g.plan.max_context});
   }
 
   // Step inputs: [TAG_STEP_ARENA] one layout for the device arena and the pinned staging area.
@@ -1074,15 +1078,8 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   // The first graph of at least S rows whose attention plan covers the longest live context
   // (a batch size's short-context graph comes before its full one).
   int graph_index = -1;
-  if (in_batch.is_decode() && T == S && R == S && !capture_routing_ && ep_decode_capacity) {
-    int longest = 0;
-    for (int32_t len : in_batch.seq_lens) longest = std::max<int>(longest, len);
-    for (size_t g = 0; g < graphs_.size(); ++g)
-      if (graphs_[g].batch >= S && graphs_[g].plan.max_context >= longest) {
-        graph_index = static_cast<int>(g);
-        break;
-      }
-  }
+  if (in_batch.is_decode() && T == S && R == S && !capture_routing_ && ep_decode_capacity)
+    graph_index = pick_decode_graph(graph_slots_, S, in_batch.max_seq_len);
   StepBatch padded;
   const StepBatch* b = &in_batch;
   if (graph_index >= 0 && graphs_[static_cast<size_t>(graph_index)].batch > S) {

@@ -368,6 +368,7 @@ class Qwen3MoeCuda {
   std::vector<Buffer> buffers_;  // every device and pinned allocation
   std::vector<Layer> layers_;
   std::vector<Graph> graphs_;    // per graph batch size (a short-context one first), captured on first use
+  std::vector<DecodeGraphSlot> graph_slots_;  // graphs_'s (batch, max_context), for pick_decode_graph
 
   // Weights.
   __nv_bfloat16* embed_ = nullptr;    // [V, H]

@@ -55,6 +55,12 @@ Result<StepBatch> make_step_batch(std::span<const SequenceStep> seqs, int block_
   return b;
 }
 
+int pick_decode_graph(std::span<const DecodeGraphSlot> graphs, int num_seqs, int max_seq_len) {
+  for (size_t g = 0; g < graphs.size(); ++g)
+    if (graphs[g].batch >= num_seqs && graphs[g].max_context >= max_seq_len) return static_cast<int>(g);
+  return -1;
+}
+
 void StepBatch::pad_decode_to(int rows) {
   MOEBIUS_ASSERT(is_decode() && num_tokens == num_seqs && rows >= num_seqs, "pad_decode_to({}) of T={} S={}", rows,
                  num_tokens, num_seqs);

@@ -49,4 +49,16 @@ struct StepBatch {
 Result<StepBatch> make_step_batch(std::span<const SequenceStep> seqs, int block_size, int max_blocks_per_seq,
                                   int32_t num_blocks, bool all_logits = false);
 
+// A captured decode graph as the runner lists them: its rows and the longest context its attention
+// plan was made for ([TAG_ATTN_CLUSTER_MERGE]: a batch size may have a short-context graph, listed
+// before its full one).
+struct DecodeGraphSlot {
+  int batch = 0;
+  int max_context = 0;
+};
+// The graph a pure decode step of num_seqs sequences, the longest max_seq_len tokens, replays: the
+// first slot with batch >= num_seqs and max_context >= max_seq_len; -1 when none fits (the step
+// runs eagerly).
+int pick_decode_graph(std::span<const DecodeGraphSlot> graphs, int num_seqs, int max_seq_len);
+
 }  // namespace moebius::model
