@@ -1,4 +1,4 @@
-// `moebius bench moe` and `bench generate` through the real binary: their options' bad values get
+// `moebius bench moe`, `bench generate` and `bench attention` through the real binary: their options' bad values get
 // a clear error that names the option and a non-zero exit, before any device or weight work starts
 // (the CUDA backend's options are validated on machines without a GPU too).
 #include <gtest/gtest.h>
@@ -45,6 +45,17 @@ TEST(BenchGenerateCli, BadExpertCacheOptionsNameTheOption) {
                "'--expert-cache-swaps': must be >= 0");
   // No cold experts without offload (--max-resident-experts also makes experts cold).
   expect_error(base + "--expert-cache lru", "needs expert offload (--gpu-memory-budget)");
+}
+
+TEST(BenchAttentionCli, BadOptionsNameTheOption) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  // Checked before the device is asked for (so without a GPU too).
+  expect_error("bench attention --mode decode --merge global", "--merge");
+  expect_error("bench attention --mode decode --max-splits 300", "--max-splits");
+  expect_error("bench attention --mode decode --max-splits -1", "--max-splits");
+  expect_error("bench attention --mode sideways", "--mode");
+  expect_error("bench attention --mode decode --heads 34 --kv-heads 2", "--heads");
+  expect_error("bench attention --mode decode --context 1024,x", "--context");
 }
 
 TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {

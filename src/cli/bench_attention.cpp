@@ -68,7 +68,7 @@ T* device_alloc(size_t count) {
 }
 
 Status run(const BenchAttentionOptions& o) {
-  if (!cuda_available()) return Error("no CUDA device is visible");
+  // The options first, so that a bad one is named on machines without a GPU too.
   if (o.mode != "decode" && o.mode != "prefill")
     return Error::format("expected decode or prefill, got '{}'", o.mode).in_field("--mode");
   if (o.head_dim != 16 && o.head_dim != 64 && o.head_dim != 128)
@@ -83,6 +83,7 @@ Status run(const BenchAttentionOptions& o) {
     return Error::format("expected auto, cluster or workspace, got '{}'", o.merge).in_field("--merge");
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", 1 << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> batches, parse_int_list(o.batch, "--batch", 4096));
+  if (!cuda_available()) return Error("no CUDA device is visible");
   const bool decode = o.mode == "decode";
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
