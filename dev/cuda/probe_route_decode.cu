@@ -91,7 +91,7 @@ int main() {
   CUDA_CHECK(cudaMalloc(&sink, sizeof(int32_t)));
 
   std::printf("%-44s %6s %10s\n", "kernel (chain of 32 PDL launches)", "T", "us/launch");
-  for (int T : {1, 8}) {
+  for (int T : {1, 2, 8}) {
     CUDA_CHECK(cudaMemcpy(ntok, &T, sizeof(int), cudaMemcpyHostToDevice));
     const int cap = T;
     auto row = [&](const char* name, const std::function<void(cudaStream_t)>& f) {
@@ -106,8 +106,13 @@ int main() {
       unsigned long long clk[route_probe::kBlocks][route_probe::kPhases], tim[route_probe::kBlocks][route_probe::kPhases];
       CUDA_CHECK(cudaMemcpyFromSymbol(clk, route_probe::g_clock, sizeof(clk)));
       CUDA_CHECK(cudaMemcpyFromSymbol(tim, route_probe::g_timer, sizeof(tim)));
-      const char* names[] = {"start->pdl_wait done", "router GEMV (this block)", "cluster barrier", "2a scores",
-                             "2b rank", "2c renorm+publish+count", "scan+tiles", "sort ids+pad"};
+      const char* block_names[] = {"start->pdl_wait done", "router GEMV (this block)", "cluster barrier",
+                                   "2a scores", "2b rank", "2c renorm+publish+count", "scan+tiles", "sort ids+pad"};
+      // One or two tokens: warp t of block 0 routes token t, warp 0 aligns (no block phases).
+      const char* warp_names[] = {"start->pdl_wait done", "router GEMV (this block)", "cluster barrier",
+                                  "logits out + scores", "warp top-k", "renorm+publish", "bar (T=2)",
+                                  "align in warp 0"};
+      const char* const* names = T < 3 ? warp_names : block_names;
       std::printf("   fused kernel, block 0, cycles per phase (T=%d):", T);
       for (int ph = 0; ph + 1 < route_probe::kPhases; ++ph)
         std::printf(" %s %llu;", names[ph], clk[0][ph + 1] - clk[0][ph]);

@@ -269,6 +269,66 @@ __device__ __forceinline__ float finish_weight(float raw, double slot_sum, const
   return w;
 }
 
+// Lane j < k holds winner j's raw weight: its final weight, renormalised by the fp64 sum of the k
+// raw weights in slot order (the oracle's order; every lane forms the same sum).
+__device__ __forceinline__ float renormalized_weight(float raw, int k, const RouteParams& params) {
+  double s = 0.0;
+  if (params.renormalize)
+    for (int j = 0; j < k; ++j) s = __dadd_rn(s, static_cast<double>(__shfl_sync(kFullMask, raw, j)));
+  return finish_weight(raw, s, params);
+}
+
+// An unsigned image of a non-NaN float that orders like the float: a > b <=> ordered_key(a) >
+// ordered_key(b), a == b <=> equal images (-0 is taken as +0, which it equals). The image of -inf
+// is 0x007fffff, so 0 is below every real key.
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+  const uint32_t b = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 + +0 = +0
+  return (b & 0x80000000u) != 0u ? ~b : (b | 0x80000000u);
+}
+
+// The k best eligible entries of a warp's VPT x 32, in selection order: higher key first, then
+// lower index (the oracle's partial_sort order). A NaN key ranks as -inf: it can still fill a slot,
+// so every id stays a valid expert. Lane r < k ends with winner r's entry index and payload; an
+// entry index is kNoExpert only if fewer than k entries are eligible (the launchers rule it out).
+// Each round is a lane's best remaining entry (VPT compares), then two hardware warp reductions:
+// redux.sync max over the ordered keys and redux.sync min over the entry indices of the lanes
+// that hold that key. The 5-step xor butterfly of (value, index, payload) it replaces was 15
+// dependent shuffles a round, ~1 us of a decode step's routing at k = 8 (docs/PERF.md, run P2).
+template <int VPT>
+__device__ __forceinline__ void warp_top_k(const float (&key)[VPT], const float (&payload)[VPT], uint32_t eligible,
+                                           int k, int lane, int& my_entry, float& my_payload) {
+  uint32_t u[VPT];  // 0: not eligible, or already taken
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+    u[i] = ((eligible >> i) & 1u) != 0u ? ordered_key(key[i] != key[i] ? -INFINITY : key[i]) : 0u;
+  my_entry = kNoExpert;
+  my_payload = 0.0f;
+  for (int r = 0; r < k; ++r) {
+    uint32_t best_u = 0u;
+    int best_i = 0;
+    float best_p = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i)  // strict >: the lower index wins a tie inside the lane
+      if (u[i] > best_u) {
+        best_u = u[i];
+        best_i = i;
+        best_p = payload[i];
+      }
+    const uint32_t top = __reduce_max_sync(kFullMask, best_u);
+    const uint32_t mine = best_u == top && top != 0u ? static_cast<uint32_t>(best_i * 32 + lane) : 0xffffffffu;
+    const uint32_t win = __reduce_min_sync(kFullMask, mine);
+    const float win_payload = __shfl_sync(kFullMask, best_p, static_cast<int>(win & 31u));
+    if (lane == r) {
+      my_entry = win == 0xffffffffu ? kNoExpert : static_cast<int>(win);
+      my_payload = win_payload;
+    }
+    if (win == static_cast<uint32_t>(best_i * 32 + lane))  // the owner drops its entry
+#pragma unroll
+      for (int i = 0; i < VPT; ++i)
+        if (i == best_i) u[i] = 0u;
+  }
+}
+
 // The top-k of one token, computed by one warp: lane j < k ends with winner j's id and weight.
 // Arguments as token_scores.
 template <int VPT, typename InT>
@@ -277,25 +337,9 @@ __device__ __forceinline__ void route_one_token(const InT* __restrict__ row, con
                                                 int& my_id, float& my_weight) {
   const int k = params.top_k;
   float key[VPT], weight[VPT];
-  uint32_t eligible = token_scores<VPT>(row, correction_bias, params, choice, kept, lane, key, weight);
-
-  // k rounds of argmax; winner r is kept by lane r.
-  my_id = 0;
-  my_weight = 0.0f;
-  for (int r = 0; r < k; ++r) {
-    float best_v, w;
-    int best_e;
-    warp_argmax(key, weight, eligible, lane, best_v, best_e, w);
-    take_entry(eligible, best_e, lane);
-    if (lane == r) {
-      my_id = best_e;
-      my_weight = w;
-    }
-  }
-  double s = 0.0;
-  if (params.renormalize)
-    for (int j = 0; j < k; ++j) s = __dadd_rn(s, static_cast<double>(__shfl_sync(kFullMask, my_weight, j)));
-  my_weight = finish_weight(my_weight, s, params);
+  const uint32_t eligible = token_scores<VPT>(row, correction_bias, params, choice, kept, lane, key, weight);
+  warp_top_k<VPT>(key, weight, eligible, k, lane, my_id, my_weight);  // winner r in lane r
+  my_weight = renormalized_weight(my_weight, k, params);
 }
 
 template <int VPT, typename InT>
@@ -675,6 +719,71 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
     if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = acc[j];
 }
 
+// The align of n <= 32 pairs by one warp (decode), the outputs of moe_align_count +
+// moe_align_scatter (padded): lane p < n holds pair p's expert in `expert` (other lanes: ignored).
+// A first pass of shuffles over the n pairs gives each lane its expert's count and its rank among
+// them (same expert at lower p, so each segment is ascending p); a second gives every lane the
+// offsets of its experts e = c*32 + lane, c <= VPT (E <= 32 * VPT, so e = E is covered too) and of
+// its own pair's expert. Stores only, no barrier. (__match_any_sync in place of the first pass
+// made the whole align ~2.9k cycles at T = 1, run P2.)
+template <int VPT>
+__device__ __forceinline__ void align_pairs_in_warp(int expert, int n, int E, int block_m, int max_tiles, int lane,
+                                                    int32_t* __restrict__ expert_offsets,
+                                                    int32_t* __restrict__ sorted_pair_ids,
+                                                    int32_t* __restrict__ padded_offsets,
+                                                    int32_t* __restrict__ padded_pair_ids,
+                                                    int32_t* __restrict__ tile_expert, int32_t* __restrict__ num_tiles) {
+  constexpr int kChunks = VPT + 1;
+  const bool live = lane < n;
+  const int id = live ? expert : -1 - lane;  // dead lanes: distinct negative ids
+  int cnt = 0, rank_in_expert = 0;
+  for (int q = 0; q < n; ++q) {
+    const bool same = __shfl_sync(kFullMask, id, q) == id;
+    cnt += same;
+    rank_in_expert += same && q < lane;
+  }
+  const bool leader = live && rank_in_expert == 0;
+  const int padded_cnt = (cnt + block_m - 1) / block_m * block_m;
+  const int leader_padded = leader ? padded_cnt : 0;  // each expert's padded count, once
+  int off_e[kChunks], poff_e[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) off_e[c] = poff_e[c] = 0;
+  int off_p = 0, poff_p = 0, padded_total = 0;
+  for (int q = 0; q < n; ++q) {
+    const int idq = __shfl_sync(kFullMask, id, q);
+    const int pcq = __shfl_sync(kFullMask, leader_padded, q);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const bool below = idq < c * 32 + lane;
+      off_e[c] += below;
+      poff_e[c] += below ? pcq : 0;
+    }
+    off_p += idq < id;
+    poff_p += idq < id ? pcq : 0;
+    padded_total += pcq;
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int e = c * 32 + lane;
+    if (e <= E) {
+      expert_offsets[e] = off_e[c];
+      padded_offsets[e] = poff_e[c];
+      if (e == E) *num_tiles = poff_e[c] / block_m;
+    }
+  }
+  if (live) {
+    sorted_pair_ids[off_p + rank_in_expert] = lane;
+    padded_pair_ids[poff_p + rank_in_expert] = lane;
+    if (leader) {
+      for (int r = poff_p + cnt; r < poff_p + padded_cnt; ++r) padded_pair_ids[r] = -1;  // tile tail
+      for (int i = 0; i < padded_cnt / block_m; ++i) tile_expert[poff_p / block_m + i] = id;
+    }
+  }
+  // [TAG_MOE_GRAPH_CAPACITY] tiles past the live ones
+  for (int j = lane; j < max_tiles; j += 32)
+    if (j * block_m >= padded_total) tile_expert[j] = -1;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Fused small-batch routing: router logits + top-k + align in one launch
 // ------------------------------------------------------------------------------------------------
@@ -699,19 +808,23 @@ static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the s
 // shared memory. The router rows are prefetched into L2 before pdl_wait (they are weights). A
 // cluster barrier (release/acquire) then hands every owner its tokens' logits.
 // Owners: block 0 owns every token when T < kSmallTokensPerBlockMin, else block t owns token t.
-// Phase 2, in each owner for its tokens: write the global logits, then the top-k: warp j scores its
-// j-th token (softmax or biased
-// sigmoid, group limits; the code of moe_route_topk_kernel), then every thread ranks one
+// One or two tokens (decode): block 0's warp t routes token t with route_one_token (the separate
+// top-k kernel's code: scores, warp_top_k, renormalisation), warp 0 then aligns the pairs
+// (align_pairs_in_warp); no block barrier after the cluster's.
+// Phase 2, from 3 tokens on, in each owner: write the global logits, then the top-k: warp j scores
+// its j-th token (softmax or biased sigmoid, group limits), then every thread ranks one
 // (token, expert) entry by counting the entries that beat it (higher key, then lower index: the
 // order of the warp argmax rounds, so the same winners in the same slots) and the winners write
 // their slot; the ids also go to block 0's shared memory (DSMEM), and with a block per token a
 // second cluster barrier hands them over. Block 0 alone does phase 3, the align of the T*k <= 256
-// pairs (shared-memory histogram, scan, and a stable rank by counting equal ids at lower p).
+// pairs (align_pairs_in_warp up to 32 pairs; above, a shared-memory histogram, scan, and a stable
+// rank by counting equal ids at lower p).
 // Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it
 // dependent latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for Qwen3-30B-A3B)
-// needs many SMs to stream, the tail needs them to meet. The k serial argmax rounds of one warp
-// (5 dependent shuffles each) and the fp64 renormalisation were ~3 us of the tail at T = 1
-// (dev/cuda/probe_route_decode.cu); the block-wide rank takes one pass over E shared-memory keys.
+// needs many SMs to stream, the tail needs them to meet. With a shuffle-butterfly argmax, k rounds
+// of one warp were ~3 us of the tail at T = 1, so a block-wide rank replaced them; warp_top_k's
+// hardware reductions made the warp the faster tail again at one or two tokens (run P2,
+// dev/cuda/probe_route_decode.cu), where the block-wide phases cost barriers and smem round trips.
 template <int VPT, int TOK, bool kVec, int CB>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
@@ -764,12 +877,18 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int my_nt = per_token_blocks ? (rank < T ? 1 : 0) : (rank == 0 ? T : 0);
 
   // Phase 1: item = (expert e, token chunk c of TOK tokens), spread over every warp of the cluster.
-  const int chunks = (T + TOK - 1) / TOK;
+  // The 8-block cluster serves capacities <= 4 <= TOK: one chunk whatever T is, and the dot reads
+  // the rows below the capacity, so its loads do not wait for the live count (a dependent L2 read
+  // at the kernel's start); the rows past T are computed and dropped (a token's sums do not depend
+  // on the others'). The 16-block cluster counts chunks from T, so a short step does less work.
+  const bool one_chunk = CB == kSmallClusterBlocks;
+  const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
   for (int item = rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
     const int e = item / chunks, t0 = (item - e * chunks) * TOK;
     const int nt = min(TOK, T - t0);
     float acc[TOK];
-    router_dot<TOK, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0, nt, lane, acc);
+    router_dot<TOK, kVec>(x, x_stride, wr + static_cast<int64_t>(e) * hidden, hidden, t0,
+                          one_chunk ? min(TOK, capacity) : nt, lane, acc);
 #pragma unroll
     for (int j = 0; j < TOK; ++j) {
       if (lane == 0 && j < nt) {
@@ -784,6 +903,39 @@ __global__ void __launch_bounds__(kSmallThreads)
   // for global stores to drain.
   cluster.sync();
   MOEBIUS_ROUTE_PHASE_STAMP(3);
+  if (!per_token_blocks) {
+    // One or two tokens (decode): block 0's warp t routes token t alone (route_one_token, the
+    // separate top-k kernel's code) and warp 0 aligns the pairs; no block barrier. The block-wide
+    // phases below cost ~4 us here in barriers and shared-memory round trips (run P1: 2a-3 were
+    // 7.8k cycles at T = 1). Warp 0 also runs when T = 0: the align still writes empty offsets and
+    // dead tiles.
+    if (rank != 0 || warp >= max(T, 1)) return;
+    int my_id = 0;
+    if (warp < T) {  // route_one_token's steps, with the probe's phase stamps between them
+      const int t = warp;
+      for (int e = lane; e < E; e += 32) logits[t * E + e] = s_logits[t][e];
+      float key[VPT], weight[VPT], my_weight;
+      const uint32_t eligible = token_scores<VPT>(&s_logits[t][0], correction_bias, params, s_choice[t],
+                                                  s_group_kept[t], lane, key, weight);
+      MOEBIUS_ROUTE_PHASE_STAMP(4);
+      warp_top_k<VPT>(key, weight, eligible, k, lane, my_id, my_weight);
+      MOEBIUS_ROUTE_PHASE_STAMP(5);
+      my_weight = renormalized_weight(my_weight, k, params);
+      if (lane < k) {
+        topk_ids[t * k + lane] = my_id;
+        topk_weights[t * k + lane] = my_weight;
+        s_ids[t * k + lane] = my_id;
+      }
+      MOEBIUS_ROUTE_PHASE_STAMP(6);
+    }
+    if (T == 2) asm volatile("bar.sync 1, 64;" ::: "memory");  // warps 0 and 1: token 1's ids in s_ids
+    if (warp != 0) return;
+    MOEBIUS_ROUTE_PHASE_STAMP(7);
+    align_pairs_in_warp<VPT>(T == 2 ? s_ids[lane < 2 * k ? lane : 0] : my_id, T * k, E, block_m, max_tiles, lane,
+                             expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles);
+    MOEBIUS_ROUTE_PHASE_STAMP(8);
+    return;
+  }
   for (int i = tid; i < my_nt * E; i += kSmallThreads) {
     const int t = my_t0 + i / E, e = i % E;
     logits[t * E + e] = s_logits[t][e];
@@ -870,48 +1022,11 @@ __global__ void __launch_bounds__(kSmallThreads)
   if (rank != 0) return;
   // Phase 3: align the n = T*k pairs (same outputs as moe_align_count + moe_align_scatter).
   const int n = T * k;
-  if (n <= 32) {
-    // Decode: one pair per lane. Warp w computes the offsets of experts e = w*32 + lane (e <= E)
-    // from the n ids with shuffles, so no block barrier follows the one below (the block-wide
-    // histogram, scan and rank took ~2.4 us at T = 1 in barriers and serial passes).
-    __syncthreads();  // s_ids (2c)
+  if (n <= 32) {  // one pair per lane: warp 0 alone (the ids arrived by DSMEM before the barrier)
     MOEBIUS_ROUTE_PHASE_STAMP(6);
-    if (warp * 32 <= E) {  // uniform over the warp
-      const bool live = lane < n;
-      const int id = live ? s_ids[lane] : -1 - lane;  // dead lanes: distinct negative ids
-      const unsigned same = __match_any_sync(kFullMask, id);
-      const int cnt = __popc(same);
-      const int rank_in_expert = __popc(same & ((1u << lane) - 1u));  // same id at lower p
-      const bool leader = live && rank_in_expert == 0;
-      const int padded_cnt = (cnt + block_m - 1) / block_m * block_m;
-      const int e = warp * 32 + lane;
-      int off_e = 0, poff_e = 0, off_p = 0, poff_p = 0, padded_total = 0;
-      for (int q = 0; q < n; ++q) {
-        const int idq = __shfl_sync(kFullMask, id, q);
-        const int pcq = __shfl_sync(kFullMask, leader ? padded_cnt : 0, q);  // counted once per expert
-        off_e += idq < e;
-        poff_e += idq < e ? pcq : 0;
-        off_p += idq < id;
-        poff_p += idq < id ? pcq : 0;
-        padded_total += pcq;
-      }
-      if (e <= E) {
-        expert_offsets[e] = off_e;
-        padded_offsets[e] = poff_e;
-        if (e == E) *num_tiles = poff_e / block_m;
-      }
-      if (warp == 0 && live) {
-        sorted_pair_ids[off_p + rank_in_expert] = lane;
-        padded_pair_ids[poff_p + rank_in_expert] = lane;
-        if (leader) {
-          for (int r = poff_p + cnt; r < poff_p + padded_cnt; ++r) padded_pair_ids[r] = -1;  // tile tail
-          for (int i = 0; i < padded_cnt / block_m; ++i) tile_expert[poff_p / block_m + i] = id;
-        }
-      }
-      // [TAG_MOE_GRAPH_CAPACITY] tiles past the live ones
-      for (int j = e; j < max_tiles; j += 32 * (E / 32 + 1))
-        if (j * block_m >= padded_total) tile_expert[j] = -1;
-    }
+    if (warp == 0)
+      align_pairs_in_warp<VPT>(s_ids[lane < n ? lane : 0], n, E, block_m, max_tiles, lane, expert_offsets,
+                               sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles);
     MOEBIUS_ROUTE_PHASE_STAMP(7);
     MOEBIUS_ROUTE_PHASE_STAMP(8);
     return;
