@@ -33,7 +33,11 @@
 // cache block at block_size 16: one contiguous 4 KiB run per K or V in the HND layout.
 // Shared memory: Q 16 x hd + 4 warps x 4 stages x (K + V) 16 x hd bf16 = 132 KiB at hd 128, plus
 // the cluster merge's partials (65 KiB), so one block per SM, and the plan sizes the grid to one
-// wave.
+// wave. [TAG_ATTN_DECODE_STAGES] Plans with short splits take 2 stages (133 KiB in all): such a
+// block fits beside the two 77 KiB blocks per SM of the qkv GEMV before it, so it is resident and
+// its first K/V tiles are loading before the GEMV ends; a 199 KiB block waited for the SM to empty.
+// The CUPTI timeline of a decode step put attention at 13.6 us a layer at 1k context against 6.7
+// in a chain of attention kernels (docs/PERF.md, runs P5-P6).
 //  - Splits per sequence come from its LIVE length (attention_decode_split, [TAG_ATTN_DECODE_SPLIT]):
 //    up to 256 keys one split, written straight to bf16 (no workspace, no counter); longer, up to
 //    the plan's max_splits equal splits of >= 64 keys. Blocks past a sequence's splits exit.
@@ -515,9 +519,9 @@ struct DecodeArgs {
 
 // Shared memory: Q tile 16 x hd bf16, then the warps' K/V rings. After the key loop the rings are
 // reused: the 4 warps' fp32 states [4][16][hd], later the merge's per-split weights [2][16][256].
-template <int HD>
+template <int HD, int ST = kDecodeStages>
 constexpr int decode_smem_bytes() {
-  constexpr int rings = kWarps * kDecodeStages * 2 * kDecodeBN * HD * 2;  // 128 KiB at hd 128
+  constexpr int rings = kWarps * ST * 2 * kDecodeBN * HD * 2;  // 128 KiB at hd 128, 4 stages
   constexpr int states = kWarps * 16 * HD * 4;
   constexpr int merge = 2 * 16 * kDecodeMaxSplits * 4;  // 32 KiB
   // Then the cluster merge's region ([TAG_ATTN_CLUSTER_MERGE]): partial outputs [rows][HD] fp32 and
@@ -527,9 +531,9 @@ constexpr int decode_smem_bytes() {
   constexpr int partials = kDecodeClusterRows * HD * 4 + kDecodeClusterRows * 8;  // 65 KiB at hd 128
   return 16 * HD * 2 + std::max(rings, std::max(states, merge)) + partials;
 }
-template <int HD>
+template <int HD, int ST = kDecodeStages>
 constexpr int decode_partials_offset() {
-  return decode_smem_bytes<HD>() - (kDecodeClusterRows * HD * 4 + kDecodeClusterRows * 8);
+  return decode_smem_bytes<HD, ST>() - (kDecodeClusterRows * HD * 4 + kDecodeClusterRows * 8);
 }
 // Splits one cluster can merge for G query heads per kv head.
 inline int decode_cluster_cap(int G) { return std::min(kDecodeMaxCluster, kDecodeClusterRows / G); }
@@ -620,10 +624,10 @@ __device__ __forceinline__ void store_tile_row(uint32_t tile, int r, int lane, u
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at_hi), "r"(hi));
 }
 
-template <int HD>
+template <int HD, int ST>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeArgs args) {
   constexpr int kTileBytes = kDecodeBN * HD * 2;
-  constexpr int kWarpBytes = kDecodeStages * 2 * kTileBytes;
+  constexpr int kWarpBytes = ST * 2 * kTileBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float s_m[kWarps][16], s_l[kWarps][16];
   __shared__ float s_cos[HD / 2], s_sin[HD / 2];
@@ -666,7 +670,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 
   const uint32_t q_tile = smem_addr(smem);
   const uint32_t warp_base = q_tile + 16 * HD * 2 + warp * kWarpBytes;
-  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % kDecodeStages. Every load
+  // Warp w takes tiles w, w + 4, ...; its i-th tile sits in stage i % ST. Every load
   // skips the newest key's row: it is computed here and stored into its stage from registers.
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
   // k_begin is 0 or a multiple of the partition, itself a multiple of kDecodeBN, so every tile
@@ -674,7 +678,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const bool one_block = d.block_size % kDecodeBN == 0;
   const int block_shift = pow2_shift(d.block_size);
   auto load_stage = [&](int i) {
-    const uint32_t dst = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
+    const uint32_t dst = warp_base + (i % ST) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     if (one_block) {  // [TAG_ATTN_KV_ONE_BLOCK]
       load_kv_tile_pair_one_block<HD, kDecodeBN, 32>(dst, dst + kTileBytes, args.k_cache, args.v_cache, table_row, kvh,
@@ -694,7 +698,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // Prologue before the wait: the warp's first three tiles, then the RoPE table of the position
   // (cos/sin in double, rounded to fp32, as rope.cu and the CPU reference form them).
 #pragma unroll
-  for (int i = 0; i < kDecodeStages - 1; ++i) {
+  for (int i = 0; i < ST - 1; ++i) {
     if (i < my_tiles) load_stage(i);
     cp_async_commit();
   }
@@ -754,7 +758,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       *reinterpret_cast<uint32_t*>(args.v_cache + off + i) = v_lo;
       *reinterpret_cast<uint32_t*>(args.v_cache + off + HD / 2 + i) = v_hi;
     }
-    if (new_i < kDecodeStages - 1) {  // a prologue stage: store it now
+    if (new_i < ST - 1) {  // a prologue stage: store it now
       const uint32_t stage = warp_base + new_i * 2 * kTileBytes;
       store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
       store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
@@ -771,19 +775,19 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   st.init();
   const int lim[2] = {k_end - 1, k_end - 1};
   for (int i = 0; i < my_tiles; ++i) {
-    if (i + kDecodeStages - 1 < my_tiles) {
-      const int j = i + kDecodeStages - 1;
+    if (i + ST - 1 < my_tiles) {
+      const int j = i + ST - 1;
       load_stage(j);
       if (owns_newest && j == new_i) {  // the newest row into its stage, from registers
-        const uint32_t stage = warp_base + (j % kDecodeStages) * 2 * kTileBytes;
+        const uint32_t stage = warp_base + (j % ST) * 2 * kTileBytes;
         store_tile_row<HD>(stage, new_r, lane, k_lo, k_hi);
         store_tile_row<HD>(stage + kTileBytes, new_r, lane, v_lo, v_hi);
       }
     }
     cp_async_commit();
-    cp_async_wait<kDecodeStages - 1>();
+    cp_async_wait<ST - 1>();
     __syncwarp();
-    const uint32_t k_tile = warp_base + (i % kDecodeStages) * 2 * kTileBytes;
+    const uint32_t k_tile = warp_base + (i % ST) * 2 * kTileBytes;
     const int key0 = k_begin + (warp + i * kWarps) * kDecodeBN;
     attend_tile<HD, kDecodeBN>(st, qa, k_tile, k_tile + kTileBytes, key0, lim, key0 + kDecodeBN > k_end,
                                args.scale_log2, lane);
@@ -815,7 +819,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const int64_t slot0 = pair * args.max_splits;                          // its split 0
   // [TAG_ATTN_CLUSTER_MERGE] The leader's partial region (rank 0 = split 0: the cluster spans the
   // grid's x dimension): row (split, r) of the outputs and its (max, sum).
-  const uint32_t part_local = smem_addr(smem + decode_partials_offset<HD>());
+  const uint32_t part_local = smem_addr(smem + decode_partials_offset<HD, ST>());
   const uint32_t ml_local = part_local + kDecodeClusterRows * HD * 4;
   uint32_t part_leader = 0, ml_leader = 0;
   if (in_cluster) {
@@ -857,7 +861,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     // The merge, in split order 0 .. n-1 from shared memory: out = (sum_i e_i o_i) / (sum_i e_i l_i),
     // e_i = 2^(m_i - M). Bit-reproducible (a fixed order per element).
     const int n = sp.splits;
-    const float* part = reinterpret_cast<const float*>(smem + decode_partials_offset<HD>());
+    const float* part = reinterpret_cast<const float*>(smem + decode_partials_offset<HD, ST>());
     const float2* ml = reinterpret_cast<const float2*>(part + kDecodeClusterRows * HD);
     for (int p = tid; p < G * (HD / 4); p += kThreads) {
       const int r = p / (HD / 4), c4 = p % (HD / 4);
@@ -996,27 +1000,42 @@ void launch_prefill_hd(const PrefillArgs& a, int max_q_len, cudaStream_t stream)
   launch_pdl(attention_prefill_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
 }
 
-template <int HD>
-void launch_decode_hd(const DecodeArgs& a, cudaStream_t stream) {
-  constexpr int smem = decode_smem_bytes<HD>();
-  set_smem(attention_decode_kernel<HD>, smem);
+// MOEBIUS_ATTN_DECODE_STAGES=2|4 overrides the plan's ring stages (A/B runs); 0: the plan decides.
+int forced_decode_stages() {
+  static const int st = [] {
+    const char* e = std::getenv("MOEBIUS_ATTN_DECODE_STAGES");
+    if (e == nullptr) return 0;
+    return e[0] == '2' ? 2 : e[0] == '4' ? 4 : 0;
+  }();
+  return st;
+}
+
+template <int HD, int ST>
+void launch_decode_hd_st(const DecodeArgs& a, cudaStream_t stream) {
+  constexpr int smem = decode_smem_bytes<HD, ST>();
+  set_smem(attention_decode_kernel<HD, ST>, smem);
   const dim3 grid(a.max_splits, a.dims.num_kv_heads, a.max_num_seqs);
   if (a.cluster_merge) {  // [TAG_ATTN_CLUSTER_MERGE] one cluster per (sequence, kv head)
     if (a.max_splits > 8)
-      CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    launch_pdl_cluster(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, a.max_splits, stream, a);
+      CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD, ST>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    launch_pdl_cluster(attention_decode_kernel<HD, ST>, grid, dim3(kThreads), smem, a.max_splits, stream, a);
     return;
   }
-  launch_pdl(attention_decode_kernel<HD>, grid, dim3(kThreads), smem, stream, a);
+  launch_pdl(attention_decode_kernel<HD, ST>, grid, dim3(kThreads), smem, stream, a);
+}
+template <int HD>
+void launch_decode_hd(const DecodeArgs& a, int stages, cudaStream_t stream) {
+  if (stages == 2) launch_decode_hd_st<HD, 2>(a, stream);
+  else launch_decode_hd_st<HD, kDecodeStages>(a, stream);
 }
 
 // Clusters of `cluster` decode blocks that can be resident at once on the current device.
-template <int HD>
-int decode_max_active_clusters_hd(int cluster) {
-  constexpr int smem = decode_smem_bytes<HD>();
-  set_smem(attention_decode_kernel<HD>, smem);
+template <int HD, int ST>
+int decode_max_active_clusters_hd_st(int cluster) {
+  constexpr int smem = decode_smem_bytes<HD, ST>();
+  set_smem(attention_decode_kernel<HD, ST>, smem);
   if (cluster > 8)
-    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD, ST>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(cluster, 1, 1);
   config.blockDim = dim3(kThreads);
@@ -1025,8 +1044,13 @@ int decode_max_active_clusters_hd(int cluster) {
   config.attrs = attr;
   config.numAttrs = 1;
   int n = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, attention_decode_kernel<HD>, &config));
+  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, attention_decode_kernel<HD, ST>, &config));
   return n;
+}
+// With the larger (4-stage) blocks: a cluster that fits with them fits with 2-stage blocks too.
+template <int HD>
+int decode_max_active_clusters_hd(int cluster) {
+  return decode_max_active_clusters_hd_st<HD, kDecodeStages>(cluster);
 }
 int decode_max_active_clusters(const AttentionDims& d, int cluster) {
   switch (d.head_dim) {
@@ -1110,6 +1134,11 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
       p.cluster_merge = true;
     }
   }
+  // [TAG_ATTN_DECODE_STAGES] A warp's tiles of the longest split: few, and the ring need not be
+  // deep (its first stage loads before pdl_wait anyway); many, and 3 tiles in flight per warp are
+  // what hide HBM latency (batch 64 at 10k streams at 80% of HBM with 4 stages).
+  const int warp_tiles = (attention_decode_split(max_context, p.max_splits).partition / 16 + kWarps - 1) / kWarps;
+  p.stages = forced_decode_stages() != 0 ? forced_decode_stages() : warp_tiles <= kDecodeShortSplitTiles ? 2 : kDecodeStages;
   return p;
 }
 
@@ -1199,10 +1228,11 @@ void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* s
     a.ws_ml = reinterpret_cast<float2*>(base + w.counter_bytes);
     a.ws_o = reinterpret_cast<float*>(base + w.counter_bytes + w.ml_bytes);
   }
+  const int stages = plan.stages == 2 ? 2 : kDecodeStages;
   switch (dims.head_dim) {
-    case 16: launch_decode_hd<16>(a, stream); break;
-    case 64: launch_decode_hd<64>(a, stream); break;
-    default: launch_decode_hd<128>(a, stream); break;
+    case 16: launch_decode_hd<16>(a, stages, stream); break;
+    case 64: launch_decode_hd<64>(a, stages, stream); break;
+    default: launch_decode_hd<128>(a, stages, stream); break;
   }
 }
 

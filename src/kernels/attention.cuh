@@ -80,6 +80,11 @@ struct AttentionDecodePlan {
   // max_splits <= attention_decode_cluster_cap(dims). Otherwise the last split to finish merges
   // through the workspace.
   bool cluster_merge = false;
+  // [TAG_ATTN_DECODE_STAGES] K/V ring stages per warp: 4 (199 KiB of shared memory at hd 128), or 2
+  // (133 KiB) when the splits are short. A block of 133 KiB fits on an SM beside two blocks of the
+  // qkv GEMV that precedes it, so it becomes resident and loads its first tiles while the GEMV
+  // runs; 199 KiB waited for the GEMV's blocks to leave (docs/PERF.md, runs P5-P7).
+  int stages = 4;
 };
 
 // The most splits one cluster merges: min(16, 128 / G), G = nh / nkv (16 at G = 8, 8 at G = 16).
@@ -109,7 +114,10 @@ __host__ __device__ inline AttentionDecodeSplit attention_decode_split(int ctx, 
 // clusters of up to attention_decode_cluster_cap splits, one per (sequence, kv head), all fit the
 // GPU at once (cudaOccupancyMaxActiveClusters on the current device), when a cost model says its
 // cheaper merge outweighs its fewer, longer splits at max_context (attention.cu); else the
-// workspace merge. MOEBIUS_ATTN_CLUSTER_MERGE=0 never picks the cluster merge.
+// workspace merge. MOEBIUS_ATTN_CLUSTER_MERGE=0 never picks the cluster merge. Two ring stages
+// when a warp's share of a split at max_context is at most kDecodeShortSplitTiles 16-key tiles,
+// else four; MOEBIUS_ATTN_DECODE_STAGES=2|4 forces one.
+inline constexpr int kDecodeShortSplitTiles = 8;
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms);
 
 // The longest context for which plan_attention_decode(dims, max_num_seqs, context, num_sms) picks

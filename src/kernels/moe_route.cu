@@ -292,8 +292,9 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
 // entry index is kNoExpert only if fewer than k entries are eligible (the launchers rule it out).
 // Each round is a lane's best remaining entry (VPT compares), then two hardware warp reductions:
 // redux.sync max over the ordered keys and redux.sync min over the entry indices of the lanes
-// that hold that key. The 5-step xor butterfly of (value, index, payload) it replaces was 15
-// dependent shuffles a round, ~1 us of a decode step's routing at k = 8 (docs/PERF.md, run P2).
+// that hold that key (~180 cycles a round on the H200). The 5-step xor butterfly of (value,
+// index, payload) it replaced was 15 dependent shuffles a round: the separate top-k kernel went
+// 3.28 -> 2.79 us per launch at k = 8 (docs/PERF.md, runs P1-P3).
 template <int VPT>
 __device__ __forceinline__ void warp_top_k(const float (&key)[VPT], const float (&payload)[VPT], uint32_t eligible,
                                            int k, int lane, int& my_entry, float& my_payload) {
@@ -822,9 +823,10 @@ static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the s
 // Why: at decode sizes the three separate kernels cost ~14 us on the H200, almost all of it
 // dependent latency (docs/PERF.md). The router weight (E*H*2 bytes, 512 KiB for Qwen3-30B-A3B)
 // needs many SMs to stream, the tail needs them to meet. With a shuffle-butterfly argmax, k rounds
-// of one warp were ~3 us of the tail at T = 1, so a block-wide rank replaced them; warp_top_k's
-// hardware reductions made the warp the faster tail again at one or two tokens (run P2,
-// dev/cuda/probe_route_decode.cu), where the block-wide phases cost barriers and smem round trips.
+// of one warp were ~3 us of the tail at T = 1, so a block-wide rank replaced them; with
+// warp_top_k the warp is the faster tail again at one or two tokens, where the block-wide phases
+// cost barriers and shared-memory round trips (routing stage at T = 1 6.69 -> 6.26 us, T = 2
+// 9.22 -> 7.44; run P3, dev/cuda/probe_route_decode.cu has the phase stamps).
 template <int VPT, int TOK, bool kVec, int CB>
 __global__ void __launch_bounds__(kSmallThreads)
     moe_route_small_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
@@ -904,11 +906,9 @@ __global__ void __launch_bounds__(kSmallThreads)
   cluster.sync();
   MOEBIUS_ROUTE_PHASE_STAMP(3);
   if (!per_token_blocks) {
-    // One or two tokens (decode): block 0's warp t routes token t alone (route_one_token, the
-    // separate top-k kernel's code) and warp 0 aligns the pairs; no block barrier. The block-wide
-    // phases below cost ~4 us here in barriers and shared-memory round trips (run P1: 2a-3 were
-    // 7.8k cycles at T = 1). Warp 0 also runs when T = 0: the align still writes empty offsets and
-    // dead tiles.
+    // One or two tokens (decode): block 0's warp t routes token t alone (route_one_token's steps,
+    // the separate top-k kernel's code) and warp 0 aligns the pairs; no block barrier. Warp 0 also
+    // runs when T = 0: the align still writes empty offsets and dead tiles.
     if (rank != 0 || warp >= max(T, 1)) return;
     int my_id = 0;
     if (warp < T) {  // route_one_token's steps, with the probe's phase stamps between them

@@ -505,6 +505,12 @@ TEST(AttentionGpuDecode, PlannerPicksClustersThatFitOneWave) {
   const AttentionDecodePlan at10k = kernels::plan_attention_decode(d, 1, 10240, num_sms());
   EXPECT_FALSE(at10k.cluster_merge);
   EXPECT_GT(at10k.max_splits, at1k.max_splits);
+  // [TAG_ATTN_DECODE_STAGES] Short splits take the 2-stage ring, long ones the 4-stage ring: 1k in
+  // 16 splits is one tile per warp, 10k in ~32 about five; 64 sequences at 10k are one split of
+  // 10240 keys each, 160 tiles per warp.
+  EXPECT_EQ(at1k.stages, 2);
+  EXPECT_EQ(at10k.stages, 2);
+  EXPECT_EQ(kernels::plan_attention_decode(d, 64, 10240, num_sms()).stages, 4);
   // The boundary the runner plans its short-context graphs at: cluster up to it, not past it.
   const int limit = kernels::attention_decode_cluster_context(d, 1, num_sms());
   EXPECT_GT(limit, 1024);
@@ -681,6 +687,39 @@ TEST(AttentionGpuDecode, RerunsAreBitIdentical) {
         EXPECT_TRUE(same_bytes(d.out.download(), first)) << "rerun " << r << " differs";
       }
     }
+    EXPECT_TRUE(ws.guards_intact());
+  }
+}
+
+// [TAG_ATTN_DECODE_STAGES] The ring depth changes when tiles load, never the order a warp adds
+// them in: 2 and 4 stages give the same bits, with the workspace merge and with clusters, at
+// contexts where a warp has one tile and where it has dozens.
+TEST(AttentionGpuDecode, TwoAndFourRingStagesAgreeBitForBit) {
+  MOEBIUS_REQUIRE_GPU();
+  const int n = 6;
+  const Batch b = make_batch(kQwen3_30B, 16, ones(n), {1, 63, 1024, 1040, 4096, 10240}, 611);
+  CudaStream stream;
+  DeviceBatch d(b, /*decode=*/true);
+  const AttentionDims dims = d.dims(b);
+  for (int variant = 0; variant < 3; ++variant) {
+    AttentionDecodePlan plan = kernels::plan_attention_decode(dims, b.max_seqs, 10240, num_sms());
+    if (variant == 1) plan = AttentionDecodePlan{b.max_seqs, 10240, 4, /*cluster_merge=*/true};
+    if (variant == 2) plan = AttentionDecodePlan{b.max_seqs, 10240, 64, /*cluster_merge=*/false};
+    SCOPED_TRACE(::testing::Message() << "max_splits " << plan.max_splits << " cluster " << plan.cluster_merge);
+    const size_t ws_bytes = kernels::attention_decode_workspace_bytes(dims, plan);
+    DeviceBuffer<uint8_t> ws(std::max<size_t>(ws_bytes, 16));
+    std::vector<__nv_bfloat16> with[2];
+    for (int i = 0; i < 2; ++i) {
+      plan.stages = i == 0 ? 2 : 4;
+      ws.poison(0xFF, stream);
+      kernels::init_attention_decode_workspace(ws.data(), dims, plan, stream);
+      d.out.poison(kPoison, stream);
+      d.launch_decode(b, plan, ws_bytes ? ws.data() : nullptr, stream);
+      stream.sync();
+      expect_matches(b, d, plan.stages == 2 ? "2 stages" : "4 stages");
+      with[i] = d.out.download();
+    }
+    EXPECT_TRUE(same_bytes(with[0], with[1]));
     EXPECT_TRUE(ws.guards_intact());
   }
 }
