@@ -110,8 +110,7 @@ int main() {
                                    "2a scores", "2b rank", "2c renorm+publish+count", "scan+tiles", "sort ids+pad"};
       // One or two tokens: warp t of block 0 routes token t, warp 0 aligns (no block phases).
       const char* warp_names[] = {"start->pdl_wait done", "router GEMV (this block)", "cluster barrier",
-                                  "logits out + scores", "warp top-k", "renorm+publish", "bar (T=2)",
-                                  "align in warp 0"};
+                                  "logits out + route_one_token", "publish", "bar (T=2)", "-", "align in warp 0"};
       const char* const* names = T < 3 ? warp_names : block_names;
       std::printf("   fused kernel, block 0, cycles per phase (T=%d):", T);
       for (int ph = 0; ph + 1 < route_probe::kPhases; ++ph)

@@ -1029,13 +1029,15 @@ void launch_decode_hd(const DecodeArgs& a, int stages, cudaStream_t stream) {
   else launch_decode_hd_st<HD, kDecodeStages>(a, stream);
 }
 
-// Clusters of `cluster` decode blocks that can be resident at once on the current device.
-template <int HD, int ST>
-int decode_max_active_clusters_hd_st(int cluster) {
-  constexpr int smem = decode_smem_bytes<HD, ST>();
-  set_smem(attention_decode_kernel<HD, ST>, smem);
+// Clusters of `cluster` decode blocks that can be resident at once on the current device, with the
+// larger (4-stage) blocks: a cluster that fits with them fits with 2-stage blocks too.
+template <int HD>
+int decode_max_active_clusters_hd(int cluster) {
+  constexpr int smem = decode_smem_bytes<HD, kDecodeStages>();
+  set_smem(attention_decode_kernel<HD, kDecodeStages>, smem);
   if (cluster > 8)
-    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD, ST>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<HD, kDecodeStages>,
+                                    cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(cluster, 1, 1);
   config.blockDim = dim3(kThreads);
@@ -1044,13 +1046,8 @@ int decode_max_active_clusters_hd_st(int cluster) {
   config.attrs = attr;
   config.numAttrs = 1;
   int n = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, attention_decode_kernel<HD, ST>, &config));
+  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, attention_decode_kernel<HD, kDecodeStages>, &config));
   return n;
-}
-// With the larger (4-stage) blocks: a cluster that fits with them fits with 2-stage blocks too.
-template <int HD>
-int decode_max_active_clusters_hd(int cluster) {
-  return decode_max_active_clusters_hd_st<HD, kDecodeStages>(cluster);
 }
 int decode_max_active_clusters(const AttentionDims& d, int cluster) {
   switch (d.head_dim) {
@@ -1137,7 +1134,7 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
   // [TAG_ATTN_DECODE_STAGES] A warp's tiles of the longest split: few, and the ring need not be
   // deep (its first stage loads before pdl_wait anyway); many, and 3 tiles in flight per warp are
   // what hide HBM latency (batch 64 at 10k streams at 80% of HBM with 4 stages).
-  const int warp_tiles = (attention_decode_split(max_context, p.max_splits).partition / 16 + kWarps - 1) / kWarps;
+  const int warp_tiles = (attention_decode_split(max_context, p.max_splits).partition / kDecodeBN + kWarps - 1) / kWarps;
   p.stages = forced_decode_stages() != 0 ? forced_decode_stages() : warp_tiles <= kDecodeShortSplitTiles ? 2 : kDecodeStages;
   return p;
 }
@@ -1203,6 +1200,7 @@ void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* s
   MOEBIUS_LAUNCH_ASSERT(plan.max_num_seqs > 0 && plan.max_num_seqs <= 65535 && plan.max_splits >= 1 &&
                             plan.max_splits <= kDecodeMaxSplits,
                         "attention decode: bad plan (use plan_attention_decode)");
+  MOEBIUS_LAUNCH_ASSERT(plan.stages == 2 || plan.stages == kDecodeStages, "attention decode: plan.stages must be 2 or 4");
   MOEBIUS_LAUNCH_ASSERT(!plan.cluster_merge || plan.max_splits <= attention_decode_cluster_cap(dims),
                         "attention decode: a cluster-merge plan has at most attention_decode_cluster_cap splits");
   MOEBIUS_LAUNCH_ASSERT(plan.max_splits == 1 || plan.cluster_merge ||
@@ -1228,11 +1226,10 @@ void launch_attention_decode(const AttentionDecodeToken& token, const int32_t* s
     a.ws_ml = reinterpret_cast<float2*>(base + w.counter_bytes);
     a.ws_o = reinterpret_cast<float*>(base + w.counter_bytes + w.ml_bytes);
   }
-  const int stages = plan.stages == 2 ? 2 : kDecodeStages;
   switch (dims.head_dim) {
-    case 16: launch_decode_hd<16>(a, stages, stream); break;
-    case 64: launch_decode_hd<64>(a, stages, stream); break;
-    default: launch_decode_hd<128>(a, stages, stream); break;
+    case 16: launch_decode_hd<16>(a, plan.stages, stream); break;
+    case 64: launch_decode_hd<64>(a, plan.stages, stream); break;
+    default: launch_decode_hd<128>(a, plan.stages, stream); break;
   }
 }
 

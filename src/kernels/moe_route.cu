@@ -911,25 +911,23 @@ __global__ void __launch_bounds__(kSmallThreads)
     // runs when T = 0: the align still writes empty offsets and dead tiles.
     if (rank != 0 || warp >= max(T, 1)) return;
     int my_id = 0;
-    if (warp < T) {  // route_one_token's steps, with the probe's phase stamps between them
+    if (warp < T) {
       const int t = warp;
       for (int e = lane; e < E; e += 32) logits[t * E + e] = s_logits[t][e];
-      float key[VPT], weight[VPT], my_weight;
-      const uint32_t eligible = token_scores<VPT>(&s_logits[t][0], correction_bias, params, s_choice[t],
-                                                  s_group_kept[t], lane, key, weight);
+      float my_weight;
+      route_one_token<VPT>(&s_logits[t][0], correction_bias, params, s_choice[t], s_group_kept[t], lane, my_id,
+                           my_weight);
       MOEBIUS_ROUTE_PHASE_STAMP(4);
-      warp_top_k<VPT>(key, weight, eligible, k, lane, my_id, my_weight);
-      MOEBIUS_ROUTE_PHASE_STAMP(5);
-      my_weight = renormalized_weight(my_weight, k, params);
       if (lane < k) {
         topk_ids[t * k + lane] = my_id;
         topk_weights[t * k + lane] = my_weight;
         s_ids[t * k + lane] = my_id;
       }
-      MOEBIUS_ROUTE_PHASE_STAMP(6);
+      MOEBIUS_ROUTE_PHASE_STAMP(5);
     }
     if (T == 2) asm volatile("bar.sync 1, 64;" ::: "memory");  // warps 0 and 1: token 1's ids in s_ids
     if (warp != 0) return;
+    MOEBIUS_ROUTE_PHASE_STAMP(6);
     MOEBIUS_ROUTE_PHASE_STAMP(7);
     align_pairs_in_warp<VPT>(T == 2 ? s_ids[lane < 2 * k ? lane : 0] : my_id, T * k, E, block_m, max_tiles, lane,
                              expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles);
