@@ -11,8 +11,9 @@
 
 namespace moebius::kernels {
 
-// Streaming multiprocessors of the current device.
-inline int current_device_sm_count() {
+// One attribute of the current device, cached per device and attribute (a handful are used).
+template <cudaDeviceAttr kAttr>
+int current_device_attribute() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};
   int device = 0;
@@ -20,10 +21,21 @@ inline int current_device_sm_count() {
   const bool cacheable = device >= 0 && device < kMaxDevices;
   int n = cacheable ? cached[device].load(std::memory_order_relaxed) : 0;
   if (n == 0) {
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttr, device));
     if (cacheable) cached[device].store(n, std::memory_order_relaxed);
   }
   return n;
 }
+
+// Streaming multiprocessors of the current device.
+inline int current_device_sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+// The most dynamic shared memory one block may opt in to (cudaFuncSetAttribute).
+inline int current_device_smem_optin() {
+  return current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+}
+
+// The compute capability's major number (9 on Hopper).
+inline int current_device_cc_major() { return current_device_attribute<cudaDevAttrComputeCapabilityMajor>(); }
 
 }  // namespace moebius::kernels

@@ -82,6 +82,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
+#include "kernels/mbarrier.cuh"
 #include "kernels/moe_dequant.cuh"
 #include "kernels/pdl.cuh"
 
@@ -141,46 +142,7 @@ struct WgLayout {
 
 #ifdef MOEBIUS_WGMMA_DEVICE
 
-// ---- mbarrier, proxy fence and wgmma wrappers (PTX ISA 8.x, sm_90a) ---------------------------
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.b32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Blocks until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile(
-      "{\n"
-      ".reg .b64 state;\n"
-      "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
-      "}\n" ::"r"(bar)
-      : "memory");
-}
-
-// Arrives on the barrier when every cp.async this thread issued before has completed; the
-// barrier's expected count includes this arrival (.noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
+// ---- proxy fence and wgmma wrappers (PTX ISA 8.x, sm_90a); the mbarriers are kernels/mbarrier.cuh --
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
