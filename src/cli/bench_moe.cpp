@@ -33,6 +33,7 @@ struct BenchMoeOptions {
   std::string gemm_path = "auto";
   int block_m = 0;
   std::string routing = "auto";
+  std::string expert_kernels = "separate";
   uint64_t seed = 1;
 };
 
@@ -70,6 +71,10 @@ Status run_bench_moe(const BenchMoeOptions& o) {
     if (o.routing != "auto" && o.routing != "separate")
       return Error::format("unknown routing '{}'; expected auto or separate", o.routing).in_field("--routing");
     c.separate_routing = o.routing == "separate";
+    if (o.expert_kernels != "separate" && o.expert_kernels != "fused")
+      return Error::format("unknown expert kernels '{}'; expected separate or fused", o.expert_kernels)
+          .in_field("--expert-kernels");
+    c.fused_experts = o.expert_kernels == "fused";
     c.seed = o.seed;
     return run_bench_moe_cuda(c);
   }
@@ -77,6 +82,8 @@ Status run_bench_moe(const BenchMoeOptions& o) {
   if (o.gemm_path != "auto") return Error("the CPU backend has one expert path").in_field("--gemm-path");
   if (o.block_m != 0) return Error("the CPU backend has no GEMM tiles").in_field("--block-m");
   if (o.routing != "auto") return Error("the CPU backend has one routing path").in_field("--routing");
+  if (o.expert_kernels != "separate")
+    return Error("the CPU backend has one expert path").in_field("--expert-kernels");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
   if (o.iters < 0) return Error("must be at least 1 (or 0 for the default)").in_field("--iters");
   const int iters = o.iters > 0 ? o.iters : 3;
@@ -160,6 +167,10 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--routing", opts->routing,
                   "cuda only: auto (one fused routing kernel up to the layer's fused capacity) or separate "
                   "(router, top-k and align kernels)")
+      ->capture_default_str();
+  cmd->add_option("--expert-kernels", opts->expert_kernels,
+                  "cuda only: separate (GEMM1, GEMM2 and combine kernels) or fused (one persistent kernel "
+                  "where the layer allows it: decode, capacity <= 8, nvfp4/int4/int2, sm_90)")
       ->capture_default_str();
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);

@@ -84,6 +84,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     opt.gemm_path = gemm_path;
     opt.block_m = o.block_m;
     opt.fuse_routing = !o.separate_routing;
+    opt.fuse_experts = o.fused_experts;
     // Size the weight-set rotation from the expected touched bytes.
     const double expect_touched = g.num_experts * (1.0 - std::pow(1.0 - static_cast<double>(g.top_k) / g.num_experts,
                                                                   static_cast<double>(T)));
@@ -120,7 +121,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     // full replays above). The stages overlap nothing in the full graph, so they add up to about
     // the layer time; the difference is the dependency latency between kernels.
     std::string stage_line;
-    double stage_sum = 0, gemm1_us = 0, gemm2_us = 0;
+    double stage_sum = 0, gemm1_us = 0, gemm2_us = 0, experts_us = 0;
     for (int st = 0; st < static_cast<int>(moe::MoeStage::kCount); ++st) {
       const auto stage = static_cast<moe::MoeStage>(st);
       if (!sets[0]->uses_stage(stage)) continue;
@@ -130,6 +131,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
       stage_sum += sus;
       if (stage == moe::MoeStage::kGateUp) gemm1_us = sus;
       if (stage == moe::MoeStage::kDown) gemm2_us = sus;
+      if (stage == moe::MoeStage::kExpertsFused) experts_us = sus;
       stage_line += fmt::format(" {} {:.2f}", moe::moe_stage_name(stage), sus);
     }
 
@@ -153,8 +155,12 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     std::printf("        stages us:%s (sum %.2f)\n", stage_line.c_str(), stage_sum);
     // The expert GEMMs alone, on the routed pairs only (padding rows not counted as work).
     const double pair_flops = 2.0 * T * g.top_k * g.hidden * g.intermediate;
-    std::printf("        gemm TFLOP/s: gemm1 %.1f  gemm2 %.1f\n", 2.0 * pair_flops / (gemm1_us * 1e-6) / 1e12,
-                pair_flops / (gemm2_us * 1e-6) / 1e12);
+    if (experts_us > 0)
+      std::printf("        experts (fused) TFLOP/s %.1f, weight GB/s %.1f\n", 3.0 * pair_flops / (experts_us * 1e-6) / 1e12,
+                  touched * static_cast<double>(sets[0]->expert_bytes()) / (experts_us * 1e-6) / 1e9);
+    else
+      std::printf("        gemm TFLOP/s: gemm1 %.1f  gemm2 %.1f\n", 2.0 * pair_flops / (gemm1_us * 1e-6) / 1e12,
+                  pair_flops / (gemm2_us * 1e-6) / 1e12);
     std::fflush(stdout);
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(out));

@@ -19,6 +19,7 @@ struct BenchMoeCudaOptions {
   std::string gemm_path = "auto";  // auto, decode, prefill or wgmma (moe::MoeGemmPath)
   int block_m = 0;                 // tokens per GEMM tile; 0 = the layer's choice
   bool separate_routing = false;   // the three routing kernels even where the fused one applies
+  bool fused_experts = false;      // the fused experts kernel where the layer allows it
   uint64_t seed = 1;
   // Physical floors measured on the H200 here (docs/PERF.md).
   double hbm_bytes_per_s = 4.57e12;

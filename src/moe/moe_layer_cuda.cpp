@@ -3,6 +3,7 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -12,6 +13,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #include "kernels/moe_combine.cuh"
+#include "kernels/moe_fused_experts.cuh"
 #include "kernels/moe_gemm_prefill.cuh"
 #include "kernels/moe_gemm_wgmma.cuh"
 #include "kernels/moe_router_gemm.cuh"
@@ -106,6 +108,7 @@ const char* moe_stage_name(MoeStage s) {
     case MoeStage::kRouterLogits: return "router";
     case MoeStage::kTopK: return "topk";
     case MoeStage::kAlign: return "align";
+    case MoeStage::kExpertsFused: return "experts(fused)";
     case MoeStage::kGateUp: return "gemm1";
     case MoeStage::kDown: return "gemm2";
     case MoeStage::kCombine: return "combine";
@@ -383,6 +386,7 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   take(tile_expert_, static_cast<size_t>(max_tiles_));
   take(num_tiles_, 1);
   take(work_counters_, 4);
+  take(fused_sync_, kernels::kFusedExpertsSyncWords);
   take(h_, static_cast<size_t>(max_padded_) * h_stride_);  // zeroed: columns past I are never written
   take(y_, static_cast<size_t>(cap) * k * H);
   if (opt.workspace_pool) {
@@ -395,6 +399,17 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   workspace_bytes_ = total;
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
+  // The fused kernel reads experts with the copy engine from device memory only (cold experts in
+  // mapped host memory keep the three kernels) and needs 16-byte rows of x for its staging.
+  // MOEBIUS_FUSED_EXPERTS=0|1 overrides the option (an experiment knob for whole-model runs).
+  static const int fuse_override = [] {
+    const char* v = std::getenv("MOEBIUS_FUSED_EXPERTS");
+    return v == nullptr ? -1 : (std::string(v) == "1" ? 1 : 0);
+  }();
+  const bool want_fused = fuse_override >= 0 ? fuse_override == 1 : opt.fuse_experts;
+  fused_experts_ = want_fused && path_ == MoeGemmPath::kDecode &&
+                   opt.combine == kernels::MoeCombineMode::kStore && slots_ == E && H % 8 == 0 &&
+                   kernels::moe_fused_experts_supported(kf, dims13_, dims2_, cap, block_m_, k, E, static_cast<int>(max_tiles_));
   return Ok{};
 }
 
@@ -609,22 +624,38 @@ bool MoeLayerCuda::uses_stage(MoeStage stage) const {
     case MoeStage::kRouterLogits:
     case MoeStage::kTopK:
     case MoeStage::kAlign: return !fused_routing_;
-    case MoeStage::kCombine: return opt_.combine == kernels::MoeCombineMode::kStore;
-    default: return true;
+    case MoeStage::kExpertsFused: return fused_experts_;
+    case MoeStage::kGateUp:
+    case MoeStage::kDown: return !fused_experts_;
+    case MoeStage::kCombine: return !fused_experts_ && opt_.combine == kernels::MoeCombineMode::kStore;
+    case MoeStage::kCount: break;
   }
+  return false;
+}
+
+// The expert stages of a forward over x: the fused kernel, or GEMM1, GEMM2 and the combine.
+void MoeLayerCuda::enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
+                                   const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+  if (fused_experts_ && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    enqueue_stage(MoeStage::kExpertsFused, x, num_tokens, topk_ids, topk_weights, out, stream);
+    return;
+  }
+  for (MoeStage s : {MoeStage::kGateUp, MoeStage::kDown, MoeStage::kCombine})
+    if (s != MoeStage::kCombine || opt_.combine == kernels::MoeCombineMode::kStore)
+      enqueue_stage(s, x, num_tokens, topk_ids, topk_weights, out, stream);
 }
 
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
                            cudaStream_t stream) {
-  for (int s = 0; s < static_cast<int>(MoeStage::kCount); ++s)
-    if (uses_stage(static_cast<MoeStage>(s)))
-      enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids_, topk_weights_, out, stream);
+  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopK, MoeStage::kAlign})
+    if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, out, stream);
+  enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, out, stream);
 }
 
 void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                                   const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
-  for (int s = static_cast<int>(MoeStage::kAlign); s < static_cast<int>(MoeStage::kCount); ++s)
-    enqueue_stage(static_cast<MoeStage>(s), x, num_tokens, topk_ids, topk_weights, out, stream);
+  enqueue_stage(MoeStage::kAlign, x, num_tokens, topk_ids, topk_weights, out, stream);
+  enqueue_experts(x, num_tokens, topk_ids, topk_weights, out, stream);
 }
 
 void enqueue_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
@@ -685,6 +716,34 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       kernels::launch_moe_align(topk_ids, num_tokens, cap, k, E, block_m_, expert_offsets_, sorted_pair_ids_,
                                 padded_offsets_, padded_pair_ids_, tile_expert_, num_tiles_, stream);
       return;
+    case MoeStage::kExpertsFused: {
+      MOEBIUS_ASSERT(fused_experts_);
+      kernels::MoeFusedExpertsArgs a;
+      a.format = f;
+      a.experts13 = table13_;
+      a.experts2 = table2_;
+      a.num_experts = E;
+      a.dims13 = dims13_;
+      a.dims2 = dims2_;
+      a.padded_pair_ids = padded_pair_ids_;
+      a.tile_expert = tile_expert_;
+      a.num_tiles = num_tiles_;
+      a.max_tiles = static_cast<int>(max_tiles_);
+      a.top_k = k;
+      a.num_tokens = num_tokens;
+      a.capacity = cap;
+      a.x = x;
+      a.x_stride = H;
+      a.act = act_;
+      a.h = h_;
+      a.h_stride = h_stride_;
+      a.topk_weights = topk_weights;
+      a.out = out;
+      a.out_stride = H;
+      a.sync = fused_sync_;
+      kernels::launch_moe_fused_experts(a, stream);
+      return;
+    }
     case MoeStage::kGateUp:
       tiles.work_counter = work_counters_;
       gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);

@@ -28,8 +28,19 @@ namespace moebius::moe {
 // The kernels of one forward, in order. Each reads what the previous ones left in the
 // workspace, so a single stage can be replayed on its own (benchmarks time them one by one).
 // kRouteFused (router + top-k + align in one kernel, small capacities) replaces the three
-// stages after it; uses_stage() says which a layer runs.
-enum class MoeStage : int { kRouteFused, kRouterLogits, kTopK, kAlign, kGateUp, kDown, kCombine, kCount };
+// stages after it; kExpertsFused (GEMM1, GEMM2 and the combine in one persistent kernel,
+// kernels/moe_fused_experts.cuh) replaces the three after it; uses_stage() says which a layer runs.
+enum class MoeStage : int {
+  kRouteFused,
+  kRouterLogits,
+  kTopK,
+  kAlign,
+  kExpertsFused,
+  kGateUp,
+  kDown,
+  kCombine,
+  kCount
+};
 const char* moe_stage_name(MoeStage s);
 
 // Which expert GEMM kernels a layer runs. kDecode: moe_gemm.cuh (swap-AB, one 16-row weight tile
@@ -84,6 +95,14 @@ struct MoeCudaOptions {
   // it (capacity <= kFusedRoutingMaxTokens and kernels::moe_route_small_supported); false forces
   // the three separate kernels.
   bool fuse_routing = true;
+  // The decode experts in one persistent kernel (kernels/moe_fused_experts.cuh) where it applies:
+  // the decode path with block_m 8 (capacity <= kernels::kFusedExpertsMaxTokens), the kStore
+  // combine, an nvfp4, int4 or int2 layer whose experts are all device resident, hidden % 8 == 0,
+  // and an sm_90 device (and a shared-memory plan: Qwen3-30B-A3B fits capacity 4). Bit-identical
+  // to the three kernels it replaces. Off by default: it measured slower than them at every token
+  // count (docs/PERF.md runs Q2-Q8, Qwen3-30B-A3B nvfp4: T = 1 16.1 us against 13.3, T = 4 39.2
+  // against 33.4). MOEBIUS_FUSED_EXPERTS=0|1 overrides this option in every layer.
+  bool fuse_experts = false;
   // Decode GEMMs with one token tile: 16-row weight tiles per block, 1, 2, 4 or 8; 0 = the
   // kernel's heuristic (kernels::MoeTiles::rows_per_block, [TAG_DECODE_ROW_TILES]).
   int decode_rows_per_block = 0;
@@ -155,6 +174,9 @@ class MoeLayerCuda {
   // Whether forward() runs this stage (the fused routing replaces router, top-k and align).
   bool uses_stage(MoeStage stage) const;
   bool fused_routing() const { return fused_routing_; }
+  // Whether forward() runs the experts as kExpertsFused (for 16-byte aligned x rows; a forward
+  // with unaligned x runs the three separate stages).
+  bool fused_experts() const { return fused_experts_; }
 
   const cpu::MoeShape& shape() const { return shape_; }
   KernelFormat format() const { return format_; }
@@ -237,12 +259,15 @@ class MoeLayerCuda {
   // Every weight of `packed` into this layer's buffers (checked by check_compatible).
   void upload(const PackedMoeLayer& packed);
   Status allocate_workspace(const MoeCudaOptions& opt);
+  void enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
+                       const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
   cpu::MoeShape shape_;
   KernelFormat format_ = KernelFormat::kBF16;
   MoeCudaOptions opt_;
   int block_m_ = 8;
   bool fused_routing_ = false;
+  bool fused_experts_ = false;
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;
@@ -288,6 +313,7 @@ class MoeLayerCuda {
   float* logits_ = nullptr;          // [cap, E]
   int32_t* topk_ids_ = nullptr;      // [cap, k]
   float* topk_weights_ = nullptr;    // [cap, k]
+  uint32_t* fused_sync_ = nullptr;   // kExpertsFused's counters (zeroed; the kernel leaves them so)
   int32_t* expert_offsets_ = nullptr;   // [E + 1]
   int32_t* sorted_pair_ids_ = nullptr;  // [cap * k]
   int32_t* padded_offsets_ = nullptr;   // [E + 1]
