@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/moe_gemm.cuh"
 
@@ -156,6 +157,82 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
     a[3] = bf16x2_bits(__hmul2(as_bf16x2(c3), s_hi));
   }
 }
+
+// One warp's sums over its K range of a 16-row weight tile times one n8 token tile, as the decode
+// kernels (moe_gemm.cu's row-tile kernel, moe_fused_experts.cu) keep them: two accumulator sets
+// alternating by k-step (a single set is one dependent mma chain, ~30 cycles a link, that a few
+// warps cannot hide), and for the int formats each scale group summed apart, its two row scales
+// applied when the group ends (weights enter the mma as exact small integers).
+template <MoeWeightFormat F>
+struct RowTileSums {
+  float acc[2][4];
+  float grp[2][4];
+  int current_group;
+  const __half* tile_scales;  // int formats: the tile's [groups][16] fp16 scales
+  int group_size;
+  int g;  // lane >> 2: rows g and g + 8
+
+  __device__ __forceinline__ RowTileSums(const __half* scales, int first_k, int gsize, int lane_group)
+      : current_group(kIsInt<F> ? first_k / gsize : 0), tile_scales(scales), group_size(gsize), g(lane_group) {
+#pragma unroll
+    for (int st = 0; st < 2; ++st)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[st][i] = grp[st][i] = 0.0f;
+  }
+
+  __device__ __forceinline__ void flush_group() {
+    const float s_lo = __half2float(tile_scales[current_group * 16 + g]);
+    const float s_hi = __half2float(tile_scales[current_group * 16 + g + 8]);
+#pragma unroll
+    for (int st = 0; st < 2; ++st) {
+      acc[st][0] += grp[st][0] * s_lo;
+      acc[st][1] += grp[st][1] * s_lo;
+      acc[st][2] += grp[st][2] * s_hi;
+      acc[st][3] += grp[st][3] * s_hi;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) grp[st][i] = 0.0f;
+    }
+  }
+
+  // k-step S of chunk c (the lane's 16-byte slice w, its nvfp4 scale codes nv_sc) into set `set`,
+  // against the B fragment rows at b_row (the lane's token row + 2t).
+  template <int S>
+  __device__ __forceinline__ void step(const uint4& w, uint2 nv_sc, int c, int set, const __nv_bfloat16* b_row) {
+    uint32_t a[4];
+    dequant_step<F, S>(w, nv_sc, a);
+    const int k0 = c * kChunkK<F> + S * 16;
+    if constexpr (kIsInt<F>) {
+      const int group = k0 / group_size;
+      if (group != current_group) {
+        flush_group();
+        current_group = group;
+      }
+    }
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
+    if constexpr (kIsInt<F>) mma_bf16(grp[set], a, q[0], q[4]);
+    else mma_bf16(acc[set], a, q[0], q[4]);
+  }
+
+  // Every k-step of chunk c, the sets alternating from `first_set`.
+  __device__ __forceinline__ void chunk(const uint4& w, uint2 nv_sc, int c, int first_set, const __nv_bfloat16* b_row) {
+    [&]<int... S>(std::integer_sequence<int, S...>) {
+      (step<S>(w, nv_sc, c, (first_set + S) % 2, b_row), ...);
+    }(std::make_integer_sequence<int, kSteps<F>>{});
+  }
+
+  // The warp's four sums (rows g, g + 8 x token columns 2t, 2t + 1): the open group applied, the
+  // two sets added. `any` is whether the warp had chunks at all.
+  // moe_gemm_rows_kernel keeps its own copy of these steps (compute_tile): built on this struct it
+  // computed the same bits but its SASS changed, int4 GEMM1 7% slower and int2 5% faster at
+  // T = 1-8 (docs/PERF.md run Q9), so it stays as measured until that difference is understood.
+  __device__ __forceinline__ void finish(bool any, float (&out)[4]) {
+    if constexpr (kIsInt<F>) {
+      if (any) flush_group();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = acc[0][i] + acc[1][i];
+  }
+};
 
 // The activation's division: v * rcp.approx(d) (2 SASS instructions) instead of the IEEE
 // division (an FCHK-guarded Newton sequence of ~8 plus a slow-path branch). The GEMM1 epilogue runs

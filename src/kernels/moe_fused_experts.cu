@@ -211,33 +211,17 @@ __device__ void wait_for_count(const uint32_t* counter, uint32_t target) {
 // in shared memory) against the 8 token columns whose B rows start at b_row (+ 2t): the warp's
 // quarter of the K chunks, alternating two accumulator sets by k-step, int group scales applied
 // when a group ends. moe_gemm_rows_kernel's compute_tile, reading the slot instead of registers.
+// This warp's partial sums of one 16-row weight tile (the tile's weights at ws, its scales at ss,
+// in shared memory) against the 8 token columns whose B rows start at b_row (+ 2t): the warp's
+// quarter of the K chunks, RowTileSums's arithmetic as in moe_gemm_rows_kernel, reading the slot
+// instead of registers.
 template <MoeWeightFormat F>
 __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uint4* ws, const unsigned char* ss,
                                                  const __nv_bfloat16* b_row, int tw, int lane, float (&sum)[4]) {
-  constexpr int KC = kChunkK<F>;
-  constexpr bool kIsIntF = kIsInt<F>;
   static_assert(kSteps<F> % 2 == 0, "the accumulator set alternates by k-step parity");
   const int g = lane >> 2;
   const int c_begin = (d.chunks * tw) / kTeamWarps, c_end = (d.chunks * (tw + 1)) / kTeamWarps;
-  float acc[2][4], grp[2][4];
-#pragma unroll
-  for (int st = 0; st < 2; ++st)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[st][i] = grp[st][i] = 0.0f;
-  const __half* tile_scales = reinterpret_cast<const __half*>(ss);
-  int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
-  auto flush_group = [&](int group) {
-    const float s_lo = __half2float(tile_scales[group * 16 + g]), s_hi = __half2float(tile_scales[group * 16 + g + 8]);
-#pragma unroll
-    for (int st = 0; st < 2; ++st) {
-      acc[st][0] += grp[st][0] * s_lo;
-      acc[st][1] += grp[st][1] * s_lo;
-      acc[st][2] += grp[st][2] * s_hi;
-      acc[st][3] += grp[st][3] * s_hi;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) grp[st][i] = 0.0f;
-    }
-  };
+  RowTileSums<F> sums(reinterpret_cast<const __half*>(ss), c_begin * kChunkK<F>, d.group_size, g);
   // Chunks in batches of kBatch: the batch's weight and scale loads from shared memory all go out
   // before its first dequantization (one shared-memory latency per batch, not per chunk).
   // 17 warps leave 96 registers a thread (5 warps on one of the four register-file quarters):
@@ -255,36 +239,11 @@ __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uin
     }
 #pragma unroll
     for (int p = 0; p < kBatch; ++p) {
-      const int c = c0 + p;
-      if (c >= c_end) break;
-      const uint2 nv_sc = F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0u, 0u);
-      auto do_step = [&](auto step_tag) {
-        constexpr int S = decltype(step_tag)::value;
-        constexpr int set = S % 2;
-        uint32_t av[4];
-        dequant_step<F, S>(wv[p], nv_sc, av);
-        const int k0 = c * KC + S * 16;
-        if constexpr (kIsIntF) {
-          const int group = k0 / d.group_size;
-          if (group != current_group) {
-            flush_group(current_group);
-            current_group = group;
-          }
-        }
-        const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
-        if constexpr (kIsIntF) mma_bf16(grp[set], av, q[0], q[4]);
-        else mma_bf16(acc[set], av, q[0], q[4]);
-      };
-      [&]<int... S>(std::integer_sequence<int, S...>) {
-        (do_step(std::integral_constant<int, S>{}), ...);
-      }(std::make_integer_sequence<int, kSteps<F>>{});
+      if (c0 + p >= c_end) break;
+      sums.chunk(wv[p], F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0u, 0u), c0 + p, 0, b_row);
     }
   }
-  if constexpr (kIsIntF) {
-    if (c_end > c_begin) flush_group(current_group);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) sum[i] = acc[0][i] + acc[1][i];
+  sums.finish(c_end > c_begin, sum);
 }
 
 template <MoeWeightFormat F>
