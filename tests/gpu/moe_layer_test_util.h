@@ -134,6 +134,51 @@ inline void expect_matches_oracle(const cpu::MoeLayerReference& L, const std::ve
   expect_close_to(oracle_out(L, x, T, ids, w), gpu_out, what);
 }
 
+// [TAG_MOE_GRAPH_CAPACITY] One CUDA graph of layer.forward over x (capacity rows), captured once and
+// replayed for each token count T into a poisoned output; checks that rows past T stay poisoned
+// and hands check(T, live) the first T rows. The routing of the replay is layer.topk_ids().
+template <class Check>
+void replay_one_graph_per_token_count(MoeLayerCuda& layer, const std::vector<uint16_t>& x,
+                                      const std::vector<int32_t>& token_counts, Check&& check) {
+  const int cap = layer.capacity();
+  const int64_t H = layer.shape().hidden;
+  CudaStream stream;
+  DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * H), dout(static_cast<size_t>(cap) * H);
+  DeviceBuffer<int32_t> dn(1);
+  dx.upload(x);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  layer.forward(dx.data(), dn.data(), dout.data(), stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int32_t T : token_counts) {
+    CUDA_CHECK(cudaMemcpyAsync(dn.data(), &T, 4, cudaMemcpyHostToDevice, stream));
+    dout.poison(0xFF, stream);
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    stream.sync();
+    std::vector<uint16_t> out(static_cast<size_t>(cap) * H);
+    CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(testing::bytes_are(out.data() + T * H, (cap - T) * H, 0xFF)) << "T=" << T << ": rows past T written";
+    check(T, std::vector<uint16_t>(out.begin(), out.begin() + T * H));
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// The layer's routing of its last forward of T tokens, checked against the oracle.
+inline void expect_last_forward_matches_oracle(const cpu::MoeLayerReference& L, MoeLayerCuda& layer,
+                                               const std::vector<uint16_t>& x, int32_t T,
+                                               const std::vector<uint16_t>& live, const std::string& what) {
+  const int k = layer.shape().top_k;
+  std::vector<int32_t> ids(static_cast<size_t>(T) * k);
+  std::vector<float> w(ids.size());
+  CUDA_CHECK(cudaMemcpy(ids.data(), layer.topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(w.data(), layer.topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+  const std::vector<uint16_t> xs(x.begin(), x.begin() + static_cast<int64_t>(T) * L.shape.hidden);
+  expect_matches_oracle(L, xs, T, ids, w, live, what);
+}
+
 inline std::string path_label(const MoeLayerCuda& layer) {
   return std::string(moe_gemm_path_name(layer.gemm_path())) + " bm=" + std::to_string(layer.block_m());
 }

@@ -137,34 +137,13 @@ TEST(MoeFusedExpertsGpu, OneGraphServesEveryTokenCount) {
   const int cap = 4;
   Pair p = make_pair_of_layers(L, cap);
   ASSERT_TRUE(p.fused && p.separate && p.fused->fused_experts());
-  CudaStream stream;
-  DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * g.H), dout(static_cast<size_t>(cap) * g.H);
-  DeviceBuffer<int32_t> dn(1);
   const auto x = random_x(cap, g.H, 5);
-  dx.upload(x);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  p.fused->forward(dx.data(), dn.data(), dout.data(), stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int32_t T : {4, 1, 0, 3, 2}) {
-    CUDA_CHECK(cudaMemcpyAsync(dn.data(), &T, 4, cudaMemcpyHostToDevice, stream));
-    dout.poison(0xFF, stream);
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    stream.sync();
-    std::vector<uint16_t> out(static_cast<size_t>(cap) * g.H);
-    CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
-    EXPECT_TRUE(testing::bytes_are(out.data() + static_cast<int64_t>(T) * g.H, (cap - T) * g.H, 0xFF))
-        << "T=" << T << ": rows past T were written";
-    if (T == 0) continue;
+  replay_one_graph_per_token_count(*p.fused, x, {4, 1, 0, 3, 2}, [&](int32_t T, const std::vector<uint16_t>& live) {
+    if (T == 0) return;
     const std::vector<uint16_t> xs(x.begin(), x.begin() + static_cast<int64_t>(T) * g.H);
     const LayerRun ref = run_gpu(*p.separate, xs, T);
-    const std::vector<uint16_t> live(out.begin(), out.begin() + static_cast<int64_t>(T) * g.H);
     EXPECT_EQ(0, std::memcmp(live.data(), ref.out.data(), live.size() * 2)) << "graph replay T=" << T;
-  }
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
+  });
 }
 
 // Asked for, the kernel runs where it applies; elsewhere the layer keeps the separate kernels: bf16

@@ -272,36 +272,11 @@ TEST(MoeLayerGpuGraph, OneCaptureServesEveryTokenCount) {
     auto layer = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(layer.ok());
     if (gc.path == MoeGemmPath::kAuto) EXPECT_EQ((*layer)->gemm_path(), auto_prefill_path());
-    CudaStream stream;
-    DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(cap) * g.H), dout(static_cast<size_t>(cap) * g.H);
-    DeviceBuffer<int32_t> dn(1);
     const auto x = random_x(cap, g.H, 12);
-    dx.upload(x);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    (*layer)->forward(dx.data(), dn.data(), dout.data(), stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int32_t T : gc.tokens) {
-      CUDA_CHECK(cudaMemcpyAsync(dn.data(), &T, 4, cudaMemcpyHostToDevice, stream));
-      dout.poison(0xFF, stream);
-      CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      stream.sync();
-      std::vector<uint16_t> out(static_cast<size_t>(cap) * g.H);
-      CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<int32_t> ids(static_cast<size_t>(T) * g.k);
-      std::vector<float> w(ids.size());
-      CUDA_CHECK(cudaMemcpy(ids.data(), (*layer)->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(w.data(), (*layer)->topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-      std::vector<uint16_t> live(out.begin(), out.begin() + static_cast<int64_t>(T) * g.H);
-      std::vector<uint16_t> xs(x.begin(), x.begin() + static_cast<int64_t>(T) * g.H);
-      expect_matches_oracle(L, xs, T, ids, w, live, "graph replay T=" + std::to_string(T) + " " + path_label(**layer));
-      // Rows past T stay poisoned: the replay wrote nothing there.
-      EXPECT_TRUE(testing::bytes_are(out.data() + static_cast<int64_t>(T) * g.H, (cap - T) * g.H, 0xFF));
-    }
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
+    replay_one_graph_per_token_count(**layer, x, gc.tokens, [&](int32_t T, const std::vector<uint16_t>& live) {
+      expect_last_forward_matches_oracle(L, **layer, x, T, live,
+                                         "graph replay T=" + std::to_string(T) + " " + path_label(**layer));
+    });
   }
 }
 
