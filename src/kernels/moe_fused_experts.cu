@@ -5,8 +5,8 @@
 //          of weights and block scales each, 768 row tiles in all.
 //   GEMM2: 128 row tiles (the output columns, 16 each) x K = 768: 6.75 KiB each, 1024 in all.
 //
-// Grid: one block per SM, all resident at once (the shared-memory plan leaves room for nothing
-// else), 16 consumer warps in four teams of four plus one producer warp.
+// Grid: one block per SM (launch_bounds(544, 1); the plan takes most of the shared memory), all
+// resident at once, 16 consumer warps in four teams of four plus one producer warp.
 //
 // Work: GEMM1's row tiles of all live tiles form one list (tile-major, cut into gridDim.x
 // contiguous ranges). GEMM2 is split by OUTPUT columns: block b owns output row tiles
@@ -32,8 +32,14 @@
 //
 // Deadlock freedom: every block is resident (one per SM; the dependent kernel cannot launch
 // before every block has triggered it, i.e. started); each block's GEMM1 items come before its
-// GEMM2 items in both the ring and the teams' order, so no GEMM1 item waits on a GEMM2 one. A spin
-// that exceeds kSpinTimeoutNs traps, so a broken invariant fails loudly instead of hanging.
+// GEMM2 items in both the ring and the teams' order, so no GEMM1 item waits on a GEMM2 one. Every
+// spin (the grid-wide count, the ring's barriers) traps after kSpinTimeoutNs, so a broken
+// invariant fails loudly instead of hanging.
+//
+// The ring has a multiple of four slots, so item s + slots belongs to the team that consumed item
+// s: a team waiting on a slot's full barrier has always seen its previous phase complete, which
+// the parity wait needs (with 7 slots another team could reach item s + 7 while item s was still
+// landing, and the parity of the phase before would have let it through).
 //
 // Why it is not the default (docs/PERF.md runs Q2-Q8): the phase stamps put ~1.5 us of HBM latency
 // before the first slot fills, the stream of all weights at ~3.4 TB/s (no faster than the separate
@@ -207,10 +213,14 @@ __device__ void wait_for_count(const uint32_t* counter, uint32_t target) {
   }
 }
 
-// This warp's partial sums of one 16-row weight tile (the tile's weights at ws, its scales at ss,
-// in shared memory) against the 8 token columns whose B rows start at b_row (+ 2t): the warp's
-// quarter of the K chunks, alternating two accumulator sets by k-step, int group scales applied
-// when a group ends. moe_gemm_rows_kernel's compute_tile, reading the slot instead of registers.
+// mbar_wait with the same bound as wait_for_count.
+__device__ __forceinline__ void mbar_wait_bounded(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = global_timer_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_timer_ns() - t0 > kSpinTimeoutNs) __trap();
+}
+
 // This warp's partial sums of one 16-row weight tile (the tile's weights at ws, its scales at ss,
 // in shared memory) against the 8 token columns whose B rows start at b_row (+ 2t): the warp's
 // quarter of the K chunks, RowTileSums's arithmetic as in moe_gemm_rows_kernel, reading the slot
@@ -269,9 +279,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_experts_kernel(const __
   }
   pdl_wait();  // the routing (tiles, pair ids, weights) and x come from the kernels before
   if (threadIdx.x == 0) stamp(a, kStampWaited);
-  // [TAG_PDL_EARLY_TRIGGER] The next kernel may be scheduled now: it cannot fit beside this one's
-  // blocks (shared memory), so it only takes SMs whose block has finished, and it cannot launch
-  // before every block of this grid has started, which the spin below relies on.
+  // [TAG_PDL_EARLY_TRIGGER] The next kernel may be scheduled now: at the decode shapes it cannot
+  // fit beside this one's blocks (shared memory), so it mostly takes SMs whose block has finished;
+  // and it cannot launch before every block of this grid has started, which the spin below needs.
   pdl_launch_dependents();
 
   // One round trip of independent loads: the counts, every tile's expert and pair ids, and both
@@ -324,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_experts_kernel(const __
       for (int s = 0; s < m; ++s) {
         const Item it = w.item(a, s);
         const int slot = s % pl.slots;
-        if (s >= pl.slots) mbar_wait(empty_bar(slot), ((s / pl.slots) - 1) & 1);
+        if (s >= pl.slots) mbar_wait_bounded(empty_bar(slot), ((s / pl.slots) - 1) & 1);
         const uint32_t dst = ring + static_cast<uint32_t>(slot) * pl.slot_bytes;
         const uint32_t rt_w = pl.rt_weight_bytes[it.gemm], rt_s = pl.rt_scale_bytes[it.gemm];
         if (it.gemm == 0) {  // row tiles [rt0, rt0 + n) of one expert: contiguous, two copies
@@ -361,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_experts_kernel(const __
     // in shared memory and warps 0 and 1 finish one token column each (store(lo, hi, r, column)).
     auto run_item = [&](int s, int tiles, auto&& b_row_of, auto&& tile_bytes, auto&& store) {
       const int slot = s % pl.slots;
-      mbar_wait(full_bar(slot), (s / pl.slots) & 1);
+      mbar_wait_bounded(full_bar(slot), (s / pl.slots) & 1);
       if (s < kTeams && threadIdx.x == 0) stamp(a, kStampFirstData);
       const unsigned char* slot_ptr = smem + pl.off_ring + static_cast<uint32_t>(slot) * pl.slot_bytes;
       for (int r = 0; r < tiles; ++r) {
@@ -524,7 +534,7 @@ uint32_t round_up(uint32_t v, uint32_t m) { return (v + m - 1) / m * m; }
 
 // The shared-memory plan for these shapes within `smem_limit` bytes and the work split over
 // `blocks` blocks, or false when fewer than one ring slot per team fit (Qwen3-30B-A3B nvfp4:
-// capacity 4 leaves 7 slots of 18 KiB, capacity 8 only 3).
+// capacity 4 leaves room for 7 slots of 18 KiB, so 4; capacity 8 for only 3).
 bool make_plan(MoeWeightFormat f, const MoeGemmDims& d13, const MoeGemmDims& d2, int capacity, int top_k,
                int num_experts, int max_tiles, int blocks, int smem_limit, FusedPlan& pl) {
   if (f == MoeWeightFormat::kBF16 || capacity < 1 || capacity > kFusedExpertsMaxTokens || max_tiles < 1 ||
@@ -566,6 +576,7 @@ bool make_plan(MoeWeightFormat f, const MoeGemmDims& d13, const MoeGemmDims& d2,
   take(pl.off_pair, static_cast<uint64_t>(max_tiles) * kTileRows * sizeof(int));
   const int64_t room = static_cast<int64_t>(smem_limit) - static_cast<int64_t>(off) - 2 * kMaxSlots * 8 - 1024;
   pl.slots = static_cast<int>(std::min<int64_t>(kMaxSlots, room > 0 ? room / pl.slot_bytes : 0));  // 1 KiB: static
+  pl.slots -= pl.slots % kTeams;  // item s + slots is then the same team's as item s (the kernel's header)
   if (pl.slots < kTeams) return false;
   take(pl.off_ring, static_cast<uint64_t>(pl.slots) * pl.slot_bytes);
   take(pl.off_bars, 2ull * static_cast<uint64_t>(pl.slots) * 8);
@@ -626,13 +637,18 @@ uint64_t* stamps_for_launch(int blocks) {
 
 template <MoeWeightFormat F>
 void launch_for_format(const FusedKernelArgs& args, cudaStream_t stream) {
-  // The dynamic shared-memory limit only grows: raised to the largest plan launched so far (the
-  // plans leave 1 KiB of the opt-in maximum for the static shared memory).
-  static std::atomic<uint32_t> raised{0};
-  if (raised.load(std::memory_order_relaxed) < args.plan.total) {
+  // The dynamic shared-memory limit only grows: raised to the largest plan launched so far on this
+  // device (the plans leave 1 KiB of the opt-in maximum for the static shared memory).
+  // The attribute is per device: one entry per device.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<uint32_t> raised[kMaxDevices] = {};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const bool cacheable = device >= 0 && device < kMaxDevices;
+  if (!cacheable || raised[device].load(std::memory_order_relaxed) < args.plan.total) {
     CUDA_CHECK(cudaFuncSetAttribute(moe_fused_experts_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(args.plan.total)));
-    raised.store(args.plan.total, std::memory_order_relaxed);
+    if (cacheable) raised[device].store(args.plan.total, std::memory_order_relaxed);
   }
   const int blocks = current_device_sm_count();
   FusedKernelArgs k = args;

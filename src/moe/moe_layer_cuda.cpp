@@ -401,12 +401,12 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
   // The fused kernel reads experts with the copy engine from device memory only (cold experts in
   // mapped host memory keep the three kernels) and needs 16-byte rows of x for its staging.
-  // MOEBIUS_FUSED_EXPERTS=0|1 overrides the option (an experiment knob for whole-model runs).
-  static const int fuse_override = [] {
-    const char* v = std::getenv("MOEBIUS_FUSED_EXPERTS");
-    return v == nullptr ? -1 : (std::string(v) == "1" ? 1 : 0);
-  }();
-  const bool want_fused = fuse_override >= 0 ? fuse_override == 1 : opt.fuse_experts;
+  // MOEBIUS_FUSED_EXPERTS=0|1 overrides the option in every layer (an experiment knob for
+  // whole-model runs; the GPU tests expect it unset).
+  const char* fuse_env = std::getenv("MOEBIUS_FUSED_EXPERTS");
+  if (fuse_env != nullptr && std::string(fuse_env) != "0" && std::string(fuse_env) != "1")
+    return Error::format("MOEBIUS_FUSED_EXPERTS must be 0 or 1, got '{}'", fuse_env);
+  const bool want_fused = fuse_env != nullptr ? std::string(fuse_env) == "1" : opt.fuse_experts;
   fused_experts_ = want_fused && path_ == MoeGemmPath::kDecode &&
                    opt.combine == kernels::MoeCombineMode::kStore && slots_ == E && H % 8 == 0 &&
                    kernels::moe_fused_experts_supported(kf, dims13_, dims2_, cap, block_m_, k, E, static_cast<int>(max_tiles_));

@@ -171,7 +171,9 @@ class MoeLayerCuda {
   void enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                      const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
 
-  // Whether forward() runs this stage (the fused routing replaces router, top-k and align).
+  // Whether forward() runs this stage (the fused routing replaces router, top-k and align; the
+  // fused experts replace GEMM1, GEMM2 and the combine, except in a forward whose x rows are not
+  // 16-byte aligned, which runs those three).
   bool uses_stage(MoeStage stage) const;
   bool fused_routing() const { return fused_routing_; }
   // Whether forward() runs the experts as kExpertsFused (for 16-byte aligned x rows; a forward

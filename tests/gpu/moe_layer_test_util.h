@@ -160,6 +160,7 @@ void replay_one_graph_per_token_count(MoeLayerCuda& layer, const std::vector<uin
     std::vector<uint16_t> out(static_cast<size_t>(cap) * H);
     CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
     EXPECT_TRUE(testing::bytes_are(out.data() + T * H, (cap - T) * H, 0xFF)) << "T=" << T << ": rows past T written";
+    EXPECT_TRUE(dout.guards_intact()) << "T=" << T;
     check(T, std::vector<uint16_t>(out.begin(), out.begin() + T * H));
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
