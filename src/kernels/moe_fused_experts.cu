@@ -203,22 +203,26 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Spins (one thread) until *counter >= target, with acquire semantics.
-__device__ void wait_for_count(const uint32_t* counter, uint32_t target) {
-  if (ld_acquire_gpu(counter) >= target) return;
+// Spins until ready() holds, backing off between polls of global memory (kSleep); traps after
+// kSpinTimeoutNs (a broken residency invariant: fail, do not hang).
+template <bool kSleep, class Ready>
+__device__ __forceinline__ void spin_until(Ready&& ready) {
+  if (ready()) return;
   const uint64_t t0 = global_timer_ns();
-  while (ld_acquire_gpu(counter) < target) {
-    __nanosleep(64);
-    if (global_timer_ns() - t0 > kSpinTimeoutNs) __trap();  // a broken residency invariant: fail, do not hang
+  while (!ready()) {
+    if constexpr (kSleep) __nanosleep(64);
+    if (global_timer_ns() - t0 > kSpinTimeoutNs) __trap();
   }
 }
 
-// mbar_wait with the same bound as wait_for_count.
+// One thread: until *counter >= target, with acquire semantics.
+__device__ void wait_for_count(const uint32_t* counter, uint32_t target) {
+  spin_until<true>([&] { return ld_acquire_gpu(counter) >= target; });
+}
+
+// mbar_wait with the same bound (try_wait already suspends the thread for a while).
 __device__ __forceinline__ void mbar_wait_bounded(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const uint64_t t0 = global_timer_ns();
-  while (!mbar_try_wait(bar, parity))
-    if (global_timer_ns() - t0 > kSpinTimeoutNs) __trap();
+  spin_until<false>([&] { return mbar_try_wait(bar, parity); });
 }
 
 // This warp's partial sums of one 16-row weight tile (the tile's weights at ws, its scales at ss,
@@ -637,19 +641,10 @@ uint64_t* stamps_for_launch(int blocks) {
 
 template <MoeWeightFormat F>
 void launch_for_format(const FusedKernelArgs& args, cudaStream_t stream) {
-  // The dynamic shared-memory limit only grows: raised to the largest plan launched so far on this
-  // device (the plans leave 1 KiB of the opt-in maximum for the static shared memory).
-  // The attribute is per device: one entry per device.
-  constexpr int kMaxDevices = 64;
-  static std::atomic<uint32_t> raised[kMaxDevices] = {};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  const bool cacheable = device >= 0 && device < kMaxDevices;
-  if (!cacheable || raised[device].load(std::memory_order_relaxed) < args.plan.total) {
-    CUDA_CHECK(cudaFuncSetAttribute(moe_fused_experts_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(args.plan.total)));
-    if (cacheable) raised[device].store(args.plan.total, std::memory_order_relaxed);
-  }
+  // Above 48 KiB a block needs the opt-in; not a stream operation, so legal during capture (set at
+  // every launch, as the other launchers do).
+  CUDA_CHECK(cudaFuncSetAttribute(moe_fused_experts_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(args.plan.total)));
   const int blocks = current_device_sm_count();
   FusedKernelArgs k = args;
   k.stamps = stamps_for_launch(blocks);
