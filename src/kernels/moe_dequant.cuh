@@ -158,6 +158,47 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
   }
 }
 
+// [TAG_INT_GROUP_STARTS] Where the int formats' scale groups begin among a warp's k-steps, as a
+// bit mask over a window of up to 64 consecutive k-steps: the decode k-loops test a bit whose
+// position is known at compile time (one predicate op) instead of computing k / group_size at
+// every k-step. group_size is a run-time value, so each of those divisions was a div.s32 in the
+// PTX, about ten SASS instructions: as many as the k-step's whole int4 dequantization, in kernels
+// bound by instruction issue (docs/PERF.md run R2). group_size is a multiple of 16 (check_dims), so
+// a k-step lies inside one group and a group starts at the global k-steps that are multiples of
+// group_size / 16.
+struct GroupStarts {
+  int group_steps;  // group_size / 16
+  uint64_t period;  // bits 0, group_steps, 2 group_steps, ... below 64
+
+  __device__ __forceinline__ explicit GroupStarts(int group_size) : group_steps(group_size / 16), period(0) {
+    for (int b = 0; b < 64; b += group_steps) period |= 1ull << b;
+  }
+  // Bit j: global k-step first_step + j starts a group (one division per window, not per step).
+  __device__ __forceinline__ uint64_t window(int first_step) const {
+    const int r = first_step % group_steps;
+    const int first = r == 0 ? 0 : group_steps - r;
+    return first >= 64 ? 0ull : period << first;
+  }
+  // A warp's first window: its first k-step opens the group its sums start in (the caller's
+  // current group), so no flush there.
+  __device__ __forceinline__ uint64_t first_window(int first_step) const { return window(first_step) & ~1ull; }
+  __device__ __forceinline__ int group_of(int step) const { return step / group_steps; }
+  // Whether step j of the window opens a group. kGroupK > 0: the group size is known at compile
+  // time. If the window starts on a group boundary as well (kAligned: a warp's first step), the
+  // answer is a constant once the k-loop is unrolled, with no predicate and no branch around the
+  // flush (the run-time form costs ~4 instructions a k-step: the bit test and the BSSY/BRA/BSYNC
+  // around the flush). Otherwise, when groups are whole chunks (kGroupK % KC == 0), only a chunk's
+  // first step can open one, so the bit is tested there alone.
+  template <int kGroupK, int KC, bool kAligned>
+  __device__ __forceinline__ bool opens(uint64_t window_bits, int j) const {
+    const bool bit = ((window_bits >> j) & 1ull) != 0ull;
+    if constexpr (kGroupK == 0) return bit;
+    else if constexpr (kAligned) return j > 0 && (j * 16) % kGroupK == 0;
+    else if constexpr (kGroupK % KC == 0) return (j * 16) % KC == 0 && bit;
+    else return bit;
+  }
+};
+
 // One warp's sums over its K range of a 16-row weight tile times one n8 token tile, as the decode
 // kernels (moe_gemm.cu's row-tile kernel, moe_fused_experts.cu) keep them: two accumulator sets
 // alternating by k-step (a single set is one dependent mma chain, ~30 cycles a link, that a few
@@ -169,11 +210,11 @@ struct RowTileSums {
   float grp[2][4];
   int current_group;
   const __half* tile_scales;  // int formats: the tile's [groups][16] fp16 scales
-  int group_size;
   int g;  // lane >> 2: rows g and g + 8
 
-  __device__ __forceinline__ RowTileSums(const __half* scales, int first_k, int gsize, int lane_group)
-      : current_group(kIsInt<F> ? first_k / gsize : 0), tile_scales(scales), group_size(gsize), g(lane_group) {
+  // first_group: the scale group of the warp's first k-step (GroupStarts::group_of).
+  __device__ __forceinline__ RowTileSums(const __half* scales, int first_group, int lane_group)
+      : current_group(kIsInt<F> ? first_group : 0), tile_scales(scales), g(lane_group) {
 #pragma unroll
     for (int st = 0; st < 2; ++st)
 #pragma unroll
@@ -195,17 +236,18 @@ struct RowTileSums {
   }
 
   // k-step S of chunk c (the lane's 16-byte slice w, its nvfp4 scale codes nv_sc) into set `set`,
-  // against the B fragment rows at b_row (the lane's token row + 2t).
+  // against the B fragment rows at b_row (the lane's token row + 2t). starts_group: the step opens
+  // a new scale group (int formats; bit S of the chunk's GroupStarts window).
   template <int S>
-  __device__ __forceinline__ void step(const uint4& w, uint2 nv_sc, int c, int set, const __nv_bfloat16* b_row) {
+  __device__ __forceinline__ void step(const uint4& w, uint2 nv_sc, int c, int set, const __nv_bfloat16* b_row,
+                                       bool starts_group) {
     uint32_t a[4];
     dequant_step<F, S>(w, nv_sc, a);
     const int k0 = c * kChunkK<F> + S * 16;
     if constexpr (kIsInt<F>) {
-      const int group = k0 / group_size;
-      if (group != current_group) {
+      if (starts_group) {
         flush_group();
-        current_group = group;
+        ++current_group;
       }
     }
     const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
@@ -213,10 +255,12 @@ struct RowTileSums {
     else mma_bf16(acc[set], a, q[0], q[4]);
   }
 
-  // Every k-step of chunk c, the sets alternating from `first_set`.
-  __device__ __forceinline__ void chunk(const uint4& w, uint2 nv_sc, int c, int first_set, const __nv_bfloat16* b_row) {
+  // Every k-step of chunk c, the sets alternating from `first_set`; bit S of starts: step S opens
+  // a scale group.
+  __device__ __forceinline__ void chunk(const uint4& w, uint2 nv_sc, int c, int first_set, const __nv_bfloat16* b_row,
+                                        uint32_t starts) {
     [&]<int... S>(std::integer_sequence<int, S...>) {
-      (step<S>(w, nv_sc, c, (first_set + S) % 2, b_row), ...);
+      (step<S>(w, nv_sc, c, (first_set + S) % 2, b_row, ((starts >> S) & 1u) != 0u), ...);
     }(std::make_integer_sequence<int, kSteps<F>>{});
   }
 

@@ -235,13 +235,18 @@ __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uin
   static_assert(kSteps<F> % 2 == 0, "the accumulator set alternates by k-step parity");
   const int g = lane >> 2;
   const int c_begin = (d.chunks * tw) / kTeamWarps, c_end = (d.chunks * (tw + 1)) / kTeamWarps;
-  RowTileSums<F> sums(reinterpret_cast<const __half*>(ss), c_begin * kChunkK<F>, d.group_size, g);
+  const GroupStarts starts(kIsInt<F> ? d.group_size : 1024);
+  RowTileSums<F> sums(reinterpret_cast<const __half*>(ss), kIsInt<F> ? starts.group_of(c_begin * kSteps<F>) : 0, g);
   // Chunks in batches of kBatch: the batch's weight and scale loads from shared memory all go out
   // before its first dequantization (one shared-memory latency per batch, not per chunk).
   // 17 warps leave 96 registers a thread (5 warps on one of the four register-file quarters):
   // batches of 8 spilled for nvfp4 (its scale codes are 2 more registers a chunk) and int2.
   constexpr int kBatch = F == MoeWeightFormat::kInt4 ? 8 : 4;
+  static_assert(kBatch * kSteps<F> <= 64, "a batch's k-steps fit one GroupStarts window");
   for (int c0 = c_begin; c0 < c_end; c0 += kBatch) {
+    // [TAG_INT_GROUP_STARTS] bit j: the batch's k-step j opens a scale group.
+    const uint64_t group_starts = !kIsInt<F> ? 0ull :
+        c0 == c_begin ? starts.first_window(c0 * kSteps<F>) : starts.window(c0 * kSteps<F>);
     uint4 wv[kBatch];
     uint2 sv[kBatch];
 #pragma unroll
@@ -254,7 +259,8 @@ __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uin
 #pragma unroll
     for (int p = 0; p < kBatch; ++p) {
       if (c0 + p >= c_end) break;
-      sums.chunk(wv[p], F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0u, 0u), c0 + p, 0, b_row);
+      sums.chunk(wv[p], F == MoeWeightFormat::kNvFp4 ? sv[p] : make_uint2(0u, 0u), c0 + p, 0, b_row,
+                 static_cast<uint32_t>(group_starts >> (p * kSteps<F>)));
     }
   }
   sums.finish(c_end > c_begin, sum);

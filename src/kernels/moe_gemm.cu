@@ -252,9 +252,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
     }
   }
 
-  int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
+  // [TAG_INT_GROUP_STARTS] the scale groups' first k-steps, a window per batch of chunks.
+  static_assert(kPrefetch * kSteps<F> <= 64, "a batch's k-steps fit one GroupStarts window");
+  const GroupStarts group_starts(kIsIntF ? d.group_size : 1024);
+  int current_group = kIsIntF ? group_starts.group_of(c_begin * kSteps<F>) : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     if (c0 != c_begin) load_batch(c0);
+    const uint64_t starts = !kIsIntF ? 0ull :
+        c0 == c_begin ? group_starts.first_window(c0 * kSteps<F>) : group_starts.window(c0 * kSteps<F>);
 #pragma unroll
     for (int p = 0; p < kPrefetch; ++p) {
       const int c = c0 + p;
@@ -269,10 +274,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
         dequant_step<F, S>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
-          const int group = k0 / d.group_size;
-          if (group != current_group) {
+          if ((starts >> (p * kSteps<F> + S)) & 1ull) {
             flush_group(current_group);
-            current_group = group;
+            ++current_group;
           }
         }
 #pragma unroll
@@ -345,10 +349,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // instructions of overhead each. The per-tile epilogue is split over warps 0 and 1 (one token
 // column each) and the tile's pair ids are read once per block: warp 0 alone, with a global
 // load of the pair ids in every tile, was the slowest warp of each tile.
-template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact>
+//
+// kGroupK: the int formats' group size when it is 128 (exact instances), so the group flushes
+// sit at compile-time k-steps where every warp's P chunks are whole groups (Qwen3-30B-A3B's int4
+// and int2 GEMM1), and are tested at chunk starts only otherwise (int4 GEMM2, 3 chunks a warp);
+// 0: found at run time from a GroupStarts window ([TAG_INT_GROUP_STARTS]).
+template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, int kGroupK = 0>
 __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
+  static_assert(kGroupK == 0 || (kIsIntF && kExact && kGroupK % 16 == 0), "a compile-time group size: exact int instances");
+  constexpr bool kAlignedGroups = kGroupK > 0 && (P * KC) % kGroupK == 0;  // warp ranges start on group boundaries
   constexpr int kSets = 2;
   const int tile = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -425,6 +436,11 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   const float gs_lo = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[0] * kNvFp4AccScale : 1.0f;
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
   const int my_pair = s_pair[2 * t + (warp & 1)];  // the token column this warp stores (warps 0, 1)
+  // [TAG_INT_GROUP_STARTS] Every row tile covers the same K range per warp: one window for all.
+  static_assert(P * kSteps<F> <= 64, "a warp's k-steps fit one GroupStarts window");
+  const GroupStarts group_starts(kIsIntF ? d.group_size : 1024);
+  const uint64_t starts = kIsIntF ? group_starts.first_window(c_begin * kSteps<F>) : 0ull;
+  const int first_group = kIsIntF ? group_starts.group_of(c_begin * kSteps<F>) : 0;
 
   // One row tile from the registers wv/sv: this warp's partial sums into partial[buf], then the
   // block meets once and warp 0 reduces in warp order and stores.
@@ -435,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[st][i] = grp[st][i] = 0.0f;
     const __half* tile_scales = s_group_scales + (rt - rt_begin) * d.groups * 16;
-    int current_group = kIsIntF ? (c_begin * KC) / d.group_size : 0;
+    int current_group = first_group;
     auto flush_group = [&](int group) {
       const float s_lo = __half2float(tile_scales[group * 16 + g]), s_hi = __half2float(tile_scales[group * 16 + g + 8]);
 #pragma unroll
@@ -460,10 +476,9 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
         dequant_step<F, S>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
-          const int group = k0 / d.group_size;
-          if (group != current_group) {
+          if (group_starts.opens<kGroupK, KC, kAlignedGroups>(starts, p * kSteps<F> + S)) {
             flush_group(current_group);
-            current_group = group;
+            ++current_group;
           }
         }
         const uint32_t* q = reinterpret_cast<const uint32_t*>(b_row + k0);
@@ -569,6 +584,14 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8; int2 4) and GEMM2 (K = 768: 3).
     const bool even = args.dims.chunks % kWarps == 0;
     const int per_warp = args.dims.chunks / kWarps;
+    // Group 128 (the usual GPTQ/AutoRound export) known at compile time in the exact instances.
+    if constexpr (kIsInt<F>) {
+      if (even && args.dims.group_size == 128) {
+        if (per_warp == kRowsP) return go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true, 128>);
+        if (EPI != Epilogue::kGateUp && per_warp == 3) return go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, 128>);
+        if (EPI == Epilogue::kGateUp && per_warp == 4) return go_rows(moe_gemm_rows_kernel<F, EPI, 4, true, 128>);
+      }
+    }
     if (even && per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true>);
     else if (EPI != Epilogue::kGateUp && even && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true>);
     else if (EPI == Epilogue::kGateUp && even && per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true>);

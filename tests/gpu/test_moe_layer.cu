@@ -170,14 +170,17 @@ TEST(MoeLayerGpuDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
 // bit-identical to one tile per block, for every rows-per-block value, every format (the int
 // formats' GEMM1 and int2 only when forced), odd shapes (a row-tile count that R does not divide)
 // and the oracle still holds; values outside {0, 1, 2, 4, 8} are refused.
+// [TAG_INT_GROUP_STARTS] Group 128 takes the row-tile instances with compile-time group starts
+// where the chunks per warp are exact: H = 2048 runs int4 GEMM1 P = 8 and int2 GEMM1 P = 4 (whole
+// groups per warp), I = 768 int4 GEMM2 P = 3 (warp ranges starting mid-group); H = 1024 runs int4
+// GEMM1 P = 4, against the oracle too.
 TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
   MOEBIUS_REQUIRE_GPU();
   // Qwen3-30B-A3B: H=2048, I=768, E=128, k=8; and odd widths: I = 208 is 52 GEMM1 row tiles, H =
   // 336 is 21 GEMM2 row tiles (neither divisible by 8), int groups of 16.
-  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{336, 208, 16, 4}}) {
+  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{1024, 768, 16, 4}, Geometry{336, 208, 16, 4}}) {
     for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
-      if (g.H == 2048 && f == WeightFormat::kInt2) continue;  // int2 runs one row tile unless forced
-      const int group = f == WeightFormat::kNvFp4 ? 16 : (g.H == 2048 ? 128 : 16);
+      const int group = f == WeightFormat::kNvFp4 ? 16 : (g.H >= 1024 ? 128 : 16);
       const cpu::MoeLayerReference L = make_layer(f, g, group, 41);
       for (int64_t T : {1, 8, 64}) {
         const auto x = random_x(T, g.H, 50 + T);
