@@ -109,10 +109,14 @@ __device__ __forceinline__ void store_outputs(const GemmKernelArgs& args, const 
 template <int NT, Epilogue EPI>
 inline constexpr int kMinBlocksPerSm = NT != 1 ? 1 : (EPI == Epilogue::kGateUp ? 6 : 8);
 
-template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK, bool kStageB>
+// kGroupK: 128 when the int formats' group size is 128 (staged single-token-tile instances only):
+// a group then starts only at a chunk's first k-step, so only those steps test their bit
+// ([TAG_INT_GROUP_STARTS]); 0: every step tests it.
+template <MoeWeightFormat F, int NT, Epilogue EPI, bool kOddK, bool kStageB, int kGroupK = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_kernel(const GemmKernelArgs args) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
+  static_assert(kGroupK == 0 || (kIsIntF && kGroupK % KC == 0), "a compile-time group size of whole chunks");
   const int tile = blockIdx.y;
   const int row_tile = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -274,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
         dequant_step<F, S>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
-          if ((starts >> (p * kSteps<F> + S)) & 1ull) {
+          if (group_starts.opens<kGroupK, KC, false>(starts, p * kSteps<F> + S)) {
             flush_group(current_group);
             ++current_group;
           }
@@ -604,6 +608,11 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     launch_pdl(kernel, grid, dim3(kThreads), smem, stream, args);
   };
+  // Group 128 with one staged token tile: the int2 GEMM2 (one row tile per block) and K ranges
+  // longer than the row-tile kernel's (Qwen3-235B-A22B's int4 GEMM1, K = 4096).
+  if constexpr (kIsInt<F> && 128 % kChunkK<F> == 0) {
+    if (nt == 1 && stage && args.dims.group_size == 128) return go(moe_gemm_kernel<F, 1, EPI, false, true, 128>, dyn_bytes);
+  }
 #define MOEBIUS_MOE_GEMM_CASE(NT_)                                                              \
   if (nt == NT_) {                                                                              \
     if (stage) go(moe_gemm_kernel<F, NT_, EPI, false, true>, dyn_bytes);                       \
