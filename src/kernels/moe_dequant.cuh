@@ -162,27 +162,29 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
 // bit mask over a window of up to 64 consecutive k-steps: the decode k-loops test a bit whose
 // position is known at compile time (one predicate op) instead of computing k / group_size at
 // every k-step. group_size is a run-time value, so each of those divisions was a div.s32 in the
-// PTX, about ten SASS instructions: as many as the k-step's whole int4 dequantization, in kernels
-// bound by instruction issue (docs/PERF.md run R2). group_size is a multiple of 16 (check_dims), so
+// PTX, ~5 SASS instructions (IABS, IMAD.HI, compares, a select; the reciprocal formed once), plus a
+// branch around the flush, in kernels bound by instruction issue: the int4 and int2 decode GEMMs
+// got 30-36% faster at T = 8-64 without them (docs/PERF.md runs R1-R3). group_size is a multiple of 16 (check_dims), so
 // a k-step lies inside one group and a group starts at the global k-steps that are multiples of
-// group_size / 16.
+// group_size / 16. Host and device: tests/cuda_host/test_group_starts.cu checks it on the CPU
+// against k / group_size.
 struct GroupStarts {
   int group_steps;  // group_size / 16
   uint64_t period;  // bits 0, group_steps, 2 group_steps, ... below 64
 
-  __device__ __forceinline__ explicit GroupStarts(int group_size) : group_steps(group_size / 16), period(0) {
+  __host__ __device__ __forceinline__ explicit GroupStarts(int group_size) : group_steps(group_size / 16), period(0) {
     for (int b = 0; b < 64; b += group_steps) period |= 1ull << b;
   }
   // Bit j: global k-step first_step + j starts a group (one division per window, not per step).
-  __device__ __forceinline__ uint64_t window(int first_step) const {
+  __host__ __device__ __forceinline__ uint64_t window(int first_step) const {
     const int r = first_step % group_steps;
     const int first = r == 0 ? 0 : group_steps - r;
     return first >= 64 ? 0ull : period << first;
   }
   // A warp's first window: its first k-step opens the group its sums start in (the caller's
   // current group), so no flush there.
-  __device__ __forceinline__ uint64_t first_window(int first_step) const { return window(first_step) & ~1ull; }
-  __device__ __forceinline__ int group_of(int step) const { return step / group_steps; }
+  __host__ __device__ __forceinline__ uint64_t first_window(int first_step) const { return window(first_step) & ~1ull; }
+  __host__ __device__ __forceinline__ int group_of(int step) const { return step / group_steps; }
   // Whether step j of the window opens a group. kGroupK > 0: the group size is known at compile
   // time. If the window starts on a group boundary as well (kAligned: a warp's first step), the
   // answer is a constant once the k-loop is unrolled, with no predicate and no branch around the
@@ -190,7 +192,7 @@ struct GroupStarts {
   // around the flush). Otherwise, when groups are whole chunks (kGroupK % KC == 0), only a chunk's
   // first step can open one, so the bit is tested there alone.
   template <int kGroupK, int KC, bool kAligned>
-  __device__ __forceinline__ bool opens(uint64_t window_bits, int j) const {
+  __host__ __device__ __forceinline__ bool opens(uint64_t window_bits, int j) const {
     const bool bit = ((window_bits >> j) & 1ull) != 0ull;
     if constexpr (kGroupK == 0) return bit;
     else if constexpr (kAligned) return j > 0 && (j * 16) % kGroupK == 0;
