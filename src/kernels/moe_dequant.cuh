@@ -201,6 +201,13 @@ struct GroupStarts {
   }
 };
 
+// The group starts of format F's kernels: the int formats' from their group size; the others
+// never read them, and a 1024-element "group" keeps the unused constructor to one iteration.
+template <MoeWeightFormat F>
+__device__ __forceinline__ GroupStarts group_starts_of(int group_size) {
+  return GroupStarts(kIsInt<F> ? group_size : 1024);
+}
+
 // One warp's sums over its K range of a 16-row weight tile times one n8 token tile, as the decode
 // kernels (moe_gemm.cu's row-tile kernel, moe_fused_experts.cu) keep them: two accumulator sets
 // alternating by k-step (a single set is one dependent mma chain, ~30 cycles a link, that a few

@@ -235,7 +235,7 @@ __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uin
   static_assert(kSteps<F> % 2 == 0, "the accumulator set alternates by k-step parity");
   const int g = lane >> 2;
   const int c_begin = (d.chunks * tw) / kTeamWarps, c_end = (d.chunks * (tw + 1)) / kTeamWarps;
-  const GroupStarts starts(kIsInt<F> ? d.group_size : 1024);
+  const GroupStarts starts = group_starts_of<F>(d.group_size);
   RowTileSums<F> sums(reinterpret_cast<const __half*>(ss), kIsInt<F> ? starts.group_of(c_begin * kSteps<F>) : 0, g);
   // Chunks in batches of kBatch: the batch's weight and scale loads from shared memory all go out
   // before its first dequantization (one shared-memory latency per batch, not per chunk).

@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 
   // [TAG_INT_GROUP_STARTS] the scale groups' first k-steps, a window per batch of chunks.
   static_assert(kPrefetch * kSteps<F> <= 64, "a batch's k-steps fit one GroupStarts window");
-  const GroupStarts group_starts(kIsIntF ? d.group_size : 1024);
+  const GroupStarts group_starts = group_starts_of<F>(d.group_size);
   int current_group = kIsIntF ? group_starts.group_of(c_begin * kSteps<F>) : 0;
   for (int c0 = c_begin; c0 < c_end; c0 += kPrefetch) {
     if (c0 != c_begin) load_batch(c0);
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   const int my_pair = s_pair[2 * t + (warp & 1)];  // the token column this warp stores (warps 0, 1)
   // [TAG_INT_GROUP_STARTS] Every row tile covers the same K range per warp: one window for all.
   static_assert(P * kSteps<F> <= 64, "a warp's k-steps fit one GroupStarts window");
-  const GroupStarts group_starts(kIsIntF ? d.group_size : 1024);
+  const GroupStarts group_starts = group_starts_of<F>(d.group_size);
   const uint64_t starts = kIsIntF ? group_starts.first_window(c_begin * kSteps<F>) : 0ull;
   const int first_group = kIsIntF ? group_starts.group_of(c_begin * kSteps<F>) : 0;
 
@@ -586,20 +586,22 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
       launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
     };
     // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8; int2 4) and GEMM2 (K = 768: 3).
+    // G: the compile-time group size (128, the usual GPTQ/AutoRound export, for the int formats)
+    // or 0 (found at run time).
     const bool even = args.dims.chunks % kWarps == 0;
     const int per_warp = args.dims.chunks / kWarps;
-    // Group 128 (the usual GPTQ/AutoRound export) known at compile time in the exact instances.
-    if constexpr (kIsInt<F>) {
-      if (even && args.dims.group_size == 128) {
-        if (per_warp == kRowsP) return go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true, 128>);
-        if (EPI != Epilogue::kGateUp && per_warp == 3) return go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, 128>);
-        if (EPI == Epilogue::kGateUp && per_warp == 4) return go_rows(moe_gemm_rows_kernel<F, EPI, 4, true, 128>);
-      }
-    }
-    if (even && per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true>);
-    else if (EPI != Epilogue::kGateUp && even && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true>);
-    else if (EPI == Epilogue::kGateUp && even && per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true>);
-    else go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, false>);
+    auto go_exact = [&](auto group_k) {
+      constexpr int G = decltype(group_k)::value;
+      if (!even) return false;
+      if (per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true, G>);
+      else if (EPI != Epilogue::kGateUp && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, G>);
+      else if (EPI == Epilogue::kGateUp && per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true, G>);
+      else return false;
+      return true;
+    };
+    bool launched = false;
+    if constexpr (kIsInt<F>) launched = args.dims.group_size == 128 && go_exact(std::integral_constant<int, 128>{});
+    if (!launched && !go_exact(std::integral_constant<int, 0>{})) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, false>);
     return;
   }
   auto go = [&](auto kernel, size_t smem) {
