@@ -161,8 +161,8 @@ void register_bench_moe(CLI::App& bench) {
                   "(sm_90a; cuda only)")
       ->capture_default_str();
   cmd->add_option("--block-m", opts->block_m,
-                  "tokens per GEMM tile (cuda only): 0 = the layer's choice; decode 8/16/32/64, prefill and "
-                  "wgmma 64, or 128 for bf16/nvfp4")
+                  "tokens per GEMM tile (cuda only): 0 = the layer's choice; decode 8/16/32/64, wgmma 64/128, "
+                  "prefill (mma.sync) 64, or 128 for bf16/nvfp4")
       ->capture_default_str();
   cmd->add_option("--routing", opts->routing,
                   "cuda only: auto (one fused routing kernel up to the layer's fused capacity) or separate "

@@ -7,7 +7,8 @@
 // Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
 //   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
 //              exact small integers. The group scale multiplies the fp32 accumulator when the
-//              group ends, so weights enter the mma exactly.
+//              group ends, so weights enter the mma exactly (decode and mma.sync prefill; the
+//              wgmma prefill GEMM folds the scale into the weight: [TAG_INT_FOLDED_SCALE]).
 //   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15
 //              (a rotation and a mask per register, two for the fourth: moe::kNvFp4Rotation),
 //              which is the e2m1 value times 2^-126 (a bf16 subnormal when the exponent bits are
@@ -21,6 +22,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -71,8 +73,10 @@ inline constexpr bool kIsInt = F == MoeWeightFormat::kInt4 || F == MoeWeightForm
 // subnormal code trick contributes 2^-126, so the accumulator is rescaled by scale_2 * 2^52.
 inline constexpr float kNvFp4AccScale = 4503599627370496.0f;  // 2^52 = 2^(126 - 74)
 
-__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+__host__ __device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__host__ __device__ __forceinline__ __nv_bfloat162 as_bf16x2(uint32_t v) {
+  return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
 
 // Shared-memory address of a generic pointer, for the asm below.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -155,6 +159,47 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
     a[1] = bf16x2_bits(__hmul2(as_bf16x2(c1), s_hi));  // row g + 8
     a[2] = bf16x2_bits(__hmul2(as_bf16x2(c2), s_lo));
     a[3] = bf16x2_bits(__hmul2(as_bf16x2(c3), s_hi));
+  }
+}
+
+// [TAG_INT_FOLDED_SCALE] The int formats in the wgmma prefill GEMM (moe_gemm_wgmma.cu): the group
+// scale is multiplied into the weight before the tensor core, so every k-step accumulates into one
+// fp32 set and the tile can be 128 tokens wide, as nvfp4's. (The exact alternative, a per-group
+// accumulator set flushed as acc += grp * scale, needs twice the accumulator registers, which
+// capped the int tiles at 64 tokens, and a wgmma drain (wait_group 0) at every group end: docs/PERF.md
+// runs R5-R6.) The weight enters the mma as RN_bf16(q * s): the exact dequantized value rounded
+// ONCE to bf16, i.e. what a bf16 copy of the dequantized checkpoint holds (relative error <= 2^-9,
+// as Marlin-class kernels; the decode kernels keep the exact path).
+// One rounding from two bf16 ops: s (fp16, 11 significant bits) = s_hi + s_lo with s_hi =
+// RN_bf16(s) and s_lo = s - s_hi, a multiple of ulp_fp16(s) of magnitude <= ulp_bf16(s) / 2, so at
+// most 3 significant bits: exact in bf16. |q| <= 8 has at most 3 significant bits, so q * s_lo (<= 6
+// bits) is exact, and fma(q, s_hi, q * s_lo) rounds q * s_hi + q * s_lo = q * s once. Per register:
+// the exact q pair (dequant_step), one HMUL2, one HFMA2. The host mirror is
+// moe::folded_int_weight (expert_layout.h); tests/cuda_host/test_int_folded_scale.cu checks the
+// split on the CPU for every finite fp16 scale and every q.
+struct IntFoldedScale {
+  uint32_t hi, lo;  // bf16x2 {s_hi, s_lo} of rows {g, g + 8}
+};
+
+__host__ __device__ __forceinline__ IntFoldedScale int_folded_scale(__half s_row_g, __half s_row_g8) {
+  const float a = __half2float(s_row_g), b = __half2float(s_row_g8);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(a, b);
+  const float2 back = __bfloat1622float2(hi);
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(a - back.x, b - back.y);  // exact (above)
+  return {bf16x2_bits(hi), bf16x2_bits(lo)};
+}
+
+// a: the exact integer pairs of one k-step (dequant_step), rows g (a[0], a[2]) and g + 8 (a[1],
+// a[3]); becomes RN_bf16(q * s) per element.
+__device__ __forceinline__ void fold_int_scale(uint32_t (&a)[4], IntFoldedScale sc) {
+  const __nv_bfloat162 hi = as_bf16x2(sc.hi), lo = as_bf16x2(sc.lo);
+  const __nv_bfloat162 hi_g = __low2bfloat162(hi), hi_g8 = __high2bfloat162(hi);
+  const __nv_bfloat162 lo_g = __low2bfloat162(lo), lo_g8 = __high2bfloat162(lo);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 q = as_bf16x2(a[j]);
+    const bool row_g = (j & 1) == 0;
+    a[j] = bf16x2_bits(__hfma2(q, row_g ? hi_g : hi_g8, __hmul2(q, row_g ? lo_g : lo_g8)));
   }
 }
 

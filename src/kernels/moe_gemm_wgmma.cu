@@ -64,11 +64,12 @@
 // 1024 B apart (descriptor stride byte offset 1024; leading byte offset unused for swizzled
 // K-major), and k-step s of a panel starts at +32 s bytes (the hardware applies the XOR on the
 // address bits, which is why every panel starts on a 1 KiB boundary: matrix base offset 0).
-// Dequant and scales as the mma.sync kernels (moe_dequant.cuh): int4/int2 exact integers, the fp16
-// group scale applied to a per-group fp32 accumulator set (wgmma scale-d = 0 starts a group; at
-// the group end wait_group 0, then acc += grp * scale: exact, and the reason the int formats run
-// at block_m 64: 2 x 32 + 2 x 32 fp32 per thread at N = 64); nvfp4 block scale folded into the bf16
-// weight (x 2^74), global scale x 2^52 on the final sums; bf16 as is.
+// Dequant and scales (moe_dequant.cuh): nvfp4 block scale folded into the bf16 weight (x 2^74,
+// exact), global scale x 2^52 on the final sums; int4/int2 the fp16 group scale folded into the
+// weight too, RN_bf16(q * s) rounded once ([TAG_INT_FOLDED_SCALE]; unlike the decode and mma.sync
+// kernels, which keep the exact integers and scale a per-group accumulator: that set doubled the
+// accumulator registers, which held the int formats at block_m 64, and drained the wgmma pipe at
+// every group end); bf16 as is. So every format runs one accumulator set at block_m 64 or 128.
 // Determinism: each output element is one thread's accumulator over K in a fixed order (the
 // hardware's fixed reduction order inside a wgmma); no split-K, no atomics in kStore mode.
 // Resources (nvcc 13.0, sm_90a, -Xptxas -v): see docs/MOE_KERNELS.md (registers per instance, no
@@ -486,52 +487,43 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
   }
 
   float acc[kMF][ND];
-  float grp[kMF][kInt ? ND : 1];  // int formats: the current group's unscaled sums
 #pragma unroll
   for (int mf = 0; mf < kMF; ++mf) {
 #pragma unroll
     for (int i = 0; i < ND; ++i) acc[mf][i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < (kInt ? ND : 1); ++i) grp[mf][i] = 0.0f;
   }
 
-  // Int formats: fp16 group scales of rows g and g+8 of each tile, loaded a group ahead.
-  float sc_lo[kMF] = {}, sc_hi[kMF] = {};
+  // Int formats ([TAG_INT_FOLDED_SCALE]): the group scales of rows g and g+8 of each tile are
+  // folded into the weights, RN_bf16(q * s). `folded` is the current group's split pair; the next
+  // group's fp16 values are loaded a group ahead, so the switch at a group end finds them landed.
+  IntFoldedScale folded[kMF] = {};
+  __half next_lo[kMF], next_hi[kMF];
   int group = 0, gstep = 0;
   const int group_steps = kInt ? d.group_size / 16 : 1;
   auto load_group_scales = [&](int q) {
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf) {
+      next_lo[mf] = next_hi[mf] = __float2half(0.0f);
       if (my_ok[mf] && q < d.groups) {
         const __half* s =
             static_cast<const __half*>(ptrs.scales) + (static_cast<int64_t>(my_rt[mf]) * d.groups + q) * 16;
-        sc_lo[mf] = __half2float(__ldg(s + g));
-        sc_hi[mf] = __half2float(__ldg(s + g + 8));
+        next_lo[mf] = __ldg(s + g);
+        next_hi[mf] = __ldg(s + g + 8);
       }
     }
   };
-  // acc += grp * scale, after wait_group 0 (the group's wgmma have written grp).
-  auto flush_group = [&]() {
+  auto start_group = [&]() {
 #pragma unroll
-    for (int mf = 0; mf < kMF; ++mf) {
-      fence_regs(grp[mf]);
-#pragma unroll
-      for (int j = 0; j < ND / 4; ++j) {
-        acc[mf][4 * j + 0] += grp[mf][4 * j + 0] * sc_lo[mf];
-        acc[mf][4 * j + 1] += grp[mf][4 * j + 1] * sc_lo[mf];
-        acc[mf][4 * j + 2] += grp[mf][4 * j + 2] * sc_hi[mf];
-        acc[mf][4 * j + 3] += grp[mf][4 * j + 3] * sc_hi[mf];
-      }
-      fence_regs(grp[mf]);
-    }
+    for (int mf = 0; mf < kMF; ++mf) folded[mf] = int_folded_scale(next_lo[mf], next_hi[mf]);
+    load_group_scales(group + 1);
   };
-  if constexpr (kInt) load_group_scales(0);
+  if constexpr (kInt) {
+    load_group_scales(0);
+    start_group();
+  }
 
 #pragma unroll
-  for (int mf = 0; mf < kMF; ++mf) {
-    fence_regs(acc[mf]);
-    if constexpr (kInt) fence_regs(grp[mf]);
-  }
+  for (int mf = 0; mf < kMF; ++mf) fence_regs(acc[mf]);
 
   uint32_t a[2][kMF][4];  // A fragments, double-buffered by k-step parity
   uint4 w[kMF];
@@ -558,25 +550,19 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         dequant_step<F, S>(w[mf], F == MoeWeightFormat::kNvFp4 ? nv_sc[mf] : make_uint2(0, 0), a[buf][mf]);
+        if constexpr (kInt) fold_int_scale(a[buf][mf], folded[mf]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) fence_reg(a[buf][mf][j]);
       }
       // k-step s: panel s / 4, bytes 32 (s % 4) into each 128-byte row.
       const uint64_t desc = sw128_desc(acts + (s / 4) * (BN * 128) + (s % 4) * 32);
-      const int scale_d = kInt ? (gstep != 0) : 1;
       wgmma_fence();
 #pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        if constexpr (kInt) wgmma_bf16<N>(grp[mf], a[buf][mf], desc, scale_d);
-        else wgmma_bf16<N>(acc[mf], a[buf][mf], desc, scale_d);
-      }
+      for (int mf = 0; mf < kMF; ++mf) wgmma_bf16<N>(acc[mf], a[buf][mf], desc, 1);
       wgmma_commit();
       wgmma_wait<1>();
 #pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        if constexpr (kInt) fence_regs(grp[mf]);
-        else fence_regs(acc[mf]);
-      }
+      for (int mf = 0; mf < kMF; ++mf) fence_regs(acc[mf]);
       if constexpr (s == 0) {
         // Every wgmma of the item's previous stage has completed (only this step's group may be
         // pending): release its slot to the producer.
@@ -585,11 +571,9 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
       }
       if constexpr (kInt) {
         if (++gstep == group_steps) {  // the group ends with this k-step (block-uniform)
-          wgmma_wait<0>();
-          flush_group();
           gstep = 0;
           ++group;
-          load_group_scales(group);
+          start_group();
         }
       }
     };
@@ -605,17 +589,11 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int mf = 0; mf < kMF; ++mf) {
-    fence_regs(acc[mf]);
-    if constexpr (kInt) fence_regs(grp[mf]);
-  }
+  for (int mf = 0; mf < kMF; ++mf) fence_regs(acc[mf]);
   // The item's last stage is consumed: release it now, so the producer refills it with the next
   // item's data during this epilogue.
   if (lane == 0) mbar_arrive(empty0 + 8 * prev_slot);
   __syncwarp();
-  if constexpr (kInt) {
-    if (gstep != 0) flush_group();  // K ended inside a group
-  }
 
   // Epilogue: acc[mf][4j + {0,1}] = row g, tokens 8j+2t, 8j+2t+1; acc[mf][4j + {2,3}] = row g+8,
   // same tokens; rows of tile my_rt[mf].
@@ -746,14 +724,15 @@ void launch_kernel(GemmKernelArgs args, cudaStream_t stream) {
   launch_pdl(kernel, dim3(blocks), dim3(kThreads), L::kTotal, stream, args);
 }
 
-// The instantiated configurations, as the mma.sync prefill kernel: 64-token tiles for every
-// format; 128 for bf16 (its weights are 4x the bytes per flop of nvfp4, so it needs the wider
-// tile for L2 intensity) and nvfp4. The int formats keep the group accumulator set and stay at 64.
+// The instantiated configurations: 64- and 128-token tiles for every format (the mma.sync prefill
+// kernel has 128 for bf16 and nvfp4 only: its int formats keep the exact group accumulator set).
+// The wide tile halves the activation bytes and the dequantization per flop; bf16 needs it for L2
+// intensity (its weights are 4x the bytes per flop of nvfp4).
 template <Epilogue EPI>
 void launch_format(MoeWeightFormat format, const GemmKernelArgs& args, cudaStream_t stream) {
   const int bm = args.tiles.block_m;
   MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_compiled(), "wgmma GEMM: this build has no sm_90a kernels (MOEBIUS_CUDA_ARCHS)");
-  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_supports(format, bm), "wgmma GEMM: block_m must be 64, or 128 for bf16 and nvfp4");
+  MOEBIUS_LAUNCH_ASSERT(moe_gemm_wgmma_supports(format, bm), "wgmma GEMM: block_m must be 64 or 128");
   switch (format) {
     case MoeWeightFormat::kBF16:
       if (bm == 128) return launch_kernel<MoeWeightFormat::kBF16, 128, EPI>(args, stream);
@@ -762,8 +741,10 @@ void launch_format(MoeWeightFormat format, const GemmKernelArgs& args, cudaStrea
       if (bm == 128) return launch_kernel<MoeWeightFormat::kNvFp4, 128, EPI>(args, stream);
       return launch_kernel<MoeWeightFormat::kNvFp4, 64, EPI>(args, stream);
     case MoeWeightFormat::kInt4:
+      if (bm == 128) return launch_kernel<MoeWeightFormat::kInt4, 128, EPI>(args, stream);
       return launch_kernel<MoeWeightFormat::kInt4, 64, EPI>(args, stream);
     case MoeWeightFormat::kInt2:
+      if (bm == 128) return launch_kernel<MoeWeightFormat::kInt2, 128, EPI>(args, stream);
       return launch_kernel<MoeWeightFormat::kInt2, 64, EPI>(args, stream);
   }
 }

@@ -11,8 +11,8 @@
 // the same [TAG_EXPERT_TILE_LAYOUT] bytes: a layer can switch between the three GEMM kernel
 // families per launch without repacking.
 //
-//   tiles.block_m: 64 (every format) or 128 (bf16 and nvfp4), as the mma.sync prefill kernel, so
-//                  either prefill kernel can run any tile set the other can.
+//   tiles.block_m: 64 or 128 for every format (the mma.sync prefill kernel: 128 for bf16 and
+//                  nvfp4 only, so it runs every tile set of those, and the int formats' at 64).
 // Alignment: activation rows must be 16-byte aligned (x or h 16-byte aligned and the row stride a
 // multiple of 8 elements); the launchers assert it. The MoE layer checks x before it calls and
 // runs GEMM1 on the mma.sync prefill kernel otherwise (GEMM2 reads the layer's own h, always
@@ -40,11 +40,19 @@ bool moe_gemm_wgmma_compiled();
 // True when the kernels are compiled in and the current device is compute capability 9.0.
 bool moe_gemm_wgmma_available();
 
-// True when the wgmma kernels run this format at this block_m (the same set as the mma.sync
-// prefill kernels: 64 for every format, 128 for bf16 and nvfp4).
+// True when the wgmma kernels run this format at this block_m: 64 or 128 for every format (the
+// mma.sync prefill kernels take 128 for bf16 and nvfp4 only).
 inline bool moe_gemm_wgmma_supports(MoeWeightFormat format, int block_m) {
-  if (block_m == 64) return true;
-  return block_m == 128 && (format == MoeWeightFormat::kBF16 || format == MoeWeightFormat::kNvFp4);
+  (void)format;
+  return block_m == 64 || block_m == 128;
+}
+
+// True when the wgmma kernels round this format's dequantized weights to bf16 before the tensor
+// core: the int formats, whose fp16 group scale is folded into the weight as RN_bf16(q * s)
+// ([TAG_INT_FOLDED_SCALE], kernels/moe_dequant.cuh; host mirror moe::folded_int_weight). nvfp4's
+// fold is exact (4 x 2 significant bits) and bf16 is the weight itself.
+inline bool moe_gemm_wgmma_rounds_weights(MoeWeightFormat format) {
+  return format == MoeWeightFormat::kInt4 || format == MoeWeightFormat::kInt2;
 }
 
 // Whether activation rows starting at p with this stride (elements) are 16-byte aligned, which the

@@ -340,4 +340,6 @@ void unpack_to_float(const PackedMatrix& p, float* out) {
   }
 }
 
+float folded_int_weight(float exact) { return bf16_bits_to_float(float_to_bf16_bits(exact)); }
+
 }  // namespace moebius::moe

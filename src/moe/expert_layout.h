@@ -148,4 +148,10 @@ Result<PackedMoeLayer> pack_moe_layer(const cpu::MoeLayerReference& layer);
 // packed bytes with exactly the arithmetic of dequantize_rows(). Tests use it to check the repack.
 void unpack_to_float(const PackedMatrix& p, float* out);
 
+// [TAG_INT_FOLDED_SCALE] The weight the wgmma prefill GEMM multiplies for an int format: the exact
+// dequantized value q * s (unpack_to_float's, exact in fp32) rounded once to bf16, nearest even.
+// The device side is fold_int_scale (kernels/moe_dequant.cuh); tests use this to build the
+// reference of that kernel.
+float folded_int_weight(float exact);
+
 }  // namespace moebius::moe

@@ -62,13 +62,13 @@ int pick_prefill_block_m(KernelFormat format, int capacity, int top_k, int num_e
   return format == KernelFormat::kBF16 && avg >= 128 ? 128 : 64;
 }
 
-// wgmma: 128-token tiles for bf16 and nvfp4 once the expected tokens per expert reach 128 (L2
-// intensity, and a wider wgmma); an expert's last tile runs at N = 64 when it is at most half
-// full, which halves the padding cost of the wider tile. The int formats keep 64 (their group
-// accumulators). Unmeasured first guess; the autotuner issue replaces it.
-int pick_wgmma_block_m(KernelFormat format, int capacity, int top_k, int num_experts) {
-  const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
-  return (format == KernelFormat::kBF16 || format == KernelFormat::kNvFp4) && avg >= 128 ? 128 : 64;
+// wgmma: 128-token tiles for every format once the expected tokens per expert reach 128 (L2
+// intensity, half the dequantization per flop, and a wider wgmma); an expert's last tile runs at
+// N = 64 when it is at most half full, which halves the padding cost of the wider tile. The int
+// formats join at 128 since their group scale is folded into the weight ([TAG_INT_FOLDED_SCALE]).
+// The autotuner measures both.
+int pick_wgmma_block_m(int capacity, int top_k, int num_experts) {
+  return tokens_per_expert(capacity, top_k, num_experts) >= 128 ? 128 : 64;
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -340,10 +340,10 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
       break;
   }
   if (path_ == MoeGemmPath::kPrefillWgmma) {
-    block_m_ = opt.block_m ? opt.block_m : pick_wgmma_block_m(format_, cap, k, E);
+    block_m_ = opt.block_m ? opt.block_m : pick_wgmma_block_m(cap, k, E);
     if (!kernels::moe_gemm_wgmma_supports(kf, block_m_))
-      return Error::format("the wgmma GEMMs take block_m 64 (any format) or 128 (bf16, nvfp4); got {} for {}",
-                           block_m_, kernel_format_name(format_));
+      return Error::format("the wgmma GEMMs take block_m 64 or 128; got {} for {}", block_m_,
+                           kernel_format_name(format_));
   } else if (path_ == MoeGemmPath::kPrefill) {
     block_m_ = opt.block_m ? opt.block_m : pick_prefill_block_m(format_, cap, k, E);
     if (!kernels::moe_gemm_prefill_supports(kf, block_m_))
@@ -388,7 +388,9 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   take(work_counters_, 4);
   take(fused_sync_, kernels::kFusedExpertsSyncWords);
   take(h_, static_cast<size_t>(max_padded_) * h_stride_);  // zeroed: columns past I are never written
-  take(y_, static_cast<size_t>(cap) * k * H);
+  // y doubles as the aligned copy of an unaligned x for the wgmma GEMM1 (enqueue_stage): it is free
+  // until GEMM2 writes it, and cap x H fp32 per slot is >= cap x round8(H) bf16 once H >= 8.
+  take(y_, std::max(static_cast<size_t>(cap) * k * H, (static_cast<size_t>(cap) * aligned_x_stride() + 1) / 2));
   if (opt.workspace_pool) {
     MOEBIUS_ASSIGN_OR_RETURN(workspace_, opt.workspace_pool->acquire(layout, total));
   } else {
@@ -691,10 +693,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
     gate_up = &kernels::launch_moe_gemm_prefill_gate_up;
     down = &kernels::launch_moe_gemm_prefill_down;
   } else if (path_ == MoeGemmPath::kPrefillWgmma) {
-    // wgmma gathers x with 16-byte copies; x is the caller's, so a forward with unaligned rows
-    // runs GEMM1 on the mma.sync prefill kernel, which takes the same tiles (same block_m set).
-    gate_up = kernels::moe_gemm_wgmma_rows_aligned(x, H) ? &kernels::launch_moe_gemm_wgmma_gate_up
-                                                         : &kernels::launch_moe_gemm_prefill_gate_up;
+    gate_up = &kernels::launch_moe_gemm_wgmma_gate_up;
     down = &kernels::launch_moe_gemm_wgmma_down;
   }
   switch (stage) {
@@ -744,10 +743,23 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       kernels::launch_moe_fused_experts(a, stream);
       return;
     }
-    case MoeStage::kGateUp:
+    case MoeStage::kGateUp: {
       tiles.work_counter = work_counters_;
-      gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, x, H, act_, h_, h_stride_, stream);
+      const __nv_bfloat16* gx = x;
+      int gx_stride = H;
+      if (path_ == MoeGemmPath::kPrefillWgmma && !kernels::moe_gemm_wgmma_rows_aligned(x, H)) {
+        // wgmma gathers x rows with 16-byte copies and x is the caller's: a forward with unaligned
+        // rows copies them (all capacity rows, the live count is on the device) into y, which is
+        // free until GEMM2, at an aligned stride. A copy node, so graph capture still holds.
+        gx_stride = aligned_x_stride();
+        auto* staged = reinterpret_cast<__nv_bfloat16*>(y_);
+        CUDA_CHECK(cudaMemcpy2DAsync(staged, sizeof(__nv_bfloat16) * gx_stride, x, sizeof(__nv_bfloat16) * H,
+                                     sizeof(__nv_bfloat16) * H, cap, cudaMemcpyDeviceToDevice, stream));
+        gx = staged;
+      }
+      gate_up(f, use_staging_ ? res_->staged13 : table13_, dims13_, tiles, gx, gx_stride, act_, h_, h_stride_, stream);
       return;
+    }
     case MoeStage::kDown:
       tiles.work_counter = work_counters_ + 2;
       if (store) {

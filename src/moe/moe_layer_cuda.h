@@ -47,11 +47,12 @@ const char* moe_stage_name(MoeStage s);
 // per block, streams weights; for few tokens per expert). kPrefill: moe_gemm_prefill.cuh (256 x
 // block_m block tiles on mma.sync over a cp.async pipeline; for many tokens per expert).
 // kPrefillWgmma: moe_gemm_wgmma.cuh (the same tiles on Hopper wgmma; needs a build with 90a in
-// MOEBIUS_CUDA_ARCHS and a compute capability 9.0 GPU; GEMM1 runs on the mma.sync prefill kernel
-// for a forward whose x rows are not 16-byte aligned). kAuto picks decode or prefill from the
+// MOEBIUS_CUDA_ARCHS and a compute capability 9.0 GPU; a forward whose x rows are not 16-byte
+// aligned first copies x to an aligned stride). kAuto picks decode or prefill from the
 // expected tokens per expert at full capacity (see kPrefillMinTokensPerExpert), and for prefill
 // kPrefillWgmma where it is available, else kPrefill. All read the same packed weights; results
-// agree to the bf16 rounding of h.
+// agree to the bf16 rounding of h (and, for the int formats on kPrefillWgmma, of the weights:
+// [TAG_INT_FOLDED_SCALE]).
 enum class MoeGemmPath : uint8_t { kAuto, kDecode, kPrefill, kPrefillWgmma };
 const char* moe_gemm_path_name(MoeGemmPath p);
 
@@ -88,7 +89,7 @@ struct MoeCudaOptions {
   int capacity = 1;  // the most tokens one forward may carry
   kernels::MoeCombineMode combine = kernels::MoeCombineMode::kStore;
   // Tokens per GEMM tile; 0 = pick from capacity * k / E and the path. Decode: 8, 16, 32, 64.
-  // Prefill (both kernels): 64, or 128 for bf16 and nvfp4.
+  // Prefill: 64 or 128 (kPrefill: 128 for bf16 and nvfp4 only).
   int block_m = 0;
   MoeGemmPath gemm_path = MoeGemmPath::kAuto;
   // Fused small-batch routing (one kernel for router, top-k and align) when the capacity allows
@@ -276,6 +277,9 @@ class MoeLayerCuda {
   kernels::MoeGemmDims dims13_, dims2_;
   size_t expert_bytes_ = 0;
   int h_stride_ = 0;
+  // Row stride (elements) of the aligned copy of an unaligned x for the wgmma GEMM1: H rounded up
+  // to 8 (16-byte rows).
+  int aligned_x_stride() const { return static_cast<int>((shape_.hidden + 7) / 8 * 8); }
   int64_t max_padded_ = 0, max_tiles_ = 0, grid_tiles_ = 0;
 
   std::shared_ptr<std::vector<Buffer>> weights_;  // experts, tables, router: shared by share_weights()

@@ -33,7 +33,8 @@ const std::vector<PathCandidates>& tuned_paths() {
         {moe::MoeGemmPath::kPrefill, {64, 128}},
     };
     // The Hopper wgmma kernels where this build and GPU run them (a layer refuses the path
-    // otherwise; block_m 128 only for bf16 and nvfp4, which the layer checks).
+    // otherwise; the mma.sync prefill path takes block_m 128 for bf16 and nvfp4 only, which the
+    // layer checks).
     if (kernels::moe_gemm_wgmma_available()) p.push_back({moe::MoeGemmPath::kPrefillWgmma, {64, 128}});
     return p;
   }();

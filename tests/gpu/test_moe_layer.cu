@@ -217,8 +217,9 @@ TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
 }
 
 // The automatic choice takes the prefill kernels for many tokens per expert (wgmma where the
-// build and the device have it), with 128-token tiles for bf16 (and nvfp4 on wgmma); explicit
-// 128-token tiles also run nvfp4, and are refused for the int formats.
+// build and the device have it), with 128-token tiles for bf16 (and every format on wgmma);
+// explicit 128-token tiles on the mma.sync prefill kernel also run nvfp4, and are refused for the
+// int formats.
 TEST(MoeLayerGpuPath, AutoChoiceAndPrefillTiles128) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{256, 128, 128, 8};
@@ -229,8 +230,7 @@ TEST(MoeLayerGpuPath, AutoChoiceAndPrefillTiles128) {
     auto big = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(big.ok());
     EXPECT_EQ((*big)->gemm_path(), auto_prefill_path());
-    const bool tiles128 =
-        f == WeightFormat::kBF16 || (f == WeightFormat::kNvFp4 && auto_prefill_path() == MoeGemmPath::kPrefillWgmma);
+    const bool tiles128 = f == WeightFormat::kBF16 || auto_prefill_path() == MoeGemmPath::kPrefillWgmma;
     EXPECT_EQ((*big)->block_m(), tiles128 ? 128 : 64);
     opt.capacity = 64;  // 4 tokens per expert
     auto small = MoeLayerCuda::create(L, opt);

@@ -2,7 +2,8 @@
 // layers:
 //   1. Kernel level, element by element (MoeWgmmaKernel*): each launcher on hand-built tiles over
 //      the real packed weights, every output element against a double-precision dot product of
-//      the packed matrices' exact dequantized values (moe::unpack_to_float), with a bound derived
+//      the packed matrices' dequantized values (moe::unpack_to_float; the int formats' rounded
+//      once to bf16 as the kernel folds them, moe::folded_int_weight), with a bound derived
 //      from fp32 accumulation error, so a fragment, descriptor, swizzle or epilogue mapping mistake
 //      fails loudly and names the element. Outputs are poisoned, and so are the inputs the kernel
 //      must never read (activation columns past K, h rows of padding slots): a read of them
@@ -13,8 +14,8 @@
 //   2. Layer level (MoeWgmmaLayer*): MoeLayerCuda forced onto MoeGemmPath::kPrefillWgmma against
 //      the CPU oracle (normalised MSE, as test_moe_layer.cu), for every format, B in {1, 3, 64,
 //      256, 1000, 4096}, E in {8, 128}, top-k in {1, 2, 8}, odd shapes, skewed routing and all
-//      tokens on one expert, the atomic combine, bit-identical reruns, graph replay, and the
-//      GEMM1 fallback to the mma.sync prefill kernel for unaligned x.
+//      tokens on one expert, the atomic combine, bit-identical reruns, graph replay, and x rows
+//      that are not 16-byte aligned (copied to an aligned stride before GEMM1).
 // The tests skip where the kernels are not available (a build without 90a, or not a compute
 // capability 9.0 GPU).
 #include "gpu/gpu_test_util.h"  // first: see the fmt note there
@@ -122,6 +123,10 @@ PackedExperts pack_experts(const cpu::MoeLayerReference& L) {
     std::vector<float> fb(static_cast<size_t>(pb.rows_padded * pb.cols_padded));
     unpack_to_float(pa, fa.data());
     unpack_to_float(pb, fb.data());
+    if (kernels::moe_gemm_wgmma_rounds_weights(to_kernel(pa.format))) {  // [TAG_INT_FOLDED_SCALE]
+      for (float& v : fa) v = folded_int_weight(v);
+      for (float& v : fb) v = folded_int_weight(v);
+    }
     P.w13f.push_back(std::move(fa));
     P.w2f.push_back(std::move(fb));
   }
@@ -479,25 +484,25 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         KernelCase{"bf16_E8_k2", WeightFormat::kBF16, 0, {256, 128, 8, 2}, {1, 64, 300}, {64, 128}, Routing::kUniform},
         KernelCase{"nvfp4_E8_k2", WeightFormat::kNvFp4, 16, {256, 128, 8, 2}, {1, 64, 300}, {64, 128}, Routing::kUniform},
-        KernelCase{"int4_E8_k2", WeightFormat::kInt4, 128, {256, 128, 8, 2}, {1, 64, 300}, {64}, Routing::kUniform},
-        KernelCase{"int2_E8_k2", WeightFormat::kInt2, 128, {256, 128, 8, 2}, {1, 64, 300}, {64}, Routing::kUniform},
+        KernelCase{"int4_E8_k2", WeightFormat::kInt4, 128, {256, 128, 8, 2}, {1, 64, 300}, {64, 128}, Routing::kUniform},
+        KernelCase{"int2_E8_k2", WeightFormat::kInt2, 128, {256, 128, 8, 2}, {1, 64, 300}, {64, 128}, Routing::kUniform},
         KernelCase{"nvfp4_E128_k8", WeightFormat::kNvFp4, 16, {256, 128, 128, 8}, {3, 256}, {64, 128}, Routing::kUniform},
-        KernelCase{"int4_E128_k8_hot", WeightFormat::kInt4, 128, {256, 128, 128, 8}, {200}, {64}, Routing::kHotExpert},
+        KernelCase{"int4_E128_k8_hot", WeightFormat::kInt4, 128, {256, 128, 128, 8}, {200}, {64, 128}, Routing::kHotExpert},
         KernelCase{"bf16_E16_k4_same", WeightFormat::kBF16, 0, {128, 64, 16, 4}, {500}, {64, 128}, Routing::kSameExperts},
         KernelCase{"nvfp4_E16_k4_same", WeightFormat::kNvFp4, 16, {128, 64, 16, 4}, {500}, {128}, Routing::kSameExperts},
-        KernelCase{"int2_E16_k4_halfempty", WeightFormat::kInt2, 64, {128, 64, 16, 4}, {300}, {64}, Routing::kHalfEmpty},
+        KernelCase{"int2_E16_k4_halfempty", WeightFormat::kInt2, 64, {128, 64, 16, 4}, {300}, {64, 128}, Routing::kHalfEmpty},
         // Odd shapes: row tiles that do not fill a 256-row block, K with a partial last stage
         // (bf16 K=72: chunks of 16, one of four valid in the last stage), groups straddling
         // stages and a partial last group (int4 K=200 g=48), padded int2 chunks (K=176 in 256,
         // K=48 in 128), g=16 (a group every k-step).
         KernelCase{"bf16_H200_I72", WeightFormat::kBF16, 0, {200, 72, 8, 2}, {5, 300}, {64, 128}, Routing::kUniform},
         KernelCase{"nvfp4_H144_I80", WeightFormat::kNvFp4, 16, {144, 80, 8, 2}, {5, 300}, {64, 128}, Routing::kUniform},
-        KernelCase{"int4_H200_I80_g48", WeightFormat::kInt4, 48, {200, 80, 8, 2}, {5, 300}, {64}, Routing::kUniform},
-        KernelCase{"int2_H176_I48_g32", WeightFormat::kInt2, 32, {176, 48, 8, 2}, {5, 300}, {64}, Routing::kUniform},
-        KernelCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 8, 2}, {7, 300}, {64}, Routing::kUniform},
+        KernelCase{"int4_H200_I80_g48", WeightFormat::kInt4, 48, {200, 80, 8, 2}, {5, 300}, {64, 128}, Routing::kUniform},
+        KernelCase{"int2_H176_I48_g32", WeightFormat::kInt2, 32, {176, 48, 8, 2}, {5, 300}, {64, 128}, Routing::kUniform},
+        KernelCase{"int2_g16", WeightFormat::kInt2, 16, {128, 64, 8, 2}, {7, 300}, {64, 128}, Routing::kUniform},
         // Qwen3-30B-A3B: H=2048, I=768 (8 of its 128 experts: ~64-96 tokens each).
         KernelCase{"nvfp4_qwen3_30b_E8", WeightFormat::kNvFp4, 16, {2048, 768, 8, 2}, {384}, {128}, Routing::kUniform},
-        KernelCase{"int4_qwen3_30b_E8", WeightFormat::kInt4, 128, {2048, 768, 8, 2}, {256}, {64}, Routing::kUniform},
+        KernelCase{"int4_qwen3_30b_E8", WeightFormat::kInt4, 128, {2048, 768, 8, 2}, {256}, {64, 128}, Routing::kUniform},
         KernelCase{"int2_qwen3_30b_E8", WeightFormat::kInt2, 128, {2048, 768, 8, 2}, {256}, {64}, Routing::kUniform},
         KernelCase{"bf16_qwen3_30b_E8", WeightFormat::kBF16, 0, {2048, 768, 8, 2}, {384}, {128}, Routing::kUniform}),
     [](const auto& info) { return std::string(info.param.name); });
@@ -509,7 +514,10 @@ TEST(MoeWgmmaKernelShapes, AlignmentRule) {
   EXPECT_FALSE(kernels::moe_gemm_wgmma_rows_aligned(buf, 129));
   EXPECT_FALSE(kernels::moe_gemm_wgmma_rows_aligned(buf + 1, 2048));
   EXPECT_TRUE(kernels::moe_gemm_wgmma_supports(kernels::MoeWeightFormat::kInt2, 64));
-  EXPECT_FALSE(kernels::moe_gemm_wgmma_supports(kernels::MoeWeightFormat::kInt4, 128));
+  EXPECT_TRUE(kernels::moe_gemm_wgmma_supports(kernels::MoeWeightFormat::kInt4, 128));
+  EXPECT_FALSE(kernels::moe_gemm_wgmma_supports(kernels::MoeWeightFormat::kInt2, 32));
+  EXPECT_TRUE(kernels::moe_gemm_wgmma_rounds_weights(kernels::MoeWeightFormat::kInt2));
+  EXPECT_FALSE(kernels::moe_gemm_wgmma_rounds_weights(kernels::MoeWeightFormat::kNvFp4));
   EXPECT_TRUE(kernels::moe_gemm_wgmma_supports(kernels::MoeWeightFormat::kNvFp4, 128));
 }
 
@@ -572,10 +580,13 @@ INSTANTIATE_TEST_SUITE_P(
         LayerCase{"int4_E8_k2", WeightFormat::kInt4, 64, {128, 64, 8, 2}, {1, 3, 64, 256, 1000, 4096}, 0},
         LayerCase{"int2_E8_k2", WeightFormat::kInt2, 64, {128, 64, 8, 2}, {1, 3, 64, 256, 1000, 4096}, 0},
         LayerCase{"nvfp4_E8_k2_bm128", WeightFormat::kNvFp4, 16, {128, 64, 8, 2}, {1, 64, 1000, 4096}, 128},
+        LayerCase{"int4_E8_k2_bm128", WeightFormat::kInt4, 64, {128, 64, 8, 2}, {1, 64, 1000, 4096}, 128},
+        LayerCase{"int2_E8_k2_bm128", WeightFormat::kInt2, 64, {128, 64, 8, 2}, {1, 64, 1000, 4096}, 128},
+        LayerCase{"int4_E128_k8_bm64", WeightFormat::kInt4, 128, {256, 128, 128, 8}, {4096}, 64},
         LayerCase{"bf16_E8_k2_bm128", WeightFormat::kBF16, 0, {128, 64, 8, 2}, {1, 64, 1000, 4096}, 128},
         LayerCase{"nvfp4_E8_k1", WeightFormat::kNvFp4, 16, {128, 64, 8, 1}, {1, 3, 1000}, 0},
-        // Odd shapes. H=129: x rows are not 16-byte aligned, so GEMM1 falls back to the mma.sync
-        // prefill kernel and GEMM2 runs on wgmma.
+        // Odd shapes. H=129: x rows are not 16-byte aligned, so the layer copies them to an
+        // aligned stride before GEMM1.
         LayerCase{"bf16_odd_H129_I67", WeightFormat::kBF16, 0, {129, 67, 16, 4}, {1, 5, 100, 1000}, 0},
         LayerCase{"bf16_H200_I72", WeightFormat::kBF16, 0, {200, 72, 16, 4}, {1, 5, 1000}, 128},
         LayerCase{"nvfp4_H144_I80", WeightFormat::kNvFp4, 16, {144, 80, 16, 4}, {1, 7, 300, 1000}, 0},
@@ -657,32 +668,39 @@ TEST(MoeWgmmaLayerDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
   }
 }
 
-// x whose rows are not 16-byte aligned (the caller's pointer, H % 8 == 0): GEMM1 falls back to the
-// mma.sync prefill kernel for that forward; the result still matches.
-TEST(MoeWgmmaLayerFallback, UnalignedXRunsGemm1OnMmaSync) {
+// x whose rows are not 16-byte aligned (the caller's pointer, H % 8 == 0): the layer copies x to an
+// aligned stride before the wgmma GEMM1 (the int formats at block_m 128 have no mma.sync kernel to
+// fall back on); the result still matches, for both tile widths.
+TEST(MoeWgmmaLayerUnaligned, UnalignedXIsCopiedForGemm1) {
   MOEBIUS_REQUIRE_WGMMA();
   const Geometry g{256, 128, 16, 4};
-  const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 16, 11);
   const int64_t T = 500;
-  auto layer = MoeLayerCuda::create(L, wgmma_options(static_cast<int>(T), 0));
-  ASSERT_TRUE(layer.ok());
-  const auto x = random_x(T, g.H, 12);
-  CudaStream stream;
-  DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(T * g.H + 8)), dout(static_cast<size_t>(T * g.H));
-  DeviceBuffer<int32_t> dn(1);
-  CUDA_CHECK(cudaMemcpy(dx.data() + 1, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  const int32_t n = static_cast<int32_t>(T);
-  CUDA_CHECK(cudaMemcpy(dn.data(), &n, 4, cudaMemcpyHostToDevice));
-  dout.poison(0xFF, stream);
-  (*layer)->forward(dx.data() + 1, dn.data(), dout.data(), stream);
-  stream.sync();
-  std::vector<uint16_t> out(static_cast<size_t>(T * g.H));
-  CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
-  std::vector<int32_t> ids(static_cast<size_t>(T * g.k));
-  std::vector<float> w(ids.size());
-  CUDA_CHECK(cudaMemcpy(ids.data(), (*layer)->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaMemcpy(w.data(), (*layer)->topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
-  expect_matches_oracle(L, x, T, ids, w, out, "nvfp4 unaligned x " + path_label(**layer));
+  for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4}) {
+    const cpu::MoeLayerReference L = make_layer(f, g, f == WeightFormat::kNvFp4 ? 16 : 128, 11);
+    for (int bm : {64, 128}) {
+      auto layer = MoeLayerCuda::create(L, wgmma_options(static_cast<int>(T), bm));
+      ASSERT_TRUE(layer.ok()) << layer.error().what();
+      const auto x = random_x(T, g.H, 12);
+      CudaStream stream;
+      DeviceBuffer<__nv_bfloat16> dx(static_cast<size_t>(T * g.H + 8)), dout(static_cast<size_t>(T * g.H));
+      DeviceBuffer<int32_t> dn(1);
+      CUDA_CHECK(cudaMemcpy(dx.data() + 1, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+      const int32_t n = static_cast<int32_t>(T);
+      CUDA_CHECK(cudaMemcpy(dn.data(), &n, 4, cudaMemcpyHostToDevice));
+      dout.poison(0xFF, stream);
+      (*layer)->forward(dx.data() + 1, dn.data(), dout.data(), stream);
+      stream.sync();
+      std::vector<uint16_t> out(static_cast<size_t>(T * g.H));
+      CUDA_CHECK(cudaMemcpy(out.data(), dout.data(), out.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<int32_t> ids(static_cast<size_t>(T * g.k));
+      std::vector<float> w(ids.size());
+      CUDA_CHECK(cudaMemcpy(ids.data(), (*layer)->topk_ids(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(w.data(), (*layer)->topk_weights(), 4 * ids.size(), cudaMemcpyDeviceToHost));
+      expect_matches_oracle(L, x, T, ids, w, out,
+                            std::string(weight_format_name(f)) + " unaligned x bm " + std::to_string(bm) + " " +
+                                path_label(**layer));
+    }
+  }
 }
 
 TEST(MoeWgmmaLayerGraph, OneCaptureServesEveryTokenCount) {
@@ -702,9 +720,9 @@ TEST(MoeWgmmaLayerGraph, OneCaptureServesEveryTokenCount) {
   }
 }
 
-// kAuto in the prefill regime takes wgmma here, with 128-token tiles for nvfp4 from 128 tokens
-// per expert; an explicit request on a machine without the kernels is an error, not a silent
-// fallback.
+// kAuto in the prefill regime takes wgmma here, with 128-token tiles from 128 tokens per expert
+// (every format); an explicit request on a machine without the kernels is an error, not a silent
+// fallback, and so is a block_m the kernels do not have.
 TEST(MoeWgmmaLayerPath, AutoTakesWgmmaAndExplicitRequestIsChecked) {
   MOEBIUS_REQUIRE_GPU();
   const Geometry g{256, 128, 128, 8};
@@ -723,8 +741,11 @@ TEST(MoeWgmmaLayerPath, AutoTakesWgmmaAndExplicitRequestIsChecked) {
   EXPECT_EQ((*big)->block_m(), 128);
   ASSERT_TRUE(wg.ok());
   EXPECT_EQ((*wg)->block_m(), 128);
-  auto bad = MoeLayerCuda::create(make_layer(WeightFormat::kInt4, g, 128, 22), wgmma_options(4096, 128));
-  EXPECT_FALSE(bad.ok());  // int formats take 64-token tiles only
+  auto int4 = MoeLayerCuda::create(make_layer(WeightFormat::kInt4, g, 128, 22), wgmma_options(4096, 0));
+  ASSERT_TRUE(int4.ok());
+  EXPECT_EQ((*int4)->block_m(), 128);  // [TAG_INT_FOLDED_SCALE]
+  auto bad = MoeLayerCuda::create(make_layer(WeightFormat::kInt4, g, 128, 22), wgmma_options(4096, 32));
+  EXPECT_FALSE(bad.ok());  // the wgmma kernels take 64- and 128-token tiles
 }
 
 }  // namespace
