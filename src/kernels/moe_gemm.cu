@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
         // unrolling, so acc[set] stays in registers.
         const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
-        dequant_step<F, S>(wv[p], nv_sc, a);
+        dequant_step<F, S, true>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
           if (group_starts.opens<kGroupK, KC, false>(starts, p * kSteps<F> + S)) {
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
         constexpr int S = decltype(step_tag)::value;
         const int set = (p * kSteps<F> + S) % kSets;
         uint32_t a[4];
-        dequant_step<F, S>(wv[p], nv_sc, a);
+        dequant_step<F, S, true>(wv[p], nv_sc, a);
         const int k0 = c * KC + S * 16;
         if constexpr (kIsIntF) {
           if (group_starts.opens<kGroupK, KC, kAlignedGroups>(starts, p * kSteps<F> + S)) {
