@@ -363,7 +363,8 @@ __global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKe
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   static_assert(kGroupK == 0 || (kIsIntF && kExact && kGroupK % 16 == 0), "a compile-time group size: exact int instances");
-  constexpr bool kAlignedGroups = kGroupK > 0 && (P * KC) % kGroupK == 0;  // warp ranges start on group boundaries
+  // Warp ranges start on group boundaries. (The divisor is never 0: nvcc warns on the % even behind kGroupK > 0.)
+  constexpr bool kAlignedGroups = kGroupK > 0 && (P * KC) % (kGroupK > 0 ? kGroupK : 1) == 0;
   constexpr int kSets = 2;
   const int tile = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
