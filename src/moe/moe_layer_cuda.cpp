@@ -62,13 +62,15 @@ int pick_prefill_block_m(KernelFormat format, int capacity, int top_k, int num_e
   return format == KernelFormat::kBF16 && avg >= 128 ? 128 : 64;
 }
 
-// wgmma: 128-token tiles for every format once the expected tokens per expert reach 128 (L2
+// wgmma: 128-token tiles for every format once the expected tokens per expert reach 64 (L2
 // intensity, half the dequantization per flop, and a wider wgmma); an expert's last tile runs at
 // N = 64 when it is at most half full, which halves the padding cost of the wider tile. The int
-// formats join at 128 since their group scale is folded into the weight ([TAG_INT_FOLDED_SCALE]).
-// The autotuner measures both.
+// formats take 128 since their group scale is folded into the weight ([TAG_INT_FOLDED_SCALE]).
+// Measured on the H200 (docs/PERF.md run S2, Qwen3-30B-A3B, layer us at bm 64 / 128): T = 512
+// (32 per expert) nvfp4 233 / 267, int4 279 / 292; T = 1024 (64) nvfp4 340 / 323, bf16 401 / 395,
+// int4 409 / 370, int2 387 / 364; T = 2048 (128) nvfp4 557 / 491. The autotuner measures both.
 int pick_wgmma_block_m(int capacity, int top_k, int num_experts) {
-  return tokens_per_expert(capacity, top_k, num_experts) >= 128 ? 128 : 64;
+  return tokens_per_expert(capacity, top_k, num_experts) >= 64 ? 128 : 64;
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
