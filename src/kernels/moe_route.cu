@@ -64,8 +64,6 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
@@ -881,11 +879,11 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int my_nt = per_token_blocks ? (rank < T ? 1 : 0) : (rank == 0 ? T : 0);
 
   // Phase 1: item = (expert e, token chunk c of TOK tokens), spread over every warp of the cluster.
-  // Capacities <= TOK (<= 4): one chunk whatever T is, and the dot reads the rows below the
-  // capacity, so its loads do not wait for the live count (a dependent L2 read at the kernel's
-  // start); the rows past T are computed and dropped (a token's sums do not depend on the
-  // others'). Larger capacities count chunks from T, so a short step does less work.
-  const bool one_chunk = CB == kSmallClusterBlocks || capacity <= TOK;
+  // The 8-block cluster serves capacities <= 4 <= TOK: one chunk whatever T is, and the dot reads
+  // the rows below the capacity, so its loads do not wait for the live count (a dependent L2 read
+  // at the kernel's start); the rows past T are computed and dropped (a token's sums do not depend
+  // on the others'). The 16-block cluster counts chunks from T, so a short step does less work.
+  const bool one_chunk = CB == kSmallClusterBlocks;
   const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
   for (int item = rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
     const int e = item / chunks, t0 = (item - e * chunks) * TOK;
@@ -1052,16 +1050,6 @@ __global__ void __launch_bounds__(kSmallThreads)
   MOEBIUS_ROUTE_PHASE_STAMP(8);
 }
 
-// Experiment knob (run S3): MOEBIUS_ROUTE_SMALL_CLUSTER=16 runs capacities <= 4 on the 16-block
-// cluster too (half the router rows per SM).
-bool small_cluster_16_forced() {
-  static const bool forced = [] {
-    const char* v = std::getenv("MOEBIUS_ROUTE_SMALL_CLUSTER");
-    return v != nullptr && std::string(v) == "16";
-  }();
-  return forced;
-}
-
 }  // namespace
 
 void launch_moe_route_topk(const __nv_bfloat16* logits, const float* correction_bias, const int32_t* num_tokens,
@@ -1155,7 +1143,7 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   // step with one token does not compute 4 (the result bits are the same either way). Capacities
   // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items.
   const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : 4;
-  const bool wide = capacity > 4 || small_cluster_16_forced();
+  const bool wide = capacity > 4;
   auto go = [&](auto kernel, int cluster_blocks) {
     if (cluster_blocks > 8)  // a cluster above the portable 8 needs the opt-in
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
