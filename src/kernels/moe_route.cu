@@ -622,6 +622,75 @@ __global__ void __launch_bounds__(kScatterThreads)
   }
 }
 
+// The align of n pairs whose ids sit in shared memory, by one block of THREADS threads (the
+// same outputs as moe_align_count + moe_align_scatter): a shared-memory histogram, the scan
+// (scan_expert_counts), and each pair's rank among the pairs of its expert at lower p found by
+// counting them (O(n^2 / THREADS), fine for the few hundred pairs it serves); ids outside [0, E)
+// are skipped, as the count and scatter kernels do. s_count [E], s_offsets / s_padded_offsets
+// [E + 1]: scratch. padded_offsets null: no padded outputs. Ends without a barrier.
+template <int THREADS>
+__device__ void align_pairs_in_block(const int* s_ids, int n, int E, int block_m, int max_tiles, int* s_count,
+                                     int* s_offsets, int* s_padded_offsets, int32_t* __restrict__ expert_offsets,
+                                     int32_t* __restrict__ sorted_pair_ids, int32_t* __restrict__ padded_offsets,
+                                     int32_t* __restrict__ padded_pair_ids, int32_t* __restrict__ tile_expert,
+                                     int32_t* __restrict__ num_tiles) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < E; i += THREADS) s_count[i] = 0;
+  __syncthreads();
+  for (int p = tid; p < n; p += THREADS) {
+    const int id = s_ids[p];
+    if (static_cast<unsigned>(id) < static_cast<unsigned>(E)) atomicAdd(&s_count[id], 1);
+  }
+  __syncthreads();
+  scan_expert_counts<THREADS>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
+                              padded_offsets, tile_expert, num_tiles);  // ends with a barrier
+  const bool padded = padded_offsets != nullptr;
+  for (int p = tid; p < n; p += THREADS) {
+    const int id = s_ids[p];
+    if (static_cast<unsigned>(id) >= static_cast<unsigned>(E)) continue;
+    int rank_in_expert = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
+    for (int q = 0; q < p; ++q) rank_in_expert += s_ids[q] == id;
+    sorted_pair_ids[s_offsets[id] + rank_in_expert] = p;
+    if (padded) padded_pair_ids[s_padded_offsets[id] + rank_in_expert] = p;
+  }
+  if (padded) {
+    for (int e = tid; e < E; e += THREADS)  // the tail of each expert's last tile
+      for (int r = s_padded_offsets[e] + s_count[e]; r < s_padded_offsets[e + 1]; ++r) padded_pair_ids[r] = -1;
+  }
+}
+
+// The align of at most kAlignSmallMaxPairs pairs in one kernel (decode and small batches): the
+// count and scatter kernels are two launches and two dependent waits for a few hundred ids
+// (docs/PERF.md run S4: 6.3-6.5 us of stage time at T = 16-64, Qwen3-30B-A3B). One block loads
+// the ids once into shared memory and runs align_pairs_in_block.
+constexpr int kAlignSmallThreads = 1024;
+constexpr int kAlignSmallMaxPairs = 1024;
+
+__global__ void __launch_bounds__(kAlignSmallThreads)
+    moe_align_small_kernel(const int32_t* __restrict__ topk_ids,    // [capacity, k]
+                           const int32_t* __restrict__ num_tokens,  // [1]
+                           int capacity, int k, int E, int block_m, int max_tiles,
+                           int32_t* __restrict__ expert_offsets,   // [E+1]
+                           int32_t* __restrict__ sorted_pair_ids,  // [capacity*k]
+                           int32_t* __restrict__ padded_offsets,   // [E+1] or nullptr (no padded outputs)
+                           int32_t* __restrict__ padded_pair_ids,  // [max_padded] or nullptr
+                           int32_t* __restrict__ tile_expert,      // [max_tiles] or nullptr
+                           int32_t* __restrict__ num_tiles) {      // [1] or nullptr
+  __shared__ int s_ids[kAlignSmallMaxPairs];
+  __shared__ int s_count[kRouteMaxExperts];
+  __shared__ int s_offsets[kRouteMaxExperts + 1];
+  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
+  pdl_wait();  // the ids come from the previous kernel
+  pdl_launch_dependents();
+  // [TAG_MOE_GRAPH_CAPACITY] Only the first T rows of ids are live.
+  const int n = live_tokens(num_tokens, capacity) * k;
+  for (int p = threadIdx.x; p < n; p += kAlignSmallThreads) s_ids[p] = topk_ids[p];
+  // align_pairs_in_block's first barrier orders these stores before any read.
+  align_pairs_in_block<kAlignSmallThreads>(s_ids, n, E, block_m, max_tiles, s_count, s_offsets, s_padded_offsets,
+                                           expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids,
+                                           tile_expert, num_tiles);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Router logits (the "mlp.gate" GEMV)
 // ------------------------------------------------------------------------------------------------
@@ -1029,24 +1098,11 @@ __global__ void __launch_bounds__(kSmallThreads)
     MOEBIUS_ROUTE_PHASE_STAMP(8);
     return;
   }
-  for (int i = tid; i < E; i += kSmallThreads) s_count[i] = 0;
-  __syncthreads();
-  for (int p = tid; p < n; p += kSmallThreads) atomicAdd(&s_count[s_ids[p]], 1);
-  __syncthreads();
   MOEBIUS_ROUTE_PHASE_STAMP(6);
-  scan_expert_counts<kSmallThreads>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
-                                    padded_offsets, tile_expert, num_tiles);
+  align_pairs_in_block<kSmallThreads>(s_ids, n, E, block_m, max_tiles, s_count, s_offsets, s_padded_offsets,
+                                      expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert,
+                                      num_tiles);
   MOEBIUS_ROUTE_PHASE_STAMP(7);
-  for (int p = tid; p < n; p += kSmallThreads) {
-    const int id = s_ids[p];
-    int rank_in_expert = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
-    for (int q = 0; q < p; ++q) rank_in_expert += s_ids[q] == id;
-    sorted_pair_ids[s_offsets[id] + rank_in_expert] = p;
-    padded_pair_ids[s_padded_offsets[id] + rank_in_expert] = p;
-  }
-  if (tid < E) {  // the tail of this expert's last tile
-    for (int r = s_padded_offsets[tid] + s_count[tid]; r < s_padded_offsets[tid + 1]; ++r) padded_pair_ids[r] = -1;
-  }
   MOEBIUS_ROUTE_PHASE_STAMP(8);
 }
 
@@ -1083,7 +1139,14 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
   MOEBIUS_LAUNCH_ASSERT(capacity == 0 || (topk_ids != nullptr && sorted_pair_ids != nullptr),
                         "topk_ids and sorted_pair_ids must be set");
   const int max_tiles = padded ? static_cast<int>(moe_align_max_tiles(capacity, top_k, E, block_m)) : 0;
-  // [TAG_MOE_GRAPH_CAPACITY] Both grids are fixed by E alone; the live count is read on the device.
+  // [TAG_MOE_GRAPH_CAPACITY] The kernel choice and the grids depend on the capacity and E alone;
+  // the live count is read on the device.
+  if (static_cast<int64_t>(capacity) * top_k <= kAlignSmallMaxPairs) {
+    launch_pdl(moe_align_small_kernel, dim3(1), dim3(kAlignSmallThreads), 0, stream, topk_ids, num_tokens, capacity,
+               top_k, E, block_m, max_tiles, expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids,
+               tile_expert, num_tiles);
+    return;
+  }
   launch_pdl(moe_align_count_kernel, dim3(1), dim3(kCountThreads), 0, stream, topk_ids, num_tokens, capacity, top_k, E,
              block_m, max_tiles, expert_offsets, padded_offsets, tile_expert, num_tiles);
   launch_pdl(moe_align_scatter_kernel, dim3(E), dim3(kScatterThreads), 0, stream, topk_ids, num_tokens, capacity, top_k,

@@ -76,10 +76,11 @@ bool prefill_prefers_staging(const Qwen3MoeConfig& c, int tokens, uint64_t exper
   s.num_experts = c.num_experts;
   s.cold_experts = c.num_experts;
   s.expert_bytes = expert_bytes;
-  // The GEMM tile the layer will pick (moe_layer_cuda.cpp): prefill kernels from 16 tokens per
-  // expert (block_m 64), else the decode kernel's 8-64.
+  // The GEMM tile the layer will pick (moe_layer_cuda.cpp): prefill kernels from 12-16 tokens per
+  // expert (block_m 64; the crossover depends on the format and the prefill kernel, 12 is the
+  // earliest), else the decode kernel's 8.
   const int64_t avg = (int64_t{tokens} * s.top_k + s.num_experts - 1) / s.num_experts;
-  s.block_m = avg >= 16 ? 64 : avg <= 8 ? 8 : 16;
+  s.block_m = avg >= 12 ? 64 : 8;
   return offload::cold_path_cost(s).choice == offload::ColdPath::kStaged;
 }
 

@@ -47,10 +47,28 @@ int64_t tokens_per_expert(int capacity, int top_k, int num_experts) {
   return (static_cast<int64_t>(capacity) * top_k + num_experts - 1) / num_experts;
 }
 
-// Decode: a tile should hold about the average tokens per expert.
+// Decode: 8-token tiles below 16 tokens per expert: only they take the row-tile kernel (several
+// 16-row weight tiles per block share one staging of the tokens), so a 16-token tile, which
+// stages 16 activation rows for every 16 weight rows, lost to two 8-token tiles at every size
+// measured (docs/PERF.md run S5, Qwen3-30B-A3B, T = 96-224, 9-14 tokens per expert: nvfp4 bm 8
+// 155-259 us against bm 16 291-410, int4 156-265 against 343-468). From 16 on, a tile of about
+// the average tokens per expert (the layer runs prefill kernels there unless decode is forced).
 int pick_block_m(int capacity, int top_k, int num_experts) {
   const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
-  return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+  return avg < 16 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+}
+
+// kAuto's decode -> prefill crossover in expected tokens per expert. The mma.sync prefill kernel:
+// kPrefillMinTokensPerExpert. The wgmma kernel costs about the same from 6 to 64 tokens per expert
+// (one 64-token tile per expert, bound by dequantizing every weight once), so it wins as soon as
+// the decode kernel's cost, which grows with the tokens, passes it (run S5, Qwen3-30B-A3B, layer
+// us, decode bm 8 / wgmma at 10 and 12 tokens per expert: nvfp4 208.5 / 224.1, 234.6 / 226.1;
+// int2 261.1 / 257.7, 294.7 / 259.5; int4 still decode at 14: 265.5 / 274.5; Qwen3-235B-A22B
+// nvfp4 at 8: 1098.6 / 749.0). 12 for every format but int4 (exact decode dequantization at 2
+// ops a register against the wgmma fold's ~4.75), which stays at 16.
+int prefill_min_tokens_per_expert(KernelFormat format, MoeGemmPath prefill_path) {
+  if (prefill_path != MoeGemmPath::kPrefillWgmma) return kPrefillMinTokensPerExpert;
+  return format == KernelFormat::kInt4 ? 16 : 12;
 }
 
 // Prefill: 64 tokens, except bf16 with >= 128 tokens per expert, whose weights are 4x the bytes
@@ -335,10 +353,16 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
       path_ = MoeGemmPath::kPrefillWgmma;
       break;
     case MoeGemmPath::kAuto:
-      if (opt.block_m != 0 && opt.block_m != 64)  // a block_m only one path runs decides it
-        path_ = kernels::moe_gemm_prefill_supports(kf, opt.block_m) ? prefill_path : MoeGemmPath::kDecode;
-      else
-        path_ = tokens_per_expert(cap, k, E) >= kPrefillMinTokensPerExpert ? prefill_path : MoeGemmPath::kDecode;
+      if (opt.block_m != 0 && opt.block_m != 64) {  // a block_m only one path runs decides it
+        const bool prefill_takes = prefill_path == MoeGemmPath::kPrefillWgmma
+                                       ? kernels::moe_gemm_wgmma_supports(kf, opt.block_m)
+                                       : kernels::moe_gemm_prefill_supports(kf, opt.block_m);
+        path_ = prefill_takes ? prefill_path : MoeGemmPath::kDecode;
+      } else {
+        path_ = tokens_per_expert(cap, k, E) >= prefill_min_tokens_per_expert(format_, prefill_path)
+                    ? prefill_path
+                    : MoeGemmPath::kDecode;
+      }
       break;
   }
   if (path_ == MoeGemmPath::kPrefillWgmma) {

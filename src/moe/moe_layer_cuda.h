@@ -60,6 +60,7 @@ const char* moe_gemm_path_name(MoeGemmPath p);
 // capacity) is at least this. Measured on the H200 (docs/PERF.md, 2026-12-02, Qwen3-30B-A3B
 // nvfp4): at 8 tokens per expert (T=128) decode 354 us vs prefill 384; at 16 (T=256) decode 570
 // vs prefill 393. The autotuner issue replaces this with crossovers per format and geometry.
+// The wgmma kernels take over earlier (prefill_min_tokens_per_expert in moe_layer_cuda.cpp).
 inline constexpr int kPrefillMinTokensPerExpert = 16;
 
 // The fused routing runs up to this capacity. Up to 4 tokens it is one cluster of 8 blocks, from

@@ -478,13 +478,19 @@ TEST(MoeRouteGpuAlign, SkewedAndEmptyExperts) {
     }
 }
 
+// T = 1000 runs the count and scatter kernels, T = 50 the one-block align (capacity * k <= 1024).
 TEST(MoeRouteGpuAlign, SkipsOutOfRangeIds) {
   MOEBIUS_REQUIRE_GPU();
-  constexpr int E = 64, k = 8, T = 1000;
-  std::mt19937 rng(5);
-  std::vector<int32_t> ids(static_cast<size_t>(T) * k);
-  for (auto& id : ids) id = std::uniform_int_distribution<int>(-2, E + 1)(rng);  // -2, -1, E, E+1 are skipped
-  for (int block_m : {1, 16}) check_align(ids, T, k, E, block_m, true);
+  constexpr int E = 64, k = 8;
+  for (int T : {1000, 50}) {
+    std::mt19937 rng(5 + T);
+    std::vector<int32_t> ids(static_cast<size_t>(T) * k);
+    for (auto& id : ids) id = std::uniform_int_distribution<int>(-2, E + 1)(rng);  // -2, -1, E, E+1 are skipped
+    for (int block_m : {1, 16}) {
+      check_align(ids, T, k, E, block_m, true);
+      check_align(ids, T, k, E, block_m, false);
+    }
+  }
 }
 
 TEST(MoeRouteGpuAlign, ZeroCapacity) {
