@@ -662,9 +662,12 @@ __device__ void align_pairs_in_block(const int* s_ids, int n, int E, int block_m
 // The align of at most kAlignSmallMaxPairs pairs in one kernel (decode and small batches): the
 // count and scatter kernels are two launches and two dependent waits for a few hundred ids
 // (docs/PERF.md run S4: 6.3-6.5 us of stage time at T = 16-64, Qwen3-30B-A3B). One block loads
-// the ids once into shared memory and runs align_pairs_in_block.
+// the ids once into shared memory and runs align_pairs_in_block. Its rank loop makes the last
+// pair's thread walk all n ids, so it only pays for small n (run S6, align stage us, E = 128, k =
+// 8: 128 pairs 4.60 against 6.34 for the two kernels, 512 pairs 7.38 against 6.47, 1024 pairs
+// 15.09 against ~6.5): 256 at most.
 constexpr int kAlignSmallThreads = 1024;
-constexpr int kAlignSmallMaxPairs = 1024;
+constexpr int kAlignSmallMaxPairs = 256;
 
 __global__ void __launch_bounds__(kAlignSmallThreads)
     moe_align_small_kernel(const int32_t* __restrict__ topk_ids,    // [capacity, k]
