@@ -629,7 +629,7 @@ __global__ void __launch_bounds__(kScatterThreads)
 // are skipped, as the count and scatter kernels do. s_count [E], s_offsets / s_padded_offsets
 // [E + 1]: scratch. padded_offsets null: no padded outputs. Ends without a barrier.
 template <int THREADS>
-__device__ void align_pairs_in_block(const int* s_ids, int n, int E, int block_m, int max_tiles, int* s_count,
+__device__ __forceinline__ void align_pairs_in_block(const int* s_ids, int n, int E, int block_m, int max_tiles, int* s_count,
                                      int* s_offsets, int* s_padded_offsets, int32_t* __restrict__ expert_offsets,
                                      int32_t* __restrict__ sorted_pair_ids, int32_t* __restrict__ padded_offsets,
                                      int32_t* __restrict__ padded_pair_ids, int32_t* __restrict__ tile_expert,
@@ -1101,11 +1101,28 @@ __global__ void __launch_bounds__(kSmallThreads)
     MOEBIUS_ROUTE_PHASE_STAMP(8);
     return;
   }
+  // The steps of align_pairs_in_block, written out here: calling it from this kernel measured the
+  // routing stage 1.5 us slower at T = 8 (and 0.9 us faster at T = 4, whose 32 pairs take the
+  // warp path above; docs/PERF.md run S8: different code generation for the whole kernel, the
+  // layer 62.5 against 64.1 us at T = 8, 44.5 against 44.0 at T = 4).
+  for (int i = tid; i < E; i += kSmallThreads) s_count[i] = 0;
+  __syncthreads();
+  for (int p = tid; p < n; p += kSmallThreads) atomicAdd(&s_count[s_ids[p]], 1);
+  __syncthreads();
   MOEBIUS_ROUTE_PHASE_STAMP(6);
-  align_pairs_in_block<kSmallThreads>(s_ids, n, E, block_m, max_tiles, s_count, s_offsets, s_padded_offsets,
-                                      expert_offsets, sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert,
-                                      num_tiles);
+  scan_expert_counts<kSmallThreads>(s_count, E, block_m, max_tiles, s_offsets, s_padded_offsets, expert_offsets,
+                                    padded_offsets, tile_expert, num_tiles);
   MOEBIUS_ROUTE_PHASE_STAMP(7);
+  for (int p = tid; p < n; p += kSmallThreads) {
+    const int id = s_ids[p];
+    int rank_in_expert = 0;  // pairs of the same expert at lower p: ascending p inside each expert, as align
+    for (int q = 0; q < p; ++q) rank_in_expert += s_ids[q] == id;
+    sorted_pair_ids[s_offsets[id] + rank_in_expert] = p;
+    padded_pair_ids[s_padded_offsets[id] + rank_in_expert] = p;
+  }
+  if (tid < E) {  // the tail of this expert's last tile
+    for (int r = s_padded_offsets[tid] + s_count[tid]; r < s_padded_offsets[tid + 1]; ++r) padded_pair_ids[r] = -1;
+  }
   MOEBIUS_ROUTE_PHASE_STAMP(8);
 }
 
