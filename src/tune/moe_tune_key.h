@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v2 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v2" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v3 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v3" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -20,7 +20,10 @@
 
 namespace moebius::tune {
 
-inline constexpr int kMoeTuneKeyVersion = 2;  // 2: decode rows per block joined the candidates
+// 2: decode rows per block joined the candidates. 3: the int formats run the wgmma kernels at
+// block_m 128 too, with the group scale folded into the weight (other numerics than a v2 wgmma
+// winner measured), and the heuristic the winners are timed against changed (session 14).
+inline constexpr int kMoeTuneKeyVersion = 3;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
