@@ -55,7 +55,7 @@ int64_t tokens_per_expert(int capacity, int top_k, int num_experts) {
 // the average tokens per expert (the layer runs prefill kernels there unless decode is forced).
 int pick_block_m(int capacity, int top_k, int num_experts) {
   const int64_t avg = tokens_per_expert(capacity, top_k, num_experts);
-  return avg < 16 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+  return avg < 16 ? 8 : avg == 16 ? 16 : avg <= 32 ? 32 : 64;
 }
 
 // kAuto's decode -> prefill crossover in expected tokens per expert. The mma.sync prefill kernel:
