@@ -478,11 +478,12 @@ TEST(MoeRouteGpuAlign, SkewedAndEmptyExperts) {
     }
 }
 
-// T = 1000 runs the count and scatter kernels, T = 20 the one-block align (capacity * k <= 256).
+// T = 1000 runs the count and scatter kernels, T = 20 and 100 the one-block align (capacity * k
+// <= 1024; 100 tokens: 824 pairs, two 32-pair chunks per warp).
 TEST(MoeRouteGpuAlign, SkipsOutOfRangeIds) {
   MOEBIUS_REQUIRE_GPU();
   constexpr int E = 64, k = 8;
-  for (int T : {1000, 20}) {
+  for (int T : {1000, 20, 100}) {
     std::mt19937 rng(5 + T);
     std::vector<int32_t> ids(static_cast<size_t>(T) * k);
     for (auto& id : ids) id = std::uniform_int_distribution<int>(-2, E + 1)(rng);  // -2, -1, E, E+1 are skipped
