@@ -1,6 +1,7 @@
-// Probe: the router GEMM's tiles (kernels/moe_router_gemm.cu) against the CUDA-core router GEMV
-// (launch_moe_router_logits), to replace two guesses with numbers: router_gemm_pick_tile's rule
-// and the layer's kRouterGemmMinTokens (src/moe/moe_layer_cuda.h, 256).
+// Probe: the router GEMM's tiles (kernels/moe_router_gemm.cu) against the small-batch router
+// (launch_moe_router_logits: 16 x 8 tensor-core tiles above capacity 8, a CUDA-core GEMV before
+// session 15; the "gemv" rows), to replace two guesses with numbers: router_gemm_pick_tile's rule
+// and the layer's kRouterGemmMinTokens (src/moe/moe_layer_cuda.h).
 // Times each as a chain of 32 dependent PDL launches in one CUDA graph (dev_probe::time_chain), so
 // W and x stay in L2 between launches, as x does in the layer (the previous kernel wrote it).
 // Flops 2*T*E*H; "L2 MB" is the model the kernel's header gives: 2*T*E*H * (1/BT + 1/BE) bytes.
@@ -63,7 +64,7 @@ int main() {
     CUDA_CHECK(cudaMalloc(&gemm, sizeof(float) * kMaxT * g.E));
     CUDA_CHECK(cudaMalloc(&gemv, sizeof(float) * kMaxT * g.E));
     CUDA_CHECK(cudaMalloc(&ntok, sizeof(int32_t)));
-    for (int T : {64, 256, 1024, 4096}) {
+    for (int T : {64, 128, 256, 512, 1024, 2048, 4096}) {
       CUDA_CHECK(cudaMemcpy(ntok, &T, sizeof(int), cudaMemcpyHostToDevice));
       const double flop = 2.0 * T * g.E * g.H;
       auto row = [&](const char* name, double us, double l2_mb) {

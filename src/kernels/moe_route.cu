@@ -348,6 +348,36 @@ __global__ void __launch_bounds__(kRouterWarps * 32)
     if (lane == 0 && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = acc[j];
 }
 
+// Tensor-core tiles (capacities above kRouterDotMaxCapacity, vectorisable shapes): block =
+// (16-expert group, 8-token chunk), its 16 warps splitting the hidden dimension
+// (router_tile_partial), then 128 threads sum the partials in warp order (router_tile_sum).
+// Qwen3-30B-A3B at T = 64: 8 x 8 blocks; 3.4 us of stage time against the warp-per-expert GEMV's
+// 6.4-6.6 at T = 9-64 (docs/PERF.md runs T3-T4: the GEMV spent ~2 instructions per multiply-add).
+__global__ void __launch_bounds__(kRouterTileWarps * 32)
+    moe_router_logits_tile_kernel(const __nv_bfloat16* __restrict__ x, int x_stride,  // [capacity, x_stride]
+                                  const __nv_bfloat16* __restrict__ wr,                // [E, H]
+                                  const int32_t* __restrict__ num_tokens, int capacity, int hidden,
+                                  int num_experts, float* __restrict__ logits) {   // [capacity, E]
+  __shared__ __align__(16) float s_red[kRouterTileWarps * kRouterTileValues];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int e0 = blockIdx.x * kRouterTileExperts;
+  if (e0 + warp < num_experts) prefetch_router_row(wr + static_cast<int64_t>(e0 + warp) * hidden, hidden, lane);
+  pdl_wait();  // x comes from the previous kernel
+  pdl_launch_dependents();
+  const int t0 = blockIdx.y * kRouterTileTokens;
+  const int T = live_tokens(num_tokens, capacity);
+  if (t0 >= T) return;  // [TAG_MOE_GRAPH_CAPACITY] uniform over the block
+  const int nt = min(kRouterTileTokens, T - t0);
+  router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, num_experts, e0, t0, nt, warp, lane, s_red);
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i < kRouterTileValues) {
+    const int e = e0 + i / kRouterTileTokens, j = i % kRouterTileTokens;
+    const float v = router_tile_sum<kRouterTileWarps>(s_red, i);
+    if (e < num_experts && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = v;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Fused small-batch routing: router logits + top-k + align in one launch
 // ------------------------------------------------------------------------------------------------
@@ -674,7 +704,12 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
   const dim3 grid((num_experts + kRouterWarps - 1) / kRouterWarps, (capacity + kRouterTokens - 1) / kRouterTokens);
   const bool vec = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
-  if (vec)
+  if (vec && capacity > kRouterDotMaxCapacity) {
+    const dim3 tiles((num_experts + kRouterTileExperts - 1) / kRouterTileExperts,
+                     (capacity + kRouterTileTokens - 1) / kRouterTileTokens);
+    launch_pdl(moe_router_logits_tile_kernel, tiles, dim3(kRouterTileWarps * 32), 0, stream, x, x_stride,
+               router_weight, num_tokens, capacity, hidden, num_experts, logits);
+  } else if (vec)
     launch_pdl(moe_router_logits_kernel<true>, grid, dim3(kRouterWarps * 32), 0, stream, x, x_stride, router_weight,
                num_tokens, capacity, hidden, num_experts, logits);
   else
@@ -683,7 +718,7 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 }
 
 bool moe_route_small_supported(int capacity, const RouteParams& p) {
-  return capacity >= 0 && capacity <= kRouteSmallMaxTokens && p.num_experts >= 1 &&
+  return capacity >= 0 && capacity <= kRouteSmallMaxCapacity && p.num_experts >= 1 &&
          p.num_experts <= kRouteSmallMaxExperts && p.top_k >= 1 && p.top_k <= kRouteMaxTopK &&
          capacity * p.top_k <= kRouteSmallMaxPairs;
 }

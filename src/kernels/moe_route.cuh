@@ -100,7 +100,14 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
 
 // Router logits: logits[t][e] = sum_h W[e][h] * x[t][h] in fp32 (the router, "mlp.gate").
 //   x       [capacity, x_stride] bf16;  W [E, H] bf16 row-major;  logits [capacity, E] fp32.
-// One warp per (expert, 8 tokens): the warp's expert row is reused from registers for 8 tokens.
+// The arithmetic depends on the capacity (never on the live count), so a layer's logits do not:
+//   capacity <= kRouterDotMaxCapacity, or hidden / x_stride not multiples of 8, or rows not 16-byte
+//     aligned: one warp per (expert, 8 tokens), fp32 FMAs per lane and a butterfly (router_dot);
+//     the fused small-batch routing has the same bits.
+//   above: tensor-core tiles of 16 experts x 8 tokens, the hidden dimension split over 16 warps
+//     and summed in warp order (mma accumulation, within the bound test_moe_router_gemm.cu
+//     states). The tensor-core router GEMM (moe_router_gemm.cuh) takes over at larger capacities.
+inline constexpr int kRouterDotMaxCapacity = 8;
 void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
                               const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
                               cudaStream_t stream);
@@ -108,11 +115,16 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 // Fused small-batch routing: router logits + kernel A + kernel B (padded) in ONE launch, for
 // decode. The outputs are exactly those of launch_moe_router_logits, launch_moe_route_topk and
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
-// Limits, checked by moe_route_small_supported: capacity <= 16, E <= 256, capacity * k <= 256.
+// Limits, checked by moe_route_small_supported: capacity <= kRouteSmallMaxCapacity (8), E <= 256,
+// capacity * k <= 256. (The kernel is laid out for 16 tokens, kRouteSmallMaxTokens; capacities 9-16
+// are refused because the separate router computes them on tensor-core tiles, whose bits differ
+// from this kernel's router_dot.)
 //   logits   [capacity, E] fp32, written (the logits the routing used).
 // It launches one thread-block cluster (sm_90): 8 blocks up to capacity 4, 16 (non-portable) above.
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
+inline constexpr int kRouteSmallMaxCapacity = kRouterDotMaxCapacity < kRouteSmallMaxTokens ? kRouterDotMaxCapacity
+                                                                                          : kRouteSmallMaxTokens;
 inline constexpr int kRouteSmallMaxExperts = 256;
 inline constexpr int kRouteSmallMaxPairs = 256;
 bool moe_route_small_supported(int capacity, const RouteParams& params);

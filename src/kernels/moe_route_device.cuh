@@ -429,6 +429,86 @@ __device__ __forceinline__ void router_dot(const __nv_bfloat16* __restrict__ x, 
     for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(kFullMask, acc[j], off);
 }
 
+// ---- router logits on the tensor cores: a 16-expert x 8-token tile ---------------------------
+
+inline constexpr int kRouterTileExperts = 16;  // mma m16n8k16: experts are M
+inline constexpr int kRouterTileTokens = 8;    // tokens are N
+inline constexpr int kRouterTileValues = kRouterTileExperts * kRouterTileTokens;
+// Warps splitting a tile's hidden dimension: part of the bits (the partials' split and order), so
+// every kernel computing router tiles uses this count.
+inline constexpr int kRouterTileWarps = 16;
+
+// d += A (16 x 16, row) * B (16 x 8, col), bf16 in, fp32 accumulate (PTX mma.sync m16n8k16).
+__device__ __forceinline__ void router_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One warp's share of the logits of experts [e0, e0 + 16) x tokens [t0, t0 + 8): the k-blocks of
+// 32 hidden values kb = warp, warp + WARPS, ... (ascending), on the tensor cores, stored as the
+// warp's 128 partial sums in s_red[warp * 128 + row * 8 + col] (row = expert - e0, col = token - t0).
+// router_tile_sum adds the WARPS partials in warp order after a block barrier. s_red must be 8-byte
+// aligned (float2 stores). Why: the CUDA-core dot (router_dot) costs ~2 instructions per
+// multiply-add (bf16 -> fp32, FFMA): 8 tokens x 128 experts x 2048 took 6.3 us on the 8 SMs of a
+// routing cluster (docs/PERF.md run T2), and the warp-per-expert GEMV 5.5-5.9 us at T = 8-64; one
+// mma does 2048 multiply-adds.
+// The k order inside a 32-block is free (a sum), so lane (g, t) reads 16 contiguous bytes, h =
+// kb * 32 + 8t .. 8t + 7, of expert row g, row g + 8 and token g, and feeds them as the mma
+// fragments' k pairs {2t, 2t+1} and {2t+8, 2t+9} (PTX ISA, mma.m16n8k16 fragment layouts): h
+// 8t+0..3 in the first mma, 8t+4..7 in the second. A and B then pair the same h, as they must.
+// Experts past E read row E - 1 and tokens past nt read token t0 + nt - 1 (valid memory; their
+// sums are dropped); hidden % 8 == 0 and 16-byte aligned rows (kVec of router_dot), so a 16-byte
+// piece is wholly inside or outside [0, hidden), and pieces outside are zeros.
+template <int WARPS>
+__device__ __forceinline__ void router_tile_partial(const __nv_bfloat16* __restrict__ x, int x_stride,
+                                                    const __nv_bfloat16* __restrict__ wr, int hidden, int num_experts,
+                                                    int e0, int t0, int nt, int warp, int lane, float* s_red) {
+  const int g = lane >> 2, t = lane & 3;
+  const int ea = min(e0 + g, num_experts - 1), eb = min(e0 + g + 8, num_experts - 1);
+  const uint4* wa = reinterpret_cast<const uint4*>(wr + static_cast<int64_t>(ea) * hidden) + t;
+  const uint4* wb = reinterpret_cast<const uint4*>(wr + static_cast<int64_t>(eb) * hidden) + t;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t0 + min(g, nt - 1)) * x_stride) + t;
+  const int kblocks = (hidden + 31) / 32;
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  constexpr int kBatch = 4;  // k-blocks whose 3 loads are all in flight before the first mma
+  for (int kb0 = warp; kb0 < kblocks; kb0 += WARPS * kBatch) {
+    uint4 va[kBatch], vb[kBatch], vx[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int kb = kb0 + i * WARPS;
+      const bool ok = kb < kblocks && kb * 32 + t * 8 < hidden;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      va[i] = ok ? __ldg(wa + kb * 4) : zero;
+      vb[i] = ok ? __ldg(wb + kb * 4) : zero;
+      vx[i] = ok ? __ldg(xr + kb * 4) : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      router_mma(d, va[i].x, vb[i].x, va[i].y, vb[i].y, vx[i].x, vx[i].y);
+      router_mma(d, va[i].z, vb[i].z, va[i].w, vb[i].w, vx[i].z, vx[i].w);
+    }
+  }
+  // Accumulator layout: d0, d1 = (row g, cols 2t, 2t + 1), d2, d3 = (row g + 8, same cols).
+  float2* r = reinterpret_cast<float2*>(s_red + warp * kRouterTileValues);
+  r[(g * kRouterTileTokens + 2 * t) / 2] = make_float2(d[0], d[1]);
+  r[((g + 8) * kRouterTileTokens + 2 * t) / 2] = make_float2(d[2], d[3]);
+}
+
+// Logit i = row * 8 + col of the tile (i < 128): the WARPS partials of router_tile_partial in warp
+// order, so the bits depend on WARPS and the k-block split only, not on which block computes it.
+template <int WARPS>
+__device__ __forceinline__ float router_tile_sum(const float* s_red, int i) {
+  float v = 0.0f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) v = __fadd_rn(v, s_red[w * kRouterTileValues + i]);
+  return v;
+}
+
+
 // The align of n <= 32 pairs by one warp (decode), the outputs of moe_align_count +
 // moe_align_scatter (padded): lane p < n holds pair p's expert in `expert` (other lanes: ignored).
 // A first pass of shuffles over the n pairs gives each lane its expert's count and its rank among

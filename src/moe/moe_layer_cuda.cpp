@@ -686,10 +686,17 @@ void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tok
   enqueue_experts(x, num_tokens, topk_ids, topk_weights, out, stream);
 }
 
+bool router_takes_gemm(int capacity, int hidden, int num_experts) {
+  const double tiles_us = 2.5 + 4.7e-8 * static_cast<double>(capacity) * num_experts * hidden;
+  const double gemm_floor_us = 0.8 + 4.2 * hidden / 1024.0;
+  return capacity >= kRouterGemmMinTokens && tiles_us > gemm_floor_us;
+}
+
 void enqueue_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
                            const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
                            cudaStream_t stream) {
-  if (capacity >= kRouterGemmMinTokens && kernels::moe_router_gemm_supported(x, x_stride, hidden, num_experts))
+  if (router_takes_gemm(capacity, hidden, num_experts) &&
+      kernels::moe_router_gemm_supported(x, x_stride, hidden, num_experts))
     kernels::launch_moe_router_gemm(x, x_stride, router_weight, num_tokens, capacity, hidden, num_experts, logits,
                                     stream);
   else

@@ -72,12 +72,21 @@ inline constexpr int kPrefillMinTokensPerExpert = 16;
 // compare them.
 inline constexpr int kFusedRoutingMaxTokens = 8;
 
-// The router logits run on the tensor-core router GEMM (kernels/moe_router_gemm.cuh) when the
-// capacity is at least this and the shapes allow it (moe_router_gemm_supported), else on the
-// warp-per-expert GEMV (moe_route.cuh). Measured on the H200 (docs/PERF.md run L4,
-// dev_probe_router_gemm, Qwen3-30B-A3B): GEMV 5.9 / 13.1 / 46.5 us at T = 64 / 256 / 1024, GEMM
-// 9.3 / 9.4 / 9.6 us (latency-bound below ~1024 tokens), so the crossover lies between 64 and 256.
+// Whether the router logits of a layer with this capacity run on the tensor-core router GEMM
+// (kernels/moe_router_gemm.cuh, when moe_router_gemm_supported) rather than the small-batch router
+// (launch_moe_router_logits: 16 x 8 tensor-core tiles above capacity 8). The GEMM is latency-bound
+// at a floor that grows with H, the tiles cost in proportion to capacity x E x H; measured on the
+// H200 (docs/PERF.md run T5, dev_probe_router_gemm, us per launch in a PDL chain):
+//   GEMM floor ~0.8 + 4.2 per 1024 of H: 9.4 / 17.7 / 30.3 us at H = 2048 / 4096 / 7168;
+//   tiles ~2.5 + 4.7e-8 x capacity x E x H: 7.7 / 14.9 us (Qwen3-30B-A3B, 512 / 1024 tokens), 15.2
+//   (Qwen3-235B-A22B, 512), 24.1 (DeepSeek-V3, 256).
+// The GEMM is taken from kRouterGemmMinTokens on where the tiles' estimate also exceeds its floor:
+// Qwen3-30B-A3B and -235B-A22B from about 600 tokens, DeepSeek-V3 from about 310. (Below 256 the
+// small-batch router is always taken: its fixed cost and the GEMM's floor are both ~2 us at small
+// H, where this model is not measured. Before the tiles, the warp-per-expert GEMV lost to the
+// GEMM from 256 tokens: run L4.)
 inline constexpr int kRouterGemmMinTokens = 256;
+bool router_takes_gemm(int capacity, int hidden, int num_experts);
 
 // logits [capacity, E] fp32 = x . W^T for the live tokens, on the GEMM or the GEMV by the rule
 // above. x [capacity, x_stride] bf16 (the caller's: rows that are not 16-byte aligned take the

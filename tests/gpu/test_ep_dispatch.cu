@@ -253,8 +253,8 @@ TEST(MoeLayerEpGpu, OneRankOverNcclMatchesTheOracleAndTheSingleGpuLayer) {
   MOEBIUS_REQUIRE_GPU();
   for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kBF16}) {
     const cpu::MoeLayerReference L = make_layer(f, kEpGeometry, 32, 5);
-    // (T, capacity): capacity 320 takes the tensor-core router GEMM (kRouterGemmMinTokens) in both
-    // layers, 64 the GEMV.
+    // (T, capacity): capacity 320 takes the tensor-core router GEMM (router_takes_gemm: H = 256) in both
+    // layers, 64 the small-batch router's tiles.
     for (auto [T, cap] : {std::pair<int64_t, int>{0, 64}, {1, 64}, {13, 64}, {64, 64}, {300, 320}}) {
       for (bool graph : {false, true}) {
         const std::string what = std::string(weight_format_name(f)) + " T=" + std::to_string(T) + " capacity " +

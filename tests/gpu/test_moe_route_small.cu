@@ -191,8 +191,8 @@ TEST(MoeRouteSmallGpu, MatchesSeparateKernelsBitForBit) {
   };
   uint32_t seed = 1;
   for (const Config& c : configs) {
-    const int max_cap = std::min(kernels::kRouteSmallMaxTokens, kernels::kRouteSmallMaxPairs / c.k);
-    for (int T : {0, 1, 2, 3, 8, 16}) {
+    const int max_cap = std::min(kernels::kRouteSmallMaxCapacity, kernels::kRouteSmallMaxPairs / c.k);
+    for (int T : {0, 1, 2, 3, 5, 8}) {
       if (T > max_cap) continue;
       for (int block_m : {1, 8, 16}) {
         check(c, T, std::min(max_cap, T + 3), block_m, seed++);
@@ -204,19 +204,20 @@ TEST(MoeRouteSmallGpu, MatchesSeparateKernelsBitForBit) {
 
 TEST(MoeRouteSmallGpu, SkewedRoutingLeavesExpertsEmpty) {
   MOEBIUS_REQUIRE_GPU();
-  for (int T : {1, 5, 16}) {
+  constexpr int kCap = kernels::kRouteSmallMaxCapacity;
+  for (int T : {1, 5, kCap}) {
     Config c{2048, 128, 8, softmax(128, 8), /*skewed=*/true};
-    check(c, T, 16, 8, 100u + static_cast<uint32_t>(T));
+    check(c, T, kCap, 8, 100u + static_cast<uint32_t>(T));
     Config d{7168, 256, 8, deepseek(), /*skewed=*/true};
-    check(d, T, 16, 8, 200u + static_cast<uint32_t>(T));
+    check(d, T, kCap, 8, 200u + static_cast<uint32_t>(T));
   }
 }
 
-// One capture at capacity 16 replays for every live count, including 0.
+// One capture at the largest capacity (8) replays for every live count, including 0.
 TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
   MOEBIUS_REQUIRE_GPU();
   const Config c{2048, 128, 8, softmax(128, 8)};
-  constexpr int kCap = 16, kBlockM = 8;
+  constexpr int kCap = kernels::kRouteSmallMaxCapacity, kBlockM = 8;
   CudaStream s;
   Inputs in = make_inputs(c, kCap, 77);
   const auto* x = reinterpret_cast<const __nv_bfloat16*>(in.x.data());
@@ -231,7 +232,7 @@ TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
   run_fused(c, kCap, kBlockM, x, w, nullptr, d_T.data(), got, s);
   CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int T : {16, 1, 0, 7, 16, 3}) {
+  for (int T : {kCap, 1, 0, kCap - 1, kCap, 3}) {
     SCOPED_TRACE(::testing::Message() << "replay T=" << T);
     d_T.upload(std::vector<int32_t>{T});
     got.poison(s);

@@ -1,6 +1,8 @@
-// The tensor-core router GEMM (launch_moe_router_gemm, src/kernels/moe_router_gemm.cu) against a
-// plain double-precision CPU reference, on fresh random inputs with fixed seeds, for every tile
-// the kernel is instantiated for and for the automatic pick.
+// The router logits kernels against a plain double-precision CPU reference, on fresh random inputs
+// with fixed seeds: the tensor-core router GEMM (launch_moe_router_gemm, src/kernels/
+// moe_router_gemm.cu), for every tile it is instantiated for and for the automatic pick, and the
+// small-batch router (launch_moe_router_logits, moe_route.cu) in both of its arithmetic classes
+// (router_dot up to kRouterDotMaxCapacity, 16 x 8 tensor-core tiles above).
 // Before each launch the logits are poisoned (0xFF bytes: NaN); afterwards every live row
 // (t < T) must be within the accumulation tolerance below, every row t >= T must still hold the
 // poison bytes, and the guard bands around the buffer must be intact. x carries NaN in its
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/moe_route.cuh"
 #include "kernels/moe_router_gemm.cuh"
 
 namespace moebius {
@@ -252,6 +255,58 @@ TEST(MoeRouterGemmGpu, GraphCaptureReplaysAtAnyTokenCount) {
   CUDA_CHECK(cudaFreeHost(h_T));
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// launch_moe_router_logits: the same poisoned launches and tolerance (the CUDA-core class, fp32
+// FMAs, sits far inside it). Capacities up to 8 take router_dot, 9 and up the tensor-core tiles
+// (hidden and x_stride multiples of 8); H = 100 and 200 with odd strides take router_dot at any
+// capacity. Two launches must give the same bits; a replay at a lower live count must give the
+// same bits on the rows both cover (the arithmetic depends on the capacity only).
+std::vector<float> run_logits(const Case& c, DeviceInputs& d, DeviceBuffer<float>& logits, cudaStream_t stream) {
+  logits.poison(kPoison, stream);
+  kernels::launch_moe_router_logits(reinterpret_cast<const __nv_bfloat16*>(d.x.data()), c.x_stride,
+                                    reinterpret_cast<const __nv_bfloat16*>(d.w.data()), d.T.data(), c.capacity, c.H,
+                                    c.E, logits.data(), stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(logits.guards_intact()) << "guard band overwritten";
+  return logits.download();
+}
+
+TEST(MoeRouterLogitsGpu, MatchesDoubleReference) {
+  MOEBIUS_REQUIRE_GPU();
+  const Case cases[] = {
+      {"qwen3-30b dot", 1, 1, 128, 2048, 2048},
+      {"qwen3-30b dot", 5, 8, 128, 2048, 2048 + 64},
+      {"qwen3-30b tiles", 9, 9, 128, 2048, 2048},
+      {"qwen3-30b tiles", 17, 64, 128, 2048, 2048 + 8},
+      {"qwen3-30b tiles", 128, 128, 128, 2048, 2048},
+      {"qwen3-30b tiles", 200, 255, 128, 2048, 2048},
+      {"mixtral-like tiles", 11, 16, 8, 4096, 4096},        // E < 16: one partial tile
+      {"qwen1.5-like tiles", 33, 40, 60, 2048, 2056},       // E not a multiple of 16
+      {"deepseek-e tiles", 64, 64, 256, 7168, 7168},        // 14 k-blocks per warp
+      {"odd-h tiles", 20, 24, 40, 200, 208},                // H % 32 != 0: a partial k-block
+      {"odd-h dot", 20, 24, 40, 100, 101},                  // H % 8 != 0: router_dot at any capacity
+      {"positive tiles", 100, 100, 128, 2048, 2048, true},  // errors add up instead of cancelling
+  };
+  uint32_t seed = 300;
+  for (const Case& c : cases) {
+    const HostInputs in = make_inputs(c, seed++);
+    const Reference ref = reference(c, in);
+    DeviceInputs d = upload(c, in);
+    DeviceBuffer<float> logits(static_cast<size_t>(c.capacity) * c.E);
+    CudaStream stream;
+    const auto a = run_logits(c, d, logits, stream);
+    const double worst = check(c, ref, a, label(c));
+    const auto b = run_logits(c, d, logits, stream);
+    EXPECT_TRUE(same_bytes(a, b)) << label(c) << ": two launches differ";
+    if (c.T > 1) {  // fewer live tokens, same capacity: the live rows' bits do not change
+      d.T.upload(std::vector<int32_t>{c.T - 1});
+      const auto fewer = run_logits(c, d, logits, stream);
+      EXPECT_EQ(std::memcmp(fewer.data(), a.data(), sizeof(float) * (c.T - 1) * c.E), 0)
+          << label(c) << ": a row's bits depend on the live count";
+    }
+    std::printf("  %-60s max err %.2f x 2^-24 sum|wx|\n", label(c).c_str(), worst);
+  }
 }
 
 // What the launcher refuses (the layer then runs the CUDA-core router): rows that are not
