@@ -46,6 +46,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
+#include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
@@ -97,11 +98,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  const uint32_t a[4] = {a0, a1, a2, a3};
+  mma_m16n8k16_bf16(c, a, b0, b1);
 }
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/mma.cuh"
 #include "kernels/moe_route.cuh"
 
 namespace moebius::kernels::route_device {
@@ -438,16 +439,6 @@ inline constexpr int kRouterTileValues = kRouterTileExperts * kRouterTileTokens;
 // every kernel computing router tiles uses this count.
 inline constexpr int kRouterTileWarps = 16;
 
-// d += A (16 x 16, row) * B (16 x 8, col), bf16 in, fp32 accumulate (PTX mma.sync m16n8k16).
-__device__ __forceinline__ void router_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // One warp's share of the logits of experts [e0, e0 + 16) x tokens [t0, t0 + 8): the k-blocks of
 // 32 hidden values kb = warp, warp + WARPS, ... (ascending), on the tensor cores, stored as the
 // warp's 128 partial sums in s_red[warp * 128 + row * 8 + col] (row = expert - e0, col = token - t0).
@@ -488,8 +479,9 @@ __device__ __forceinline__ void router_tile_partial(const __nv_bfloat16* __restr
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      router_mma(d, va[i].x, vb[i].x, va[i].y, vb[i].y, vx[i].x, vx[i].y);
-      router_mma(d, va[i].z, vb[i].z, va[i].w, vb[i].w, vx[i].z, vx[i].w);
+      const uint32_t a_lo[4] = {va[i].x, vb[i].x, va[i].y, vb[i].y}, a_hi[4] = {va[i].z, vb[i].z, va[i].w, vb[i].w};
+      mma_m16n8k16_bf16(d, a_lo, vx[i].x, vx[i].y);
+      mma_m16n8k16_bf16(d, a_hi, vx[i].z, vx[i].w);
     }
   }
   // Accumulator layout: d0, d1 = (row g, cols 2t, 2t + 1), d2, d3 = (row g + 8, same cols).
