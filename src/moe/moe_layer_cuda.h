@@ -81,7 +81,7 @@ inline constexpr int kFusedRoutingMaxTokens = 8;
 //   tiles ~2.5 + 4.7e-8 x capacity x E x H: 7.7 / 14.9 us (Qwen3-30B-A3B, 512 / 1024 tokens), 15.2
 //   (Qwen3-235B-A22B, 512), 24.1 (DeepSeek-V3, 256).
 // The GEMM is taken from kRouterGemmMinTokens on where the tiles' estimate also exceeds its floor:
-// Qwen3-30B-A3B and -235B-A22B from about 600 tokens, DeepSeek-V3 from about 310. (Below 256 the
+// Qwen3-30B-A3B and -235B-A22B from about 600 tokens, DeepSeek-V3 from about 320. (Below 256 the
 // small-batch router is always taken: its fixed cost and the GEMM's floor are both ~2 us at small
 // H, where this model is not measured. Before the tiles, the warp-per-expert GEMV lost to the
 // GEMM from 256 tokens: run L4.)
