@@ -335,6 +335,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   }
 }
 
+// [TAG_DECODE_GEMM2_OCCUPANCY] The GEMM2 row-tile kernel with 3 chunks a warp (K = 768:
+// Qwen3-30B-A3B; the kDownStore epilogue) at 8 blocks per SM (a 64-register cap) instead of 5 (87
+// registers), for nvfp4 (ptxas -v: 4 bytes of spill) and the int formats' group-128 instances (no
+// spill; the run-time-group instances would spill 24-68 bytes and keep 5 blocks): its warps hold 48 bytes of weights a lane in flight, and ncu at T = 64 (docs/
+// PERF.md run T9) found it waiting on them (long_sb 37%, 54% of the HBM rate), so more resident
+// warps put more bytes in flight. Measured (run T10, nvfp4 layer us): T = 8 64.0 -> 63.2, 16 88.1
+// -> 85.8, 64 126.8 -> 123.8, 128 168.8 -> 166.0; but T = 1 19.4 -> 21.0 (its 8 token tiles
+// gain nothing and the wider GEMM2 crowds GEMM1 under PDL). So from 64 token tiles (8 tokens at
+// k = 8) on. MOEBIUS_DECODE_GEMM2_MIN_BLOCKS=3 (any value but 8) keeps the 5-block instance, for
+// comparisons.
+bool gemm2_wide_occupancy(int grid_tiles) {
+  static const bool forced_off = [] {
+    const char* v = std::getenv("MOEBIUS_DECODE_GEMM2_MIN_BLOCKS");
+    return v != nullptr && v[0] != '\0' && std::atoi(v) != 8;
+  }();
+  return !forced_off && grid_tiles >= 64;
+}
+
 // Row tiles per block for one token tile ([TAG_DECODE_ROW_TILES]). moe_gemm_kernel gives every
 // block one 16-row weight tile: at T = 8-64 the grid is 5k-15k short blocks whose fixed costs
 // (the dependent chain tile_expert -> expert pointers -> first weights, activation
@@ -358,8 +376,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // sit at compile-time k-steps where every warp's P chunks are whole groups (Qwen3-30B-A3B's int4
 // and int2 GEMM1), and are tested at chunk starts only otherwise (int4 GEMM2, 3 chunks a warp);
 // 0: found at run time from a GroupStarts window ([TAG_INT_GROUP_STARTS]).
-template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, int kGroupK = 0>
-__global__ void __launch_bounds__(kThreads, 3) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
+template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, int kGroupK = 0, int kMinBlocks = 3>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   static_assert(kGroupK == 0 || (kIsIntF && kExact && kGroupK % 16 == 0), "a compile-time group size: exact int instances");
@@ -595,7 +613,11 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
       constexpr int G = decltype(group_k)::value;
       if (!even) return false;
       if (per_warp == kRowsP) go_rows(moe_gemm_rows_kernel<F, EPI, kRowsP, true, G>);
-      else if (EPI != Epilogue::kGateUp && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, G>);
+      else if (EPI == Epilogue::kDownStore && per_warp == 3 && (F == MoeWeightFormat::kNvFp4 || G == 128)) {
+        // The 8-block instances that fit 64 registers without spilling more than 8 bytes.
+        if (gemm2_wide_occupancy(args.tiles.grid_tiles)) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, G, 8>);
+        else go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, G>);
+      } else if (EPI != Epilogue::kGateUp && per_warp == 3) go_rows(moe_gemm_rows_kernel<F, EPI, 3, true, G>);
       else if (EPI == Epilogue::kGateUp && per_warp == 4) go_rows(moe_gemm_rows_kernel<F, EPI, 4, true, G>);
       else return false;
       return true;
