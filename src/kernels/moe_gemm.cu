@@ -338,9 +338,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
 // [TAG_DECODE_GEMM2_OCCUPANCY] The GEMM2 row-tile kernel with 3 chunks a warp (K = 768:
 // Qwen3-30B-A3B; the kDownStore epilogue) at 8 blocks per SM (a 64-register cap) instead of 5 (87
 // registers), for nvfp4 (ptxas -v: 4 bytes of spill) and the int formats' group-128 instances (no
-// spill; the run-time-group instances would spill 24-68 bytes and keep 5 blocks): its warps hold 48 bytes of weights a lane in flight, and ncu at T = 64 (docs/
-// PERF.md run T9) found it waiting on them (long_sb 37%, 54% of the HBM rate), so more resident
-// warps put more bytes in flight. Measured (run T10, nvfp4 layer us): T = 8 64.0 -> 63.2, 16 88.1
+// spill; the run-time-group instances would spill 24-68 bytes and keep 5 blocks). Its warps hold
+// 48 bytes of weights a lane in flight, and ncu at T = 64 (docs/PERF.md run T9) found it waiting
+// on them (long_sb 37%, 54% of the HBM rate), so more resident warps put more bytes in flight. Measured (run T10, nvfp4 layer us): T = 8 64.0 -> 63.2, 16 88.1
 // -> 85.8, 64 126.8 -> 123.8, 128 168.8 -> 166.0; but T = 1 19.4 -> 21.0 (its 8 token tiles
 // gain nothing and the wider GEMM2 crowds GEMM1 under PDL). So from 64 token tiles (8 tokens at
 // k = 8) on. MOEBIUS_DECODE_GEMM2_MIN_BLOCKS=3 (any value but 8) keeps the 5-block instance, for
