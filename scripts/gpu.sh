@@ -17,7 +17,8 @@
 #   6. moebius tune (Qwen3-30B-A3B nvfp4 and int4): tuned vs heuristic per capacity bucket, then a
 #      warm rerun that must tune nothing;
 #   7. generate --backend cuda on the tiny fixture (and with --ep N: the runner's EP tests and the
-#      launcher), and bench generate (Qwen3-30B-A3B, dummy nvfp4);
+#      launcher), and bench generate (Qwen3-30B-A3B, dummy nvfp4), also under the CUPTI kernel
+#      timeline (trace-decode: per-kernel time on the decode step's critical path);
 #      expert offload: its GPU tests, bench generate of Qwen3-235B-A22B int2 under a 24 GiB budget
 #      (with MOEBIUS_OFFLOAD_CACHE=1 also with --expert-cache lru and freq);
 #   8. moebius serve: the tiny fixture on CUDA, then bench serve against Qwen3-30B-A3B with dummy
@@ -260,6 +261,18 @@ bench_generate() {
     --context 1024,10240 --prefill 1024 --decode-steps 64 || return 1
 }
 step bench-generate bench_generate
+# Where a decode step's time goes, per kernel (dev/trace/kernel_trace.cpp: the time each kernel adds
+# to the step's critical path, CUPTI). A change to one kernel of the chain can cost several times its
+# isolated `bench moe` stage inside the model (docs/PERF.md run U4), so decode changes are judged
+# by this table as well.
+trace_decode() {
+  [ -f "$BUILD/libmoebius_kernel_trace.so" ] || { echo "no libmoebius_kernel_trace.so in $BUILD"; return 0; }
+  MOEBIUS_TRACE_SKIP=8 MOEBIUS_TRACE_ROWS=12 LD_PRELOAD="$PWD/$BUILD/libmoebius_kernel_trace.so" \
+    LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" \
+    "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
+    --context 1024 --prefill 1024 --decode-steps 64 || return 1
+}
+step trace-decode trace_decode
 
 # Expert offload (docs/OFFLOAD.md): the offload GPU tests alone first (their log is short), then
 # Qwen3-235B-A22B with dummy int2 experts (60 GB) under a 24 GiB budget: ~10% of the experts

@@ -13,4 +13,6 @@ for t in moebius_tests moebius_cuda_host_tests moebius_gpu_tests; do
   [ -x "build/release/tests/$t" ] && cp "build/release/tests/$t" .device/release/tests/
 done
 for d in build/release/dev_*; do [ -x "$d" ] && cp "$d" .device/release/; done
+# The CUPTI kernel timeline that scripts/gpu.sh's trace-decode step preloads (built where CUPTI is).
+[ -f build/release/libmoebius_kernel_trace.so ] && cp build/release/libmoebius_kernel_trace.so .device/release/
 du -sh .device/release
