@@ -267,7 +267,7 @@ step bench-generate bench_generate
 # by this table as well.
 trace_decode() {
   [ -f "$BUILD/libmoebius_kernel_trace.so" ] || { echo "no libmoebius_kernel_trace.so in $BUILD"; return 0; }
-  MOEBIUS_TRACE_SKIP=8 MOEBIUS_TRACE_ROWS=12 LD_PRELOAD="$PWD/$BUILD/libmoebius_kernel_trace.so" \
+  MOEBIUS_TRACE_SKIP=8 MOEBIUS_TRACE_ROWS=12 LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" \
     LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" \
     "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
     --context 1024 --prefill 1024 --decode-steps 64 || return 1
