@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -430,16 +431,32 @@ TEST(EpGenerateCpu, SameTokensAndLogitsHashAtEveryRankCount) {
 namespace moebius::server {
 namespace {
 
+// The CPU runner of `serve` over the tiny fixture.
+Result<std::unique_ptr<StepRunner>> load_tiny_runner(int ep, int max_seqs, int max_step_tokens) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = max_seqs;
+  o.max_step_tokens = max_step_tokens;
+  o.ep = ep;
+  return load_runner(o);
+}
+
+// run(ep) gives a script's logits; EP = 2 and 4 must give the single-process run's bits.
+void expect_ep_runs_equal(const std::function<std::vector<float>(int)>& run) {
+  const auto want = run(1);
+  ASSERT_FALSE(want.empty());
+  for (int n : {2, 4}) {
+    const auto got = run(n);
+    ASSERT_EQ(got.size(), want.size()) << "EP=" << n;
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * 4)) << "EP=" << n;
+  }
+}
+
 // `moebius serve --ep N` on the CPU: the runner's steps (a prefill of two sequences, then a
 // decode step) give the same logits as without EP; the follower ranks exit when the runner goes.
 TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
   auto run = [](int ep) -> std::vector<float> {
-    RunnerOptions o;
-    o.source.model_dir = testing::tiny_fixture_dir();
-    o.max_seqs = 4;
-    o.max_step_tokens = 64;
-    o.ep = ep;
-    auto runner = load_runner(o);
+    auto runner = load_tiny_runner(ep, 4, 64);
     EXPECT_TRUE(runner.ok()) << runner.error().what();
     if (!runner.ok()) return {};
     const std::vector<int32_t> a = {1, 2, 3, 4, 5}, b = {7, 8}, a1 = {9}, b1 = {10};
@@ -459,19 +476,70 @@ TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
     }
     return all;  // the runner (and with it the follower ranks) goes here
   };
-  const auto want = run(1);
-  ASSERT_FALSE(want.empty());
-  for (int n : {2, 4}) {
-    const auto got = run(n);
-    ASSERT_EQ(got.size(), want.size()) << "EP=" << n;
-    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * 4)) << "EP=" << n;
-  }
+  expect_ep_runs_equal(run);
   RunnerOptions bad;
   bad.source.model_dir = testing::tiny_fixture_dir();
   bad.ep = 3;
   auto r = load_runner(bad);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(r.error().what(), ::testing::HasSubstr("num_experts"));
+}
+
+// [TAG_SERVE_DP] `serve --ep N` is data parallel: the runner spreads the sequences over the ranks
+// (each keeps its own caches) and collects their logits in the step's order. A script of steps
+// with prefills, decodes, a chunk without logits, a released sequence, a new one taking its place
+// and a preempted one starting over gives logits bit-identical to `--ep 1`; the engine may run N
+// times as many sequences a step.
+TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
+  auto run = [](int ep) -> std::vector<float> {
+    auto runner = load_tiny_runner(ep, 4, 64);
+    EXPECT_TRUE(runner.ok()) << runner.error().what();
+    if (!runner.ok()) return {};
+    EXPECT_EQ((*runner)->limits().max_seqs, 4 * ep);
+    std::vector<float> all, logits;
+    auto step = [&](std::vector<RunnerSeq> seqs, size_t want_rows) {
+      const Status st = (*runner)->step(seqs, logits);
+      EXPECT_TRUE(st.ok()) << st.error().what();
+      EXPECT_EQ(logits.size(), want_rows * static_cast<size_t>((*runner)->config().vocab_size));
+      all.insert(all.end(), logits.begin(), logits.end());
+    };
+    const std::vector<int32_t> table = {0, 1, 2, 3, 4, 5, 6, 7};
+    const std::vector<int32_t> p1 = {1, 2, 3, 4, 5}, p2 = {7, 8}, p3 = {3, 9, 27}, p4 = {11, 12, 13, 14};
+    const std::vector<int32_t> t1 = {9}, t2 = {10}, t3 = {21}, t4 = {6}, c1 = {30, 31}, t5 = {40};
+    step({{1, p1, 0, table, true}, {2, p2, 0, table, true}, {3, p3, 0, table, true}}, 3);
+    step({{1, t1, 5, table, true}, {2, t2, 2, table, true}, {3, t3, 3, table, true}}, 3);
+    (*runner)->release(2);
+    step({{4, p4, 0, table, true}, {1, t4, 6, table, true}, {3, t2, 4, table, false}}, 2);
+    // Sequence 3 preempted: it starts over from its first token (recompute), on its rank.
+    const std::vector<int32_t> p3_again = {3, 9, 27, 21, 10};
+    step({{3, p3_again, 0, table, true}, {1, c1, 7, table, false}, {4, t5, 4, table, true}}, 2);
+    step({{4, t1, 5, table, true}, {3, t4, 5, table, true}, {1, t5, 9, table, true}}, 3);
+    (*runner)->release(1);
+    (*runner)->release(3);
+    (*runner)->release(99);  // unknown: ignored
+    step({{4, t2, 6, table, true}}, 1);
+    return all;
+  };
+  expect_ep_runs_equal(run);
+}
+
+// A step the runner cannot run (a sequence that does not continue where its cache ends) is an
+// error, the ranks stop together (no hang), later steps report it, and the runner still goes away.
+TEST(EpCpuRunner, AFailedDataParallelStepStopsTheRanksCleanly) {
+  auto runner = load_tiny_runner(2, 2, 16);
+  ASSERT_TRUE(runner.ok()) << runner.error().what();
+  const std::vector<int32_t> table = {0, 1, 2, 3}, p = {1, 2, 3}, t = {4};
+  std::vector<float> logits;
+  const RunnerSeq first[] = {{1, p, 0, table, true}, {2, p, 0, table, true}};
+  ASSERT_TRUE((*runner)->step(first, logits).ok());
+  const RunnerSeq wrong[] = {{1, t, 3, table, true}, {2, t, 7, table, true}};  // 2 is at 3, not 7
+  const Status st = (*runner)->step(wrong, logits);
+  ASSERT_FALSE(st.ok());
+  EXPECT_THAT(st.error().what(), ::testing::HasSubstr("starts it at 7"));
+  const RunnerSeq next[] = {{1, t, 3, table, true}};
+  const Status after = (*runner)->step(next, logits);
+  ASSERT_FALSE(after.ok());
+  EXPECT_THAT(after.error().what(), ::testing::HasSubstr("data-parallel ranks stopped"));
 }
 
 }  // namespace

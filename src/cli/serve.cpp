@@ -203,7 +203,9 @@ void register_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--max-context", o->runner.max_context,
                   "tokens per sequence (default: the model's; cuda: at most 8192)");
-  cmd->add_option("--max-running", o->runner.max_seqs, "sequences per step")->capture_default_str();
+  cmd->add_option("--max-running", o->runner.max_seqs,
+                  "sequences per step (cpu --ep N: per rank, the server runs N times as many)")
+      ->capture_default_str();
   cmd->add_option("--max-step-tokens", o->runner.max_step_tokens, "tokens per step (the prefill chunk)")
       ->capture_default_str();
   cmd->add_option("--kv-blocks", o->runner.num_blocks, "KV blocks in the pool (default: max-running full contexts)");

@@ -1,5 +1,13 @@
 // The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence; a step is one
 // Qwen3MoeCpu::forward_batch over all its sequences.
+//
+// `--ep N` ([TAG_SERVE_DP]): ranks 1..N-1 are threads with their own model (their E / N experts of
+// every MoE layer) and their own caches, and the runner is data-parallel over them: each step,
+// rank 0 (the engine's thread) places every sequence on a rank (server/dp_step.h: sticky, least
+// loaded), sends each rank its part, all ranks run forward_batch over their own sequences (the
+// MoE layers exchange tokens between them), and rank 0 collects the wanted logits rows in the
+// step's order. Each rank computes exactly what the single-process model computes for its
+// sequences, so the logits are bit-identical to `--ep 1`.
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -11,15 +19,66 @@
 #include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
 #include "parallel/in_process_communicator.h"
+#include "server/dp_step.h"
 #include "server/step_runner.h"
 
 namespace moebius::server {
 namespace {
 
-// `--ep N` on the CPU: ranks 1..N-1 as threads, each with its own experts, serving every step of
-// rank 0 (the runner's model) until rank 0 says it is done (Qwen3MoeCpu::ep_idle_until_all_done).
+using Caches = std::unordered_map<int64_t, model::KvCache>;  // node-based: BatchSeq pointers stay valid
+
+// One forward_batch over `seqs` on `model`, each sequence continuing its cache in `caches` (made
+// on first sight); `logits` gets the wanted rows in order. Shared by the single runner and every
+// DP rank.
+Status run_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
+                     std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
+  batch.reserve(seqs.size());
+  size_t rows = 0;
+  for (const RunnerSeq& s : seqs) {
+    auto it = caches.find(s.id);
+    if (it == caches.end()) it = caches.emplace(s.id, model.make_cache(limits.max_context, limits.block_size)).first;
+    model::KvCache& cache = it->second;
+    // A recomputed (preempted) sequence starts over from 0; anything else must continue where
+    // its cache ends. [TAG_SERVE_RECOMPUTE]
+    if (s.start == 0) cache.clear();
+    if (cache.position() != s.start)
+      return Error::format("sequence {} is at {} tokens in its cache, the step starts it at {}", s.id, cache.position(),
+                           s.start);
+    batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
+    rows += s.want_logits ? 1 : 0;
+  }
+  logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
+  return model.forward_batch(batch, logits.data());
+}
+
+// One DP rank's part of a step: drop the released sequences, run its own.
+Status run_dp_message(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
+                      const DpStepMessage& m, std::vector<float>& logits) {
+  for (int64_t id : m.release) caches.erase(id);
+  std::vector<RunnerSeq> seqs;
+  seqs.reserve(m.seqs.size());
+  for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, {}, s.want_logits});
+  return run_sequences(model, caches, limits, seqs, logits);
+}
+
+// A follower rank (1..N-1) of the DP runner: steps until rank 0 says stop.
+Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, const RunnerLimits& limits) {
+  Caches caches;
+  std::vector<float> logits, unused;
+  const int64_t V = model.config().vocab_size;
+  for (;;) {
+    MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage m, dp_exchange_step(comm, {}));
+    if (m.stop) return Ok{};
+    MOEBIUS_TRY(run_dp_message(model, caches, limits, m, logits));
+    MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
+  }
+}
+
+// `--ep N` on the CPU: ranks 1..N-1 as threads.
 struct EpFollowers {
   std::shared_ptr<parallel::InProcessGroup> group;
+  std::shared_ptr<parallel::Communicator> comm0;  // rank 0's (its model holds it too)
   std::vector<std::thread> threads;
   std::vector<Status> status;
 };
@@ -27,42 +86,54 @@ struct EpFollowers {
 class CpuRunner final : public StepRunner {
  public:
   CpuRunner(model::Qwen3MoeCpu model, RunnerLimits limits, std::unique_ptr<EpFollowers> ep = nullptr)
-      : model_(std::move(model)), limits_(limits), ep_(std::move(ep)) {}
+      : model_(std::move(model)), limits_(limits), ep_(std::move(ep)),
+        placement_(ep_ ? ep_->comm0->size() : 1), released_(static_cast<size_t>(placement_.ranks())) {}
   ~CpuRunner() override {
     if (!ep_) return;
-    (void)model_.ep_idle_until_all_done();  // lets the follower ranks return (or they were aborted)
+    if (broken_.ok()) {  // lets the follower ranks return (after a failure they already have)
+      std::vector<DpStepMessage> stop(static_cast<size_t>(placement_.ranks()));
+      for (DpStepMessage& m : stop) m.stop = true;
+      if (!dp_exchange_step(*ep_->comm0, stop).ok()) ep_->group->abort("rank 0: stopping");
+    }
     for (auto& t : ep_->threads) t.join();
   }
 
   const model::Qwen3MoeConfig& config() const override { return model_.config(); }
   const RunnerLimits& limits() const override { return limits_; }
   std::string describe() const override {
-    return fmt::format("cpu backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens",
-                       config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks,
-                       limits_.block_size);
+    std::string s = fmt::format("cpu backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens",
+                                config().num_hidden_layers, config().vocab_size, limits_.max_context,
+                                limits_.num_blocks, limits_.block_size);
+    if (ep_)
+      s += fmt::format("; data parallel over {} expert-parallel ranks (threads), up to {} sequences a step",
+                       placement_.ranks(), limits_.max_seqs);
+    return s;
   }
 
   // One forward_batch over every sequence of the step (bit-identical to running them one by one).
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    batch_.clear();
-    size_t rows = 0;
-    for (const RunnerSeq& s : seqs) {
-      auto it = caches_.find(s.id);
-      if (it == caches_.end())
-        it = caches_.emplace(s.id, model_.make_cache(limits_.max_context, limits_.block_size)).first;
-      model::KvCache& cache = it->second;
-      // A recomputed (preempted) sequence starts over from 0; anything else must continue where
-      // its cache ends. [TAG_SERVE_RECOMPUTE]
-      if (s.start == 0) cache.clear();
-      MOEBIUS_ASSERT(cache.position() == s.start, "sequence {} at {} steps from {}", s.id, cache.position(), s.start);
-      batch_.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
-      rows += s.want_logits ? 1 : 0;
+    if (!ep_) return run_sequences(model_, caches_, limits_, seqs, logits);
+    if (!broken_.ok()) return broken_;
+    const Status st = dp_step(seqs, logits);
+    if (!st.ok()) {
+      // The ranks may now be out of step with each other (one failed inside a collective the
+      // others wait in): stop the group; every later step reports this error.
+      broken_ = Error("the data-parallel ranks stopped: " + st.error().what());
+      ep_->group->abort("rank 0: " + st.error().what());
     }
-    logits.resize(rows * static_cast<size_t>(config().vocab_size));
-    return model_.forward_batch(batch_, logits.data());
+    return st;
   }
 
-  void release(int64_t id) override { caches_.erase(id); }
+  void release(int64_t id) override {
+    if (!ep_) {
+      caches_.erase(id);
+      return;
+    }
+    const std::optional<int> r = placement_.release(id);
+    if (!r) return;
+    if (*r == 0) caches_.erase(id);
+    else released_[static_cast<size_t>(*r)].push_back(id);  // sent with the next step
+  }
 
   Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
     if (ep_)
@@ -83,11 +154,43 @@ class CpuRunner final : public StepRunner {
     model::Qwen3MoeCpu model;
   };
 
+  // [TAG_SERVE_DP] Place, send, run rank 0's part, gather, and put the rows back in step order.
+  Status dp_step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+    const size_t N = static_cast<size_t>(placement_.ranks());
+    const int64_t V = config().vocab_size;
+    std::vector<DpStepMessage> msgs(N);
+    std::vector<int64_t> rows(N, 0);
+    std::vector<std::pair<size_t, int64_t>> where;  // per wanted row, in step order: (rank, its row)
+    for (size_t r = 0; r < N; ++r) msgs[r].release = std::move(released_[r]);
+    released_.assign(N, {});
+    for (const RunnerSeq& s : seqs) {
+      const size_t r = static_cast<size_t>(placement_.place(s.id));
+      msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()}});
+      if (s.want_logits) where.emplace_back(r, rows[r]++);
+    }
+    MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
+    std::vector<float> own;
+    MOEBIUS_TRY(run_dp_message(model_, caches_, limits_, mine, own));
+    MOEBIUS_TRY(dp_gather_logits(*ep_->comm0, own, rows, V, gathered_));
+    std::vector<size_t> first_row(N, 0);  // where rank r's rows start in gathered_ (rank 0: in own)
+    for (size_t r = 2; r < N; ++r) first_row[r] = first_row[r - 1] + static_cast<size_t>(rows[r - 1]);
+    logits.resize(where.size() * static_cast<size_t>(V));
+    for (size_t i = 0; i < where.size(); ++i) {
+      const auto [r, row] = where[i];
+      const float* src = r == 0 ? own.data() + row * V : gathered_.data() + (first_row[r] + static_cast<size_t>(row)) * V;
+      std::copy(src, src + V, logits.data() + i * static_cast<size_t>(V));
+    }
+    return Ok{};
+  }
+
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
-  std::unordered_map<int64_t, model::KvCache> caches_;  // node-based: the pointers in batch_ stay valid
-  std::vector<model::Qwen3MoeCpu::BatchSeq> batch_;
+  Caches caches_;  // rank 0's sequences
   std::unique_ptr<EpFollowers> ep_;
+  DpPlacement placement_;
+  std::vector<std::vector<int64_t>> released_;  // per rank: released since the last step
+  std::vector<float> gathered_;
+  Status broken_ = Ok{};
 };
 
 // Starts ranks 1..N-1 and loads rank 0's model; every rank checks in with a barrier after its
@@ -98,19 +201,20 @@ Result<std::unique_ptr<StepRunner>> load_cpu_ep_runner(const RunnerOptions& o, c
   ep->group = parallel::InProcessGroup::create(o.ep);
   ep->status.assign(static_cast<size_t>(o.ep), Status(Ok{}));
   for (int r = 1; r < o.ep; ++r) {
-    ep->threads.emplace_back([dir = o.source.model_dir, load, r, g = ep->group, st = &ep->status[static_cast<size_t>(r)]] {
+    ep->threads.emplace_back([dir = o.source.model_dir, load, l, r, g = ep->group, st = &ep->status[static_cast<size_t>(r)]] {
       model::Qwen3MoeLoadOptions mine = load;
       mine.ep_comm = g->communicator(r);
       *st = [&]() -> Status {
         MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(dir, mine));
         MOEBIUS_TRY(mine.ep_comm->barrier());
-        return m.ep_idle_until_all_done();
+        return follow_dp_steps(m, *mine.ep_comm, l);
       }();
       if (!st->ok()) g->abort("rank " + std::to_string(r) + ": " + st->error().what());
     });
   }
   model::Qwen3MoeLoadOptions zero = load;
   zero.ep_comm = ep->group->communicator(0);
+  ep->comm0 = zero.ep_comm;
   auto m = model::Qwen3MoeCpu::load(o.source.model_dir, zero);
   Status joined = m.ok() ? zero.ep_comm->barrier() : Status(m.error());
   if (!joined.ok()) {
@@ -138,8 +242,10 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     const int ctx = config.max_position_embeddings;
     l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
     l.block_size = o.block_size;
-    l.max_seqs = o.max_seqs;
-    l.max_step_tokens = o.max_step_tokens;
+    // [TAG_SERVE_DP] Each rank runs up to --max-running sequences (its own caches), so the engine
+    // schedules N times as many; a step's tokens stay within --max-step-tokens in all.
+    l.max_seqs = o.max_seqs * o.ep;
+    l.max_step_tokens = std::max(o.max_step_tokens, l.max_seqs);
     l.num_blocks = ((l.max_context + l.block_size - 1) / l.block_size) * l.max_seqs;
     return load_cpu_ep_runner(o, load, l);
   }

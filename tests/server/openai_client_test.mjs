@@ -311,6 +311,31 @@ test('load: 200 concurrent streams with disconnects', async () => {
   }
 });
 
+// [TAG_SERVE_DP] `serve --ep 2` on the CPU is data parallel: each rank runs its own sequences (two
+// a step each here), the experts are split between them. Greedy completions of concurrent requests
+// equal the single-rank server's (the ranks' logits are bit-identical to it), the KV accounting
+// returns to zero, and SIGTERM stops every rank (exit 0).
+test('serve --ep 2: the data-parallel ranks give the single server\'s greedy text', async ({ client }) => {
+  const body = (i) => ({ model: MODEL, prompt: `${PROMPT} ${i}`, max_tokens: 12, temperature: 0, ignore_eos: true });
+  const want = [];
+  for (let i = 0; i < 6; i++) want.push((await client.completions.create(body(i))).choices[0].text);
+  const s = await startServer(['--ep', '2', '--max-running', '2']);
+  try {
+    const got = await Promise.all(want.map(async (_, i) => (await s.client.completions.create(body(i))).choices[0].text));
+    assert.deepEqual(got, want);
+    let m;
+    for (let t = 0; t < 50; t++) {
+      m = await metrics(s.url);
+      if (m.moebius_kv_blocks_used === 0 && m.moebius_running_requests === 0) break;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.equal(m.moebius_kv_blocks_used, 0, 'KV in use returns to zero');
+    assert.equal(m.moebius_running_requests, 0);
+  } finally {
+    await stopServer(s);
+  }
+});
+
 // `serve --geometry` (dummy weights, no model directory) needs the CUDA backend and --tokenizer; on
 // the CPU backend its flags are still checked, each error naming its flag, before anything loads.
 test('serve flags: --geometry needs dummy weights and --tokenizer', async () => {

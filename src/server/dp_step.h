@@ -1,0 +1,74 @@
+// Data-parallel serving over the expert-parallel ranks (`moebius serve --ep N`, DP = EP): rank 0's
+// scheduler hands each step's sequences to the ranks, every rank runs the dense layers and
+// attention of its own sequences (its own KV caches), and all ranks meet in every MoE layer's
+// dispatch and return (docs/EXPERT_PARALLEL.md). This file holds what travels around the forward
+// of one step, and where a sequence lives:
+//   before the forward, rank 0 -> each rank: that rank's sequences of the step (id, cache start,
+//     whether its logits are wanted, new tokens) and the sequences it may forget (released since
+//     the last step), or "stop" (the server is going away);
+//   after the forward, each rank -> rank 0: the logits rows of its sequences that want them.
+// Both are collectives over parallel::Communicator (host buffers: buffers_on_device() false), so
+// every rank calls them once per step, in the same order, as it calls the model's forward.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "parallel/communicator.h"
+
+namespace moebius::server {
+
+struct DpSeq {
+  int64_t id = 0;
+  int64_t start = 0;           // tokens already in this sequence's cache on its rank
+  bool want_logits = false;
+  std::vector<int32_t> tokens;  // new tokens, at least one
+};
+
+// One rank's part of one step.
+struct DpStepMessage {
+  bool stop = false;             // no more steps: a follower returns
+  std::vector<int64_t> release;  // sequences to drop before the step
+  std::vector<DpSeq> seqs;       // in the step's order
+};
+
+// Wire form: little-endian fixed-width fields behind a magic and version word. decode_dp_step
+// checks every count against the bytes that remain (a corrupt message is an error, never an
+// out-of-bounds read or an allocation beyond the message's own size).
+std::vector<uint8_t> encode_dp_step(const DpStepMessage& m);
+Result<DpStepMessage> decode_dp_step(std::span<const uint8_t> bytes);
+
+// The step's messages from rank 0 to every rank: rank 0 passes one message per rank (its own
+// included, returned as is without going over the wire), the others pass an empty span and get
+// theirs. Two collectives: an all-gather of the encoded sizes, then an all-to-all of the bytes.
+Result<DpStepMessage> dp_exchange_step(parallel::Communicator& comm, std::span<const DpStepMessage> per_rank);
+
+// After the forward: each rank r >= 1 sends its `mine` ([rows_r, vocab] fp32, the wanted rows in
+// its message's order) to rank 0. Rank 0 passes rows_per_rank (size() entries; its own entry is
+// not sent) and receives, into `gathered`, ranks 1..N-1's rows in rank order. Other ranks pass an
+// empty rows_per_rank and get `gathered` cleared.
+Status dp_gather_logits(parallel::Communicator& comm, std::span<const float> mine, std::span<const int64_t> rows_per_rank,
+                        int64_t vocab, std::vector<float>& gathered);
+
+// Where sequences run: a sequence stays on the rank that first ran it until it is released (its
+// KV cache lives there; a preempted sequence restarts on the same rank); a new one goes to the
+// rank with the fewest live sequences, the lowest rank on ties, so that as long as the live count
+// is at most ranks x per-rank limit, every rank stays within the limit.
+class DpPlacement {
+ public:
+  explicit DpPlacement(int ranks);
+  int place(int64_t id);                    // the sequence's rank (assigned on first sight)
+  std::optional<int> release(int64_t id);   // the rank it was on, or nothing for an unknown id
+  int live(int rank) const { return live_[static_cast<size_t>(rank)]; }
+  int ranks() const { return static_cast<int>(live_.size()); }
+
+ private:
+  std::unordered_map<int64_t, int> rank_of_;
+  std::vector<int> live_;
+};
+
+}  // namespace moebius::server
