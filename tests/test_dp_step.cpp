@@ -122,12 +122,12 @@ TEST(DpStepExchange, RankZeroReachesEveryRankAndGathersTheirRows) {
         }
       MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(c, out));
       got[static_cast<size_t>(c.rank())] = mine;
-      // Each rank sends one row per wanted sequence: row values rank * 10 + index.
+      // Each rank sends one row per wanted sequence: values rank * 100 + row * 10 + column.
       std::vector<float> rows;
       int64_t wanted = 0;
       for (const DpSeq& s : mine.seqs)
         if (s.want_logits) {
-          for (int v = 0; v < V; ++v) rows.push_back(static_cast<float>(c.rank() * 10 + wanted));
+          for (int v = 0; v < V; ++v) rows.push_back(static_cast<float>(c.rank() * 100 + wanted * 10 + v));
           ++wanted;
         }
       std::vector<int64_t> counts;
@@ -144,11 +144,13 @@ TEST(DpStepExchange, RankZeroReachesEveryRankAndGathersTheirRows) {
       ASSERT_EQ(got[static_cast<size_t>(r)].seqs.size(), static_cast<size_t>(r)) << "N=" << N;
       for (int s = 0; s < r; ++s) EXPECT_EQ(got[static_cast<size_t>(r)].seqs[static_cast<size_t>(s)].tokens, (std::vector<int32_t>{r, s}));
     }
-    if (N > 1) EXPECT_EQ(got[1].release, std::vector<int64_t>{42});
+    if (N > 1) {
+      EXPECT_EQ(got[1].release, std::vector<int64_t>{42});
+    }
     std::vector<float> want;
     for (int r = 1; r < N; ++r)
       for (int i = 0; i < (r + 1) / 2; ++i)
-        for (int v = 0; v < V; ++v) want.push_back(static_cast<float>(r * 10 + i));
+        for (int v = 0; v < V; ++v) want.push_back(static_cast<float>(r * 100 + i * 10 + v));
     EXPECT_EQ(gathered, want) << "N=" << N;
   }
 }

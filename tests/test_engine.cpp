@@ -44,13 +44,14 @@ std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_t
 }
 
 std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
-                                    int max_queue = 256) {
+                                    int max_queue = 256, int ep = 1) {
   RunnerOptions o;
   o.source.model_dir = testing::tiny_fixture_dir();
   o.max_seqs = max_seqs;
   o.max_step_tokens = max_step_tokens;
   o.num_blocks = num_blocks;
   o.block_size = block_size;
+  o.ep = ep;
   auto runner = load_runner(o);
   EXPECT_TRUE(runner.ok()) << runner.error().what();
   return std::make_unique<Engine>(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{max_queue, {}});
@@ -111,6 +112,18 @@ TEST(EngineMetrics, ExpertCacheRenderedOnlyWhenOn) {
   EXPECT_NE(r.find("# TYPE moebius_expert_cache_hit_ratio gauge"), std::string::npos) << r;
 }
 
+// [TAG_SERVE_DP] The per-rank sequence counts of a data-parallel runner, only when it has ranks.
+TEST(EngineMetrics, DpRankSequencesRenderedOnlyWhenSet) {
+  EngineMetrics m;
+  EXPECT_EQ(m.render().find("dp_rank_sequences"), std::string::npos);
+  m.set_dp_rank_sequences({3, 0, 2});
+  const std::string r = m.render();
+  EXPECT_NE(r.find("# TYPE moebius_dp_rank_sequences gauge\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_dp_rank_sequences{rank=\"0\"} 3\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_dp_rank_sequences{rank=\"1\"} 0\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("moebius_dp_rank_sequences{rank=\"2\"} 2\n"), std::string::npos) << r;
+}
+
 TEST(Engine, OneRequestMatchesGenerate) {
   auto engine = make_engine(4, 64);
   const auto prompt = prompt_for(3);
@@ -140,6 +153,75 @@ TEST(Engine, ConcurrentRequestsMatchSolo) {
   }
   wait_for_idle(*engine);
   EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+}
+
+// [TAG_SERVE_DP] The same over `--ep 2` (data parallel): 2 sequences a step on each rank, the
+// requests' tokens equal the solo ones, the ranks hand their sequences back, KV returns to zero.
+TEST(Engine, DataParallelRequestsMatchSolo) {
+  auto engine = make_engine(2, 8, 0, 16, 256, 2);
+  EXPECT_EQ(engine->limits().max_seqs, 4);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 8; ++i) {
+    Submitted s = engine->submit(greedy(prompt_for(i), 3 + i));
+    ASSERT_TRUE(s.stream);
+    streams.push_back(s.stream);
+  }
+  for (int i = 0; i < 8; ++i) {
+    RequestUpdate u = drain(*streams[static_cast<size_t>(i)]);
+    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), 3 + i)) << "request " << i;
+  }
+  wait_for_idle(*engine);
+  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+  EXPECT_EQ(engine->metrics().dp_rank_sequences(), (std::vector<int>{0, 0}));
+}
+
+// A runner that fails its third step and then reports that it cannot step again: the engine
+// fails that step's requests and every queued one, stops (alive() false: /health answers 503) and
+// refuses new requests.
+class FailingRunner final : public StepRunner {
+ public:
+  explicit FailingRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
+  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
+  const RunnerLimits& limits() const override { return inner_->limits(); }
+  std::string describe() const override { return "failing"; }
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    if (++steps_ >= 3) {
+      broken_ = true;
+      return Error("the ranks stopped");
+    }
+    return inner_->step(seqs, logits);
+  }
+  void release(int64_t id) override { inner_->release(id); }
+  bool failed() const override { return broken_; }
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    return inner_->stage_weights(dir);
+  }
+  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
+
+ private:
+  std::unique_ptr<StepRunner> inner_;
+  int steps_ = 0;
+  bool broken_ = false;
+};
+
+TEST(Engine, AFailedRunnerStopsTheEngine) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = 1;
+  o.max_step_tokens = 64;
+  auto inner = load_runner(o);
+  ASSERT_TRUE(inner.ok()) << inner.error().what();
+  Engine engine(std::make_unique<FailingRunner>(std::move(inner).value()), &tiny_tokenizer(), EngineOptions{256, {}});
+  Submitted a = engine.submit(greedy(prompt_for(1), 10));
+  Submitted b = engine.submit(greedy(prompt_for(2), 10));  // waits behind a (one sequence a step)
+  ASSERT_TRUE(a.stream && b.stream);
+  RequestUpdate ua = drain(*a.stream), ub = drain(*b.stream);
+  EXPECT_NE(ua.error.find("the model step failed: the ranks stopped"), std::string::npos) << ua.error;
+  EXPECT_EQ(ub.error, "the model runner failed");
+  EXPECT_FALSE(engine.alive());
+  Submitted c = engine.submit(greedy(prompt_for(3), 2));
+  EXPECT_FALSE(c.stream);
+  EXPECT_EQ(c.error, "the engine is not running");
 }
 
 // A pool of 12 blocks of 4 tokens (48 tokens) for 6 requests of up to 40 tokens each: running

@@ -506,40 +506,62 @@ TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
     const std::vector<int32_t> table = {0, 1, 2, 3, 4, 5, 6, 7};
     const std::vector<int32_t> p1 = {1, 2, 3, 4, 5}, p2 = {7, 8}, p3 = {3, 9, 27}, p4 = {11, 12, 13, 14};
     const std::vector<int32_t> t1 = {9}, t2 = {10}, t3 = {21}, t4 = {6}, c1 = {30, 31}, t5 = {40};
+    // The live sequences per rank: least loaded first, so three sequences on two ranks are 2 + 1,
+    // on four ranks one each on ranks 0-2.
+    auto spread = [&](std::vector<int> want_ep2, std::vector<int> want_ep4) {
+      const std::vector<int> want = ep == 2 ? want_ep2 : ep == 4 ? want_ep4 : std::vector<int>{};
+      EXPECT_EQ((*runner)->sequences_per_rank(), want) << "EP=" << ep;
+    };
     step({{1, p1, 0, table, true}, {2, p2, 0, table, true}, {3, p3, 0, table, true}}, 3);
+    spread({2, 1}, {1, 1, 1, 0});
     step({{1, t1, 5, table, true}, {2, t2, 2, table, true}, {3, t3, 3, table, true}}, 3);
-    (*runner)->release(2);
+    (*runner)->release(2);  // rank 1's
     step({{4, p4, 0, table, true}, {1, t4, 6, table, true}, {3, t2, 4, table, false}}, 2);
-    // Sequence 3 preempted: it starts over from its first token (recompute), on its rank.
+    spread({2, 1}, {1, 1, 1, 0});  // 4 took the emptiest rank: 1 (EP 2), 1 (EP 4: ranks 1 and 3 tie at 0)
+    // Sequence 3 preempted as the engine does it: released, then started over from its first
+    // token; the release and the new work travel in one message, release first.
+    (*runner)->release(3);
     const std::vector<int32_t> p3_again = {3, 9, 27, 21, 10};
     step({{3, p3_again, 0, table, true}, {1, c1, 7, table, false}, {4, t5, 4, table, true}}, 2);
     step({{4, t1, 5, table, true}, {3, t4, 5, table, true}, {1, t5, 9, table, true}}, 3);
+    step({{3, t3, 6, table, true}, {4, t4, 6, table, true}}, 2);
     (*runner)->release(1);
     (*runner)->release(3);
     (*runner)->release(99);  // unknown: ignored
-    step({{4, t2, 6, table, true}}, 1);
+    step({{4, t2, 7, table, true}}, 1);
+    spread({0, 1}, {0, 1, 0, 0});
     return all;
   };
   expect_ep_runs_equal(run);
 }
 
-// A step the runner cannot run (a sequence that does not continue where its cache ends) is an
-// error, the ranks stop together (no hang), later steps report it, and the runner still goes away.
-TEST(EpCpuRunner, AFailedDataParallelStepStopsTheRanksCleanly) {
+// A step one rank cannot run (a sequence that does not continue where its cache ends) is refused
+// by every rank before any forward (no rank waits in a collective the others skipped): the step is
+// an error naming the rank and its reason, the runner has not failed, and the next step runs.
+TEST(EpCpuRunner, ARefusedDataParallelStepLeavesTheRanksInStep) {
   auto runner = load_tiny_runner(2, 2, 16);
   ASSERT_TRUE(runner.ok()) << runner.error().what();
   const std::vector<int32_t> table = {0, 1, 2, 3}, p = {1, 2, 3}, t = {4};
   std::vector<float> logits;
   const RunnerSeq first[] = {{1, p, 0, table, true}, {2, p, 0, table, true}};
   ASSERT_TRUE((*runner)->step(first, logits).ok());
+  EXPECT_EQ((*runner)->sequences_per_rank(), (std::vector<int>{1, 1}));
+  // Sequence 2 lives on rank 1: rank 0 only learns that rank 1 refused (its reason is logged).
   const RunnerSeq wrong[] = {{1, t, 3, table, true}, {2, t, 7, table, true}};  // 2 is at 3, not 7
   const Status st = (*runner)->step(wrong, logits);
   ASSERT_FALSE(st.ok());
-  EXPECT_THAT(st.error().what(), ::testing::HasSubstr("starts it at 7"));
-  const RunnerSeq next[] = {{1, t, 3, table, true}};
+  EXPECT_THAT(st.error().what(), ::testing::HasSubstr("rank(s) 1 could not run"));
+  EXPECT_FALSE((*runner)->failed());
+  // Rank 0's own refusal names the reason; nothing ran on either rank, so both continue.
+  const RunnerSeq wrong0[] = {{1, t, 5, table, true}, {2, t, 3, table, true}};  // 1 is at 3, not 5
+  const Status st0 = (*runner)->step(wrong0, logits);
+  ASSERT_FALSE(st0.ok());
+  EXPECT_THAT(st0.error().what(), ::testing::HasSubstr("rank 0: sequence 1 is at 3 tokens"));
+  const RunnerSeq next[] = {{1, t, 3, table, true}, {2, t, 3, table, true}};
   const Status after = (*runner)->step(next, logits);
-  ASSERT_FALSE(after.ok());
-  EXPECT_THAT(after.error().what(), ::testing::HasSubstr("data-parallel ranks stopped"));
+  ASSERT_TRUE(after.ok()) << after.error().what();
+  EXPECT_EQ(logits.size(), 2 * static_cast<size_t>((*runner)->config().vocab_size));
+  EXPECT_FALSE((*runner)->failed());
 }
 
 }  // namespace

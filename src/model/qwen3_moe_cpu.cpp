@@ -421,14 +421,9 @@ Status Qwen3MoeCpu::forward_batch(std::span<const BatchSeq> seqs, float* logits)
   return run(seqs, /*all_rows=*/false, logits);
 }
 
-Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const {
+Status Qwen3MoeCpu::check_batch(std::span<const BatchSeq> seqs) const {
   const Qwen3MoeConfig& c = config_;
-  const int64_t H = c.hidden_size, V = c.vocab_size;
-  MOEBIUS_ASSERT(!all_rows || seqs.size() == 1);
-  parallel::Communicator* ep = options_.ep_comm.get();
-  if (seqs.empty() && ep == nullptr) return Error("forward needs at least one sequence");
-  // Everything that can fail is checked before any cache changes.
-  int64_t N = 0;
+  const int64_t V = c.vocab_size;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const BatchSeq& s = seqs[i];
     MOEBIUS_ASSERT(s.cache != nullptr);
@@ -450,8 +445,20 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
     for (int64_t t = 0; t < T; ++t)
       if (s.ids[static_cast<size_t>(t)] < 0 || s.ids[static_cast<size_t>(t)] >= V)
         return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, s.ids[static_cast<size_t>(t)], V);
-    N += T;
   }
+  return Ok{};
+}
+
+Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* logits) const {
+  const Qwen3MoeConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  MOEBIUS_ASSERT(!all_rows || seqs.size() == 1);
+  parallel::Communicator* ep = options_.ep_comm.get();
+  if (seqs.empty() && ep == nullptr) return Error("forward needs at least one sequence");
+  // Everything that can fail is checked before any cache changes.
+  MOEBIUS_TRY(check_batch(seqs));
+  int64_t N = 0;
+  for (const BatchSeq& s : seqs) N += static_cast<int64_t>(s.ids.size());
   if (ep != nullptr) {  // every rank learns who runs this step (and that it is one)
     bool all_done = false;
     MOEBIUS_TRY(ep_step_header(static_cast<int32_t>(N), &all_done));

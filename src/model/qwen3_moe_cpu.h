@@ -164,6 +164,12 @@ class Qwen3MoeCpu {
   // With expert parallelism (options.ep_comm) `seqs` may be empty: the rank then only serves its
   // experts to the other ranks' tokens for this step.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;
+  // The checks forward_batch makes before it changes anything (token counts and ids, cache shapes
+  // and room, positions): an error names the first failing sequence. Under expert parallelism
+  // forward_batch is a collective, and a rank that returned early from it would leave the others
+  // waiting, so a caller that may fail on one rank only runs these first and agrees with the
+  // other ranks whether to step ([TAG_SERVE_DP]).
+  Status check_batch(std::span<const BatchSeq> seqs) const;
 
   // Routing observer (`moebius profile-experts`): called once per MoE layer of every forward with
   // that layer's routing of the forward's N tokens, ids/weights [N, k] row-major. Empty: none.

@@ -99,16 +99,25 @@ Result<DpStepMessage> dp_exchange_step(parallel::Communicator& comm, std::span<c
   if (me == 0 && per_rank.size() != n)
     return Error::format("rank 0 has {} DP step messages for {} ranks", per_rank.size(), N);
   if (me != 0 && !per_rank.empty()) return Error::format("rank {} passed DP step messages; only rank 0 sends", me);
-  // Sizes first: rank 0 contributes one size per destination, the others zeros.
+  // Sizes first, 8 bytes from rank 0 to each rank (an all-to-all: no rank receives the N x N
+  // matrix an all-gather would make).
   std::vector<std::vector<uint8_t>> wire(me == 0 ? n : 0);
-  std::vector<uint64_t> sizes(n, 0), all(n * n, 0);
-  if (me == 0)
-    for (size_t d = 1; d < n; ++d) {
-      wire[d] = encode_dp_step(per_rank[d]);
-      sizes[d] = wire[d].size();
+  std::vector<uint64_t> sizes(n, 0);
+  uint64_t incoming = 0;
+  {
+    std::vector<size_t> sb(n, 0), so(n, 0), rb(n, 0), ro(n, 0);
+    if (me == 0) {
+      for (size_t d = 1; d < n; ++d) {
+        wire[d] = encode_dp_step(per_rank[d]);
+        sizes[d] = wire[d].size();
+        sb[d] = sizeof(uint64_t);
+        so[d] = d * sizeof(uint64_t);
+      }
+    } else {
+      rb[0] = sizeof(uint64_t);
     }
-  MOEBIUS_TRY(comm.all_gather(sizes.data(), all.data(), n * sizeof(uint64_t)));
-  const uint64_t incoming = all[static_cast<size_t>(me)];  // rank 0's row, my column
+    MOEBIUS_TRY(comm.all_to_all_v(sizes.data(), sb, so, &incoming, rb, ro));
+  }
   std::vector<uint8_t> send, recv(static_cast<size_t>(incoming));
   std::vector<size_t> send_bytes(n, 0), send_offsets(n, 0), recv_bytes(n, 0), recv_offsets(n, 0);
   if (me == 0) {

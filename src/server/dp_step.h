@@ -37,8 +37,8 @@ struct DpStepMessage {
 };
 
 // Wire form: little-endian fixed-width fields behind a magic and version word. decode_dp_step
-// checks every count against the bytes that remain (a corrupt message is an error, never an
-// out-of-bounds read or an allocation beyond the message's own size).
+// checks every count against the bytes that remain before it allocates (a corrupt message is an
+// error, never an out-of-bounds read; what it allocates is a small multiple of the message's size).
 std::vector<uint8_t> encode_dp_step(const DpStepMessage& m);
 Result<DpStepMessage> decode_dp_step(std::span<const uint8_t> bytes);
 
@@ -55,9 +55,10 @@ Status dp_gather_logits(parallel::Communicator& comm, std::span<const float> min
                         int64_t vocab, std::vector<float>& gathered);
 
 // Where sequences run: a sequence stays on the rank that first ran it until it is released (its
-// KV cache lives there; a preempted sequence restarts on the same rank); a new one goes to the
-// rank with the fewest live sequences, the lowest rank on ties, so that as long as the live count
-// is at most ranks x per-rank limit, every rank stays within the limit.
+// KV cache lives there); a new one, or one the engine preempted (it releases it, and the rank
+// drops the cache before the step that places it again), goes to the rank with the fewest live
+// sequences, the lowest rank on ties, so that as long as the live count is at most ranks x the
+// per-rank limit, every rank stays within the limit.
 class DpPlacement {
  public:
   explicit DpPlacement(int ranks);

@@ -267,6 +267,7 @@ void Engine::update_gauges() {
   metrics_.running = static_cast<int64_t>(running_.size());
   metrics_.queue_depth = queued_.load();
   metrics_.kv_blocks_used = blocks_->num_blocks() - blocks_->num_free();
+  if (std::vector<int> dp = runner_->sequences_per_rank(); !dp.empty()) metrics_.set_dp_rank_sequences(std::move(dp));
 }
 
 void Engine::drop_cancelled() {
@@ -367,6 +368,11 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   if (!st.ok()) {
     log_error("engine step failed: {}", st.error().what());
     for (Seq* s : batch) finish(*s, "", "the model step failed: " + st.error().what());
+    if (runner_->failed()) {
+      // The runner cannot step again (cpu --ep: its ranks stopped): stop serving, /health says so.
+      log_error("the model runner cannot run another step; the engine stops");
+      failed_ = true;
+    }
     return;
   }
   const size_t V = static_cast<size_t>(vocab_size());
@@ -468,6 +474,7 @@ void Engine::loop() {
     std::vector<int> chunk;
     schedule(batch, chunk);
     if (!batch.empty()) run_step(batch, chunk);
+    if (failed_.load()) break;
     std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->stream == nullptr; });
     update_gauges();
     // Tokens per second over a sliding 5 s window.
@@ -487,10 +494,11 @@ void Engine::loop() {
   }
   for (auto& s : incoming_) waiting_.push_back(std::move(s));
   incoming_.clear();
+  const char* why = failed_.load() ? "the model runner failed" : "the server is shutting down";
   for (auto& s : running_)
-    if (s->stream) finish(*s, "", "the server is shutting down");
+    if (s->stream) finish(*s, "", why);
   for (auto& s : waiting_)
-    if (s->stream) finish(*s, "", "the server is shutting down");
+    if (s->stream) finish(*s, "", why);
   running_.clear();
   waiting_.clear();
   queued_ = 0;

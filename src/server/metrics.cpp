@@ -69,6 +69,12 @@ std::string EngineMetrics::render() const {
   metric(out, "engine_steps_total", "counter", "Forward steps run.", double(steps_total.load()));
   metric(out, "weight_updates_total", "counter", "Weight updates from disk that took effect.",
          double(weight_updates_total.load()));
+  if (const std::vector<int> dp = dp_rank_sequences(); !dp.empty()) {
+    out += "# HELP moebius_dp_rank_sequences Live sequences (KV caches) on each data-parallel rank.\n"
+           "# TYPE moebius_dp_rank_sequences gauge\n";
+    for (size_t r = 0; r < dp.size(); ++r)
+      fmt::format_to(std::back_inserter(out), "moebius_dp_rank_sequences{{rank=\"{}\"}} {}\n", r, dp[r]);
+  }
   if (expert_cache_on.load()) {
     const double routed = double(expert_cache_routed_pairs_total.load()),
                  resident = double(expert_cache_resident_pairs_total.load());

@@ -54,6 +54,21 @@ struct EngineMetrics {
   Histogram e2e{{0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300}};
 
   std::string render() const;  // every metric, prefixed moebius_
+
+  // [TAG_SERVE_DP] Live sequences per data-parallel rank (the runner's sequences_per_rank),
+  // rendered as moebius_dp_rank_sequences{rank="r"} only when non-empty.
+  void set_dp_rank_sequences(std::vector<int> v) {
+    std::lock_guard<std::mutex> lock(dp_mu_);
+    dp_rank_sequences_ = std::move(v);
+  }
+  std::vector<int> dp_rank_sequences() const {
+    std::lock_guard<std::mutex> lock(dp_mu_);
+    return dp_rank_sequences_;
+  }
+
+ private:
+  mutable std::mutex dp_mu_;
+  std::vector<int> dp_rank_sequences_;
 };
 
 }  // namespace moebius::server

@@ -59,8 +59,14 @@ class StepRunner {
   // Runs one step. `logits` receives [R, V] fp32 for the R sequences with want_logits, in order.
   // Errors leave every sequence's cache as it was before the step's tokens.
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
-  // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it.
+  // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it
+  // (cpu --ep: a follower rank drops it with the next step's message).
   virtual void release(int64_t id) = 0;
+  // True once the runner cannot run another step (cpu --ep: a step failed inside the ranks'
+  // collectives, which may leave them out of step); the engine then stops and /health says so.
+  virtual bool failed() const { return false; }
+  // Data-parallel runners ([TAG_SERVE_DP]): the live sequences on each rank; empty otherwise.
+  virtual std::vector<int> sequences_per_rank() const { return {}; }
   // The dynamic expert cache's counts since the runner started (--expert-cache), or nothing when
   // the runner has no cache.
   virtual std::optional<offload::ModelCacheStats> expert_cache_stats() const { return std::nullopt; }
@@ -92,8 +98,8 @@ struct RunnerOptions {
   std::string placement_file;
   offload::ExpertCacheFlags expert_cache;
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
-  // communicator; the runner's model is rank 0 (it runs every sequence), the other ranks hold
-  // their E / N experts and serve them each step. cuda: one process per GPU, this one rank
+  // communicator, data parallel ([TAG_SERVE_DP]): the runner places each sequence on a rank, every
+  // rank holds its E / N experts and its own sequences' caches. cuda: one process per GPU, this one rank
   // ep_comm->rank() of ep_comm (NCCL, src/cli/ep_workers.h); rank 0 runs the runner (every
   // sequence: the scheduler lives there), the others run_ep_follower. The runner's destructor
   // releases the followers.

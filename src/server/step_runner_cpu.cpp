@@ -9,13 +9,16 @@
 // step's order. Each rank computes exactly what the single-process model computes for its
 // sequences, so the logits are bit-identical to `--ep 1`.
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include "core/log.h"
 #include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
 #include "parallel/in_process_communicator.h"
@@ -27,14 +30,13 @@ namespace {
 
 using Caches = std::unordered_map<int64_t, model::KvCache>;  // node-based: BatchSeq pointers stay valid
 
-// One forward_batch over `seqs` on `model`, each sequence continuing its cache in `caches` (made
-// on first sight); `logits` gets the wanted rows in order. Shared by the single runner and every
-// DP rank.
-Status run_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
-                     std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
-  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
-  batch.reserve(seqs.size());
-  size_t rows = 0;
+// The forward_batch batch of `seqs`, each sequence continuing its cache in `caches` (made on first
+// sight), and its checks (Qwen3MoeCpu::check_batch); *rows: the wanted logits rows.
+Status prepare_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
+                         std::span<const RunnerSeq> seqs, std::vector<model::Qwen3MoeCpu::BatchSeq>& batch,
+                         size_t* rows) {
+  batch.clear();
+  *rows = 0;
   for (const RunnerSeq& s : seqs) {
     auto it = caches.find(s.id);
     if (it == caches.end()) it = caches.emplace(s.id, model.make_cache(limits.max_context, limits.block_size)).first;
@@ -46,23 +48,56 @@ Status run_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const Runn
       return Error::format("sequence {} is at {} tokens in its cache, the step starts it at {}", s.id, cache.position(),
                            s.start);
     batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
-    rows += s.want_logits ? 1 : 0;
+    *rows += s.want_logits ? 1 : 0;
   }
+  return model.check_batch(batch);
+}
+
+// One forward_batch over `seqs`; `logits` gets the wanted rows in order (the single runner).
+Status run_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
+                     std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
+  size_t rows = 0;
+  MOEBIUS_TRY(prepare_sequences(model, caches, limits, seqs, batch, &rows));
   logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
   return model.forward_batch(batch, logits.data());
 }
 
-// One DP rank's part of a step: drop the released sequences, run its own.
-Status run_dp_message(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
-                      const DpStepMessage& m, std::vector<float>& logits) {
+// [TAG_SERVE_DP] One rank's part of a step after its message, rank 0's included: drop the released
+// sequences, prepare its own, agree with every rank whether all parts can run (one all-gather of a
+// flag: forward_batch is a collective, so a rank that failed its checks alone would leave the
+// others waiting in it), then run. Returns false when some rank refused (nobody ran; *why says
+// which, with this rank's reason if it was one); an error means the ranks may be out of step.
+Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, Caches& caches,
+                         const RunnerLimits& limits, const DpStepMessage& m, std::vector<float>& logits,
+                         std::string* why) {
   for (int64_t id : m.release) caches.erase(id);
   std::vector<RunnerSeq> seqs;
   seqs.reserve(m.seqs.size());
   for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, {}, s.want_logits});
-  return run_sequences(model, caches, limits, seqs, logits);
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
+  size_t rows = 0;
+  const Status mine = prepare_sequences(model, caches, limits, seqs, batch, &rows);
+  const int32_t flag = mine.ok() ? 1 : 0;
+  std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
+  MOEBIUS_TRY(comm.all_gather(&flag, flags.data(), sizeof(flag)));
+  std::vector<int> refused;
+  for (size_t r = 0; r < flags.size(); ++r)
+    if (flags[r] == 0) refused.push_back(static_cast<int>(r));
+  if (!refused.empty()) {
+    *why = !mine.ok() ? fmt::format("rank {}: {}", comm.rank(), mine.error().what())
+                      : fmt::format("rank(s) {} could not run their part of the step (the reason is in the log)",
+                                    fmt::join(refused, ", "));
+    return false;
+  }
+  logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
+  MOEBIUS_TRY(model.forward_batch(batch, logits.data()));
+  return true;
 }
 
-// A follower rank (1..N-1) of the DP runner: steps until rank 0 says stop.
+// A follower rank (1..N-1) of the DP runner: steps until rank 0 says stop. A step some rank
+// refused is skipped by every rank (this one logs its own reason); any other error ends the loop,
+// and the caller aborts the group.
 Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, const RunnerLimits& limits) {
   Caches caches;
   std::vector<float> logits, unused;
@@ -70,7 +105,12 @@ Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& 
   for (;;) {
     MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage m, dp_exchange_step(comm, {}));
     if (m.stop) return Ok{};
-    MOEBIUS_TRY(run_dp_message(model, caches, limits, m, logits));
+    std::string why;
+    MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model, comm, caches, limits, m, logits, &why));
+    if (!ran) {
+      if (why.rfind("rank " + std::to_string(comm.rank()) + ":", 0) == 0) log_error("serve --ep: {}", why);
+      continue;
+    }
     MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
   }
 }
@@ -105,8 +145,9 @@ class CpuRunner final : public StepRunner {
                                 config().num_hidden_layers, config().vocab_size, limits_.max_context,
                                 limits_.num_blocks, limits_.block_size);
     if (ep_)
-      s += fmt::format("; data parallel over {} expert-parallel ranks (threads), up to {} sequences a step",
-                       placement_.ranks(), limits_.max_seqs);
+      s += fmt::format("; data parallel over {} expert-parallel ranks (threads), up to {} sequences and {} tokens a "
+                       "step",
+                       placement_.ranks(), limits_.max_seqs, limits_.max_step_tokens);
     return s;
   }
 
@@ -114,14 +155,15 @@ class CpuRunner final : public StepRunner {
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
     if (!ep_) return run_sequences(model_, caches_, limits_, seqs, logits);
     if (!broken_.ok()) return broken_;
-    const Status st = dp_step(seqs, logits);
-    if (!st.ok()) {
-      // The ranks may now be out of step with each other (one failed inside a collective the
-      // others wait in): stop the group; every later step reports this error.
-      broken_ = Error("the data-parallel ranks stopped: " + st.error().what());
-      ep_->group->abort("rank 0: " + st.error().what());
-    }
-    return st;
+    return dp_step(seqs, logits);
+  }
+
+  bool failed() const override { return !broken_.ok(); }
+  std::vector<int> sequences_per_rank() const override {
+    if (!ep_) return {};
+    std::vector<int> v(static_cast<size_t>(placement_.ranks()));
+    for (int r = 0; r < placement_.ranks(); ++r) v[static_cast<size_t>(r)] = placement_.live(r);
+    return v;
   }
 
   void release(int64_t id) override {
@@ -155,6 +197,8 @@ class CpuRunner final : public StepRunner {
   };
 
   // [TAG_SERVE_DP] Place, send, run rank 0's part, gather, and put the rows back in step order.
+  // A step some rank refused returns its error with every rank still in step; any other error
+  // (a collective's) marks the runner failed.
   Status dp_step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
     const size_t N = static_cast<size_t>(placement_.ranks());
     const int64_t V = config().vocab_size;
@@ -168,16 +212,34 @@ class CpuRunner final : public StepRunner {
       msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()}});
       if (s.want_logits) where.emplace_back(r, rows[r]++);
     }
-    MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
-    std::vector<float> own;
-    MOEBIUS_TRY(run_dp_message(model_, caches_, limits_, mine, own));
-    MOEBIUS_TRY(dp_gather_logits(*ep_->comm0, own, rows, V, gathered_));
-    std::vector<size_t> first_row(N, 0);  // where rank r's rows start in gathered_ (rank 0: in own)
+    const Status st = [&]() -> Status {
+      MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
+      std::string why;
+      MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model_, *ep_->comm0, caches_, limits_, mine, own_, &why));
+      if (!ran) {
+        refused_ = Error(why);
+        return Ok{};
+      }
+      return dp_gather_logits(*ep_->comm0, own_, rows, V, gathered_);
+    }();
+    if (!st.ok()) {
+      // The ranks may now be out of step with each other (one failed inside a collective the
+      // others wait in): stop the group; every later step reports this error.
+      broken_ = Error("the data-parallel ranks stopped: " + st.error().what());
+      ep_->group->abort("rank 0: " + st.error().what());
+      return st;
+    }
+    if (!refused_.ok()) {
+      Status r = std::move(refused_);
+      refused_ = Ok{};
+      return r;
+    }
+    std::vector<size_t> first_row(N, 0);  // where rank r's rows start in gathered_ (rank 0: in own_)
     for (size_t r = 2; r < N; ++r) first_row[r] = first_row[r - 1] + static_cast<size_t>(rows[r - 1]);
     logits.resize(where.size() * static_cast<size_t>(V));
     for (size_t i = 0; i < where.size(); ++i) {
       const auto [r, row] = where[i];
-      const float* src = r == 0 ? own.data() + row * V : gathered_.data() + (first_row[r] + static_cast<size_t>(row)) * V;
+      const float* src = r == 0 ? own_.data() + row * V : gathered_.data() + (first_row[r] + static_cast<size_t>(row)) * V;
       std::copy(src, src + V, logits.data() + i * static_cast<size_t>(V));
     }
     return Ok{};
@@ -189,8 +251,9 @@ class CpuRunner final : public StepRunner {
   std::unique_ptr<EpFollowers> ep_;
   DpPlacement placement_;
   std::vector<std::vector<int64_t>> released_;  // per rank: released since the last step
-  std::vector<float> gathered_;
+  std::vector<float> own_, gathered_;  // rank 0's rows, the other ranks' rows
   Status broken_ = Ok{};
+  Status refused_ = Ok{};
 };
 
 // Starts ranks 1..N-1 and loads rank 0's model; every rank checks in with a barrier after its
@@ -243,10 +306,20 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
     l.block_size = o.block_size;
     // [TAG_SERVE_DP] Each rank runs up to --max-running sequences (its own caches), so the engine
-    // schedules N times as many; a step's tokens stay within --max-step-tokens in all.
-    l.max_seqs = o.max_seqs * o.ep;
+    // schedules N times as many. --max-step-tokens is the step's total, raised to one token per
+    // sequence where it is below N x --max-running (the engine needs that much), which describe()
+    // reports.
+    const int64_t seqs = int64_t{o.max_seqs} * o.ep;
+    const int64_t blocks = (int64_t{l.max_context} + l.block_size - 1) / l.block_size * seqs;
+    if (seqs > std::numeric_limits<int32_t>::max())
+      return Error::format("--max-running {} x --ep {} is too many sequences", o.max_seqs, o.ep).in_field("--max-running");
+    if (o.num_blocks == 0 && blocks > std::numeric_limits<int32_t>::max())
+      return Error::format("{} sequences of {} tokens need {} KV blocks, more than a pool holds; lower --max-context",
+                           seqs, l.max_context, blocks)
+          .in_field("--max-context");
+    l.max_seqs = static_cast<int>(seqs);
     l.max_step_tokens = std::max(o.max_step_tokens, l.max_seqs);
-    l.num_blocks = ((l.max_context + l.block_size - 1) / l.block_size) * l.max_seqs;
+    l.num_blocks = static_cast<int32_t>(blocks);
     return load_cpu_ep_runner(o, load, l);
   }
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));

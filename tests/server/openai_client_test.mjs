@@ -331,6 +331,8 @@ test('serve --ep 2: the data-parallel ranks give the single server\'s greedy tex
     }
     assert.equal(m.moebius_kv_blocks_used, 0, 'KV in use returns to zero');
     assert.equal(m.moebius_running_requests, 0);
+    const text = await (await fetch(`${s.url}/metrics`)).text();
+    for (const r of [0, 1]) assert.match(text, new RegExp(`^moebius_dp_rank_sequences\\{rank="${r}"\\} 0$`, 'm'));
   } finally {
     await stopServer(s);
   }
