@@ -118,6 +118,10 @@ Result<DpStepMessage> dp_exchange_step(parallel::Communicator& comm, std::span<c
     }
     MOEBIUS_TRY(comm.all_to_all_v(sizes.data(), sb, so, &incoming, rb, ro));
   }
+  // A step message is tokens and ids, far below this; a larger size is a corrupt exchange, not an
+  // allocation to make.
+  constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 30;
+  if (incoming > kMaxMessageBytes) return Error::format("rank {}: a DP step message of {} bytes", me, incoming);
   std::vector<uint8_t> send, recv(static_cast<size_t>(incoming));
   std::vector<size_t> send_bytes(n, 0), send_offsets(n, 0), recv_bytes(n, 0), recv_offsets(n, 0);
   if (me == 0) {
