@@ -1010,6 +1010,21 @@ int forced_decode_stages() {
   return st;
 }
 
+// MOEBIUS_ATTN_DECODE_MAX_SPLITS=n (1..256) caps every decode plan at n splits per (sequence, kv
+// head), on clusters whenever they are all resident at once, whatever the cost model says: a
+// model-level sweep of the split count (`bench attention --max-splits` sweeps the kernel alone;
+// in the model, run P5 found the kernel's resources mattered beside the qkv GEMV's blocks). 0 or
+// unset: the planner's choice.
+int forced_decode_max_splits() {
+  static const int n = [] {
+    const char* e = std::getenv("MOEBIUS_ATTN_DECODE_MAX_SPLITS");
+    if (e == nullptr) return 0;
+    const int v = std::atoi(e);
+    return v >= 1 && v <= kDecodeMaxSplits ? v : 0;
+  }();
+  return n;
+}
+
 template <int HD, int ST>
 void launch_decode_hd_st(const DecodeArgs& a, cudaStream_t stream) {
   constexpr int smem = decode_smem_bytes<HD, ST>();
@@ -1124,7 +1139,12 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
   p.max_num_seqs = max_num_seqs;
   p.max_context = max_context;
   p.max_splits = static_cast<int>(std::min(wave, by_context));
-  if (cluster_enabled() && p.max_splits > 1 && base <= 65535) {
+  if (const int forced = forced_decode_max_splits(); forced > 0) {
+    p.max_splits = std::min(p.max_splits, forced);
+    p.cluster_merge = cluster_enabled() && p.max_splits > 1 && base <= 65535 &&
+                      p.max_splits <= attention_decode_cluster_cap(dims) &&
+                      decode_cluster_splits(dims, max_num_seqs, p.max_splits) == p.max_splits;
+  } else if (cluster_enabled() && p.max_splits > 1 && base <= 65535) {
     const int c = decode_cluster_splits(dims, max_num_seqs, p.max_splits);
     if (c > 1 && cluster_merge_pays(max_context, c, p.max_splits)) {
       p.max_splits = c;
