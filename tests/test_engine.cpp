@@ -138,21 +138,27 @@ TEST(Engine, OneRequestMatchesGenerate) {
   for (const GeneratedToken& t : u.tokens) EXPECT_LE(t.logprob, 0.0f);
 }
 
-// Chunked prefill (8-token budget) mixed with decodes, 3 sequences a step, 10 requests at once.
-TEST(Engine, ConcurrentRequestsMatchSolo) {
-  auto engine = make_engine(3, 8);
+// Submits `n` greedy requests at once (request i: prompt_for(i), first_len + i tokens), checks
+// each against the one-sequence reference, then that the engine goes idle with no KV in use.
+void expect_concurrent_requests_match_solo(Engine& engine, int n, int first_len) {
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (int i = 0; i < 10; ++i) {
-    Submitted s = engine->submit(greedy(prompt_for(i), 4 + i));
+  for (int i = 0; i < n; ++i) {
+    Submitted s = engine.submit(greedy(prompt_for(i), first_len + i));
     ASSERT_TRUE(s.stream);
     streams.push_back(s.stream);
   }
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < n; ++i) {
     RequestUpdate u = drain(*streams[static_cast<size_t>(i)]);
-    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), 4 + i)) << "request " << i;
+    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), first_len + i)) << "request " << i;
   }
-  wait_for_idle(*engine);
-  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+  wait_for_idle(engine);
+  EXPECT_EQ(engine.metrics().kv_blocks_used.load(), 0);
+}
+
+// Chunked prefill (8-token budget) mixed with decodes, 3 sequences a step, 10 requests at once.
+TEST(Engine, ConcurrentRequestsMatchSolo) {
+  auto engine = make_engine(3, 8);
+  expect_concurrent_requests_match_solo(*engine, 10, 4);
 }
 
 // [TAG_SERVE_DP] The same over `--ep 2` (data parallel): 2 sequences a step on each rank, the
@@ -160,18 +166,7 @@ TEST(Engine, ConcurrentRequestsMatchSolo) {
 TEST(Engine, DataParallelRequestsMatchSolo) {
   auto engine = make_engine(2, 8, 0, 16, 256, 2);
   EXPECT_EQ(engine->limits().max_seqs, 4);
-  std::vector<std::shared_ptr<RequestStream>> streams;
-  for (int i = 0; i < 8; ++i) {
-    Submitted s = engine->submit(greedy(prompt_for(i), 3 + i));
-    ASSERT_TRUE(s.stream);
-    streams.push_back(s.stream);
-  }
-  for (int i = 0; i < 8; ++i) {
-    RequestUpdate u = drain(*streams[static_cast<size_t>(i)]);
-    EXPECT_EQ(ids_of(u), reference_ids(prompt_for(i), 3 + i)) << "request " << i;
-  }
-  wait_for_idle(*engine);
-  EXPECT_EQ(engine->metrics().kv_blocks_used.load(), 0);
+  expect_concurrent_requests_match_solo(*engine, 8, 3);
   EXPECT_EQ(engine->metrics().dp_rank_sequences(), (std::vector<int>{0, 0}));
 }
 

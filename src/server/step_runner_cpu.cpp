@@ -88,6 +88,8 @@ Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator
     *why = !mine.ok() ? fmt::format("rank {}: {}", comm.rank(), mine.error().what())
                       : fmt::format("rank(s) {} could not run their part of the step (the reason is in the log)",
                                     fmt::join(refused, ", "));
+    // Rank 0 returns its reason to the engine; a follower's own reason goes to the log.
+    if (!mine.ok() && comm.rank() != 0) log_error("serve --ep: {}", *why);
     return false;
   }
   logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
@@ -96,8 +98,7 @@ Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator
 }
 
 // A follower rank (1..N-1) of the DP runner: steps until rank 0 says stop. A step some rank
-// refused is skipped by every rank (this one logs its own reason); any other error ends the loop,
-// and the caller aborts the group.
+// refused is skipped by every rank; any other error ends the loop, and the caller aborts the group.
 Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, const RunnerLimits& limits) {
   Caches caches;
   std::vector<float> logits, unused;
@@ -107,11 +108,7 @@ Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& 
     if (m.stop) return Ok{};
     std::string why;
     MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model, comm, caches, limits, m, logits, &why));
-    if (!ran) {
-      if (why.rfind("rank " + std::to_string(comm.rank()) + ":", 0) == 0) log_error("serve --ep: {}", why);
-      continue;
-    }
-    MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
+    if (ran) MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
   }
 }
 
@@ -212,12 +209,13 @@ class CpuRunner final : public StepRunner {
       msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()}});
       if (s.want_logits) where.emplace_back(r, rows[r]++);
     }
+    Status refused = Ok{};  // a step some rank refused: every rank is still in step
     const Status st = [&]() -> Status {
       MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
       std::string why;
       MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model_, *ep_->comm0, caches_, limits_, mine, own_, &why));
       if (!ran) {
-        refused_ = Error(why);
+        refused = Error(why);
         return Ok{};
       }
       return dp_gather_logits(*ep_->comm0, own_, rows, V, gathered_);
@@ -229,11 +227,7 @@ class CpuRunner final : public StepRunner {
       ep_->group->abort("rank 0: " + st.error().what());
       return st;
     }
-    if (!refused_.ok()) {
-      Status r = std::move(refused_);
-      refused_ = Ok{};
-      return r;
-    }
+    if (!refused.ok()) return refused;
     std::vector<size_t> first_row(N, 0);  // where rank r's rows start in gathered_ (rank 0: in own_)
     for (size_t r = 2; r < N; ++r) first_row[r] = first_row[r - 1] + static_cast<size_t>(rows[r - 1]);
     logits.resize(where.size() * static_cast<size_t>(V));
@@ -253,7 +247,6 @@ class CpuRunner final : public StepRunner {
   std::vector<std::vector<int64_t>> released_;  // per rank: released since the last step
   std::vector<float> own_, gathered_;  // rank 0's rows, the other ranks' rows
   Status broken_ = Ok{};
-  Status refused_ = Ok{};
 };
 
 // Starts ranks 1..N-1 and loads rank 0's model; every rank checks in with a barrier after its
