@@ -4,6 +4,7 @@
 // crash, no sanitizer report": an error has a 4xx status and serializes to JSON in OpenAI's
 // shape; an accepted request satisfies the invariants the engine relies on, and its strings
 // round-trip through the response builders.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -56,6 +57,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   check(!r.top_p || (*r.top_p > 0.0f && *r.top_p <= 1.0f));
   check(!r.min_p || (*r.min_p >= 0.0f && *r.min_p < 1.0f));
   check(!r.top_k || *r.top_k >= 0);
+  check(!r.presence_penalty || std::fabs(*r.presence_penalty) <= 2.0f);
+  check(!r.frequency_penalty || std::fabs(*r.frequency_penalty) <= 2.0f);
+  check(!r.repetition_penalty || (*r.repetition_penalty > 0.0f && *r.repetition_penalty <= kMaxRepetitionPenalty));
+  for (size_t i = 0; i < r.logit_bias.size(); ++i) {  // ascending, unique ids; biases in range
+    check(r.logit_bias[i].first >= 0 && std::fabs(r.logit_bias[i].second) <= 100.0f);
+    check(i == 0 || r.logit_bias[i - 1].first < r.logit_bias[i].first);
+  }
   check(!r.include_usage || r.stream);
   if (endpoint == Endpoint::kChat) {
     check(r.messages.is_array() && !r.messages.empty());

@@ -30,14 +30,17 @@ const tokenizer::BpeTokenizer& tiny_tokenizer() {
   return *tok;
 }
 
-// The one-sequence reference: model::generate, greedy, no eos.
-std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_tokens) {
+// The one-sequence reference: model::generate, greedy unless `params` say otherwise, no eos.
+std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_tokens,
+                                   const model::SamplerParams& params = {.temperature = 0.0f}) {
   static model::Qwen3MoeCpu* m = [] {
     auto r = model::Qwen3MoeCpu::load(testing::tiny_fixture_dir());
     EXPECT_TRUE(r.ok()) << r.error().what();
     return new model::Qwen3MoeCpu(std::move(r).value());
   }();
-  auto sampler = model::Sampler::create(model::SamplerParams{.temperature = 0.0f});
+  auto sampler = model::Sampler::create(params);
+  EXPECT_TRUE(sampler.ok()) << sampler.error().what();
+  sampler->observe_prompt(prompt);
   auto stats = model::generate(*m, prompt, max_tokens, *sampler, {}, nullptr);
   EXPECT_TRUE(stats.ok()) << stats.error().what();
   return stats->generated;
@@ -282,6 +285,38 @@ TEST(Engine, RefusesWhatCannotFit) {
   EngineRequest bad = greedy({1}, 2);
   bad.sampling.top_p = 0.0f;
   EXPECT_FALSE(engine->submit(bad).stream);
+  EngineRequest bias = greedy({1}, 2);
+  bias.sampling.logit_bias = {{3, 1.0f}, {600, -5.0f}};  // 600 is outside the vocabulary
+  Submitted s = engine->submit(bias);
+  EXPECT_FALSE(s.stream);
+  EXPECT_NE(s.error.find("logit_bias"), std::string::npos) << s.error;
+  bias.sampling.logit_bias = {{3, 1.0f}};
+  bias.sampling.repetition_penalty = 0.0f;
+  EXPECT_FALSE(engine->submit(bias).stream);
+}
+
+// The penalties see the prompt and every generated token through the engine's per-request
+// sampler, as in the one-sequence loop, whatever else shares the steps (chunked prefill here).
+TEST(Engine, PenaltiesAndLogitBiasMatchGenerate) {
+  auto engine = make_engine(3, 8);
+  model::SamplerParams p{.temperature = 0.8f, .seed = 11};
+  const auto prompt = prompt_for(9);
+  const std::vector<int32_t> plain = reference_ids(prompt, 24, p);
+  p.repetition_penalty = 1.3f;
+  p.presence_penalty = 0.4f;
+  p.frequency_penalty = 0.3f;
+  p.logit_bias = {{17, 2.5f}, {plain[0], -1.5f}};
+  const std::vector<int32_t> want = reference_ids(prompt, 24, p);
+  ASSERT_NE(want, plain) << "the penalties change nothing on this prompt: the test would not see them";
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 3; ++i) {  // the same request three times, plus a greedy one between
+    EngineRequest r = greedy(prompt, 24);
+    r.sampling = p;
+    streams.push_back(engine->submit(r).stream);
+    ASSERT_TRUE(streams.back());
+    ASSERT_TRUE(engine->submit(greedy(prompt_for(i), 5)).stream);
+  }
+  for (auto& s : streams) EXPECT_EQ(ids_of(drain(*s)), want);
 }
 
 TEST(Engine, StopStringCutsText) {

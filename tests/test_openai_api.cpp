@@ -56,7 +56,7 @@ TEST(OpenAiApi, ValidChatRequest) {
   b["stream_options"] = {{"include_usage", true}};
   b["n"] = 1;
   b["chat_template_kwargs"] = {{"enable_thinking", false}};
-  b["presence_penalty"] = 0;  // unknown and unsupported fields are ignored, as vLLM does
+  b["user"] = "someone";  // unknown and unsupported fields are ignored, as vLLM does
   GenerationRequest r;
   ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
   EXPECT_EQ(r.endpoint, Endpoint::kChat);
@@ -103,6 +103,66 @@ TEST(OpenAiApi, ValidCompletionRequestForms) {
   b["max_tokens"] = 3.0;  // integral floats are integers
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
   EXPECT_EQ(*r.top_k, 0);
+}
+
+TEST(OpenAiApi, PenaltiesAndLogitBias) {
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kChat, chat_body().dump(), &r).has_value());
+  EXPECT_FALSE(r.presence_penalty || r.frequency_penalty || r.repetition_penalty);
+  EXPECT_TRUE(r.logit_bias.empty());
+  for (Endpoint e : {Endpoint::kChat, Endpoint::kCompletion}) {
+    json b = e == Endpoint::kChat ? chat_body() : completion_body();
+    b["presence_penalty"] = -2;
+    b["frequency_penalty"] = 1.5;
+    b["repetition_penalty"] = 1.1;
+    b["logit_bias"] = {{"50256", -100}, {"9", 2.5}, {"10", 100}};
+    ASSERT_FALSE(parse(e, b.dump(), &r).has_value());
+    EXPECT_FLOAT_EQ(*r.presence_penalty, -2.0f);
+    EXPECT_FLOAT_EQ(*r.frequency_penalty, 1.5f);
+    EXPECT_FLOAT_EQ(*r.repetition_penalty, 1.1f);
+    // By id, not by the keys' string order ("10" < "50256" < "9").
+    EXPECT_EQ(r.logit_bias, (std::vector<std::pair<int32_t, float>>{{9, 2.5f}, {10, 100.0f}, {50256, -100.0f}}));
+  }
+  json b = completion_body();
+  b["logit_bias"] = nullptr;  // null is absent
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_TRUE(r.logit_bias.empty());
+}
+
+TEST(OpenAiApi, BadPenaltiesAndLogitBias) {
+  const std::pair<const char*, json> out_of_range[] = {
+      {"presence_penalty", 2.01}, {"presence_penalty", -3}, {"frequency_penalty", 2.5}, {"repetition_penalty", 0},
+      {"repetition_penalty", -1}, {"repetition_penalty", 11}};
+  for (const auto& [key, value] : out_of_range) {
+    json b = completion_body();
+    b[key] = value;
+    expect_400(completion(b), key);
+  }
+  json b = completion_body();
+  b["frequency_penalty"] = "high";
+  expect_400(completion(b), "frequency_penalty");
+  b = completion_body();
+  b["logit_bias"] = {1, 2};
+  expect_400(completion(b), "logit_bias");
+  for (const char* key : {"", "-1", "x", "1.5", " 7", "2147483648", "99999999999"}) {
+    b = completion_body();
+    b["logit_bias"] = {{key, 1}};
+    expect_400(completion(b), "logit_bias");
+  }
+  b = completion_body();
+  b["logit_bias"] = {{"7", 1}, {"007", 2}};  // the same token twice
+  expect_400(completion(b), "logit_bias");
+  b = completion_body();
+  b["logit_bias"] = {{"7", 100.5}};
+  expect_400(completion(b), "logit_bias.7");
+  b = completion_body();
+  b["logit_bias"] = {{"7", "a lot"}};
+  expect_400(completion(b), "logit_bias.7");
+  b = completion_body();
+  b["logit_bias"] = {{"2147483647", -1}};  // the largest id parses; the engine checks the vocabulary
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.logit_bias.at(0).first, 2147483647);
 }
 
 TEST(OpenAiApi, ContentPartsAreJoined) {

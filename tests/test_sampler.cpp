@@ -1,7 +1,10 @@
 // The sampler (src/model/sampler.h) and generation_config.json parsing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -120,6 +123,133 @@ TEST(Sampler, RejectsBadParametersAndLogits) {
   EXPECT_FALSE(s.sample(std::vector<float>{-INFINITY, -INFINITY}).ok());
 }
 
+// The adjustments written out naively from their definitions (sampler.h a-c), with the history
+// as a plain list: the reference the sampler's incremental counts must match bit for bit.
+std::vector<float> reference_adjusted(std::vector<float> l, const std::vector<int32_t>& prompt,
+                                      const std::vector<int32_t>& output, const SamplerParams& p) {
+  const auto count_in = [](const std::vector<int32_t>& v, int32_t id) { return std::count(v.begin(), v.end(), id); };
+  for (int32_t id = 0; id < static_cast<int32_t>(l.size()); ++id) {
+    float& x = l[static_cast<size_t>(id)];
+    if (p.repetition_penalty != 1.0f && (count_in(prompt, id) > 0 || count_in(output, id) > 0))
+      x = x > 0.0f ? x / p.repetition_penalty : x * p.repetition_penalty;
+    if (const auto c = count_in(output, id); c > 0)
+      x -= static_cast<float>(c) * p.frequency_penalty + p.presence_penalty;
+  }
+  for (const auto& [id, b] : p.logit_bias) l[static_cast<size_t>(id)] += b;
+  return l;
+}
+
+TEST(SamplerPenalties, OffMeansTheRawRow) {
+  Sampler s = make({.temperature = 0.0f});
+  s.observe_prompt(std::vector<int32_t>{0, 1});
+  const std::vector<float> row{1.0f, 2.0f, 3.0f};
+  auto a = s.adjusted(row);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->data(), row.data());  // no copy
+  EXPECT_EQ(*s.sample(row), 2);
+  EXPECT_EQ(*s.sample(row), 2);  // nothing remembered
+}
+
+TEST(SamplerPenalties, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
+  Sampler s = make({.temperature = 0.0f, .repetition_penalty = 2.0f});
+  s.observe_prompt(std::vector<int32_t>{0, 2, 2});
+  const std::vector<float> row{3.0f, 2.0f, -1.0f, -1.0f, -INFINITY};
+  auto a = s.adjusted(row);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(std::vector<float>(a->begin(), a->end()), (std::vector<float>{1.5f, 2.0f, -2.0f, -1.0f, -INFINITY}));
+  EXPECT_EQ(*s.sample(row), 1);  // 3 / 2 < 2
+  // Token 1 is output now: 2 / 2 = 1 < 1.5. Token 0, seen in the prompt, is divided once only.
+  EXPECT_EQ(*s.sample(row), 0);
+  EXPECT_EQ(*s.sample(row), 0);
+  // A penalty below 1 favours repeats; -inf stays -inf and is never chosen.
+  Sampler fav = make({.temperature = 0.0f, .repetition_penalty = 0.5f});
+  fav.observe_prompt(std::vector<int32_t>{1, 4});
+  EXPECT_EQ(*fav.sample(row), 1);  // 2 / 0.5 = 4 > 3
+}
+
+TEST(SamplerPenalties, FrequencyAndPresenceCountTheOutputOnly) {
+  Sampler s = make({.temperature = 0.0f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f});
+  s.observe_prompt(std::vector<int32_t>{0});  // the OpenAI penalties ignore the prompt
+  const std::vector<float> row{5.0f, 4.0f, 3.0f};
+  // 0: 5; then 5 - 0.75 = 4.25 > 4; then 5 - 1.0 = 4 ties 4 (lowest id wins); then 3.75 < 4.
+  std::vector<int32_t> got;
+  for (int i = 0; i < 5; ++i) got.push_back(*s.sample(row));
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 0, 0, 1, 0}));
+  // Negative values encourage repeats.
+  Sampler neg = make({.temperature = 0.0f, .presence_penalty = -2.0f});
+  const std::vector<float> close{1.0f, 2.0f};
+  EXPECT_EQ(*neg.sample(close), 1);
+  EXPECT_EQ(*neg.sample(std::vector<float>{2.5f, 2.0f}), 1);  // 2 + 2 > 2.5
+}
+
+TEST(SamplerPenalties, LogitBiasAddsAndIsBoundsChecked) {
+  Sampler s = make({.temperature = 0.0f, .logit_bias = {{2, 100.0f}, {0, -100.0f}}});
+  EXPECT_EQ(*s.sample(std::vector<float>{50.0f, 10.0f, -60.0f}), 2);
+  EXPECT_EQ(*s.sample(std::vector<float>{50.0f, 10.0f, -95.0f}), 1);
+  auto past = s.sample(std::vector<float>{1.0f, 2.0f});  // id 2 is outside a 2-token row
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.error().what().find("logit_bias"), std::string::npos) << past.error().what();
+}
+
+TEST(SamplerPenalties, MatchTheNaiveReferenceOnRandomRows) {
+  std::mt19937 rng(2024);
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::uniform_int_distribution<int32_t> tok(0, 63);
+  const SamplerParams cases[] = {
+      {.temperature = 0.0f, .repetition_penalty = 1.3f},
+      {.temperature = 0.7f, .top_k = 20, .seed = 3, .presence_penalty = 0.6f, .frequency_penalty = 0.2f},
+      {.temperature = 1.0f, .top_p = 0.9f, .seed = 4, .repetition_penalty = 0.8f, .presence_penalty = -0.5f,
+       .frequency_penalty = 1.5f, .logit_bias = {{5, 3.0f}, {63, -7.5f}}},
+  };
+  for (const SamplerParams& p : cases) {
+    Sampler s = make(p);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; ++i) prompt.push_back(tok(rng));
+    s.observe_prompt(prompt);
+    std::vector<int32_t> output;
+    std::vector<std::vector<float>> rows;
+    for (int step = 0; step < 200; ++step) {
+      // Few distinct values, so repeats and ties happen.
+      std::vector<float> row(64);
+      for (float& x : row) x = std::round(d(rng) * 4.0f) / 4.0f;
+      row[static_cast<size_t>(tok(rng))] = -INFINITY;
+      const std::vector<float> want = reference_adjusted(row, prompt, output, p);
+      auto got = s.adjusted(row);
+      ASSERT_TRUE(got.ok());
+      ASSERT_EQ(std::vector<float>(got->begin(), got->end()), want) << "step " << step;
+      // candidates() remembers nothing; sample() records its token.
+      auto c1 = s.candidates(row), c2 = s.candidates(row);
+      ASSERT_TRUE(c1.ok() && c2.ok());
+      ASSERT_EQ(*c1, *c2);
+      auto id = s.sample(row);
+      ASSERT_TRUE(id.ok()) << id.error().what();
+      if (p.temperature == 0.0f) ASSERT_EQ(*id, argmax(want));
+      output.push_back(*id);
+      rows.push_back(std::move(row));
+    }
+    // A fresh sampler with the same seed, prompt and rows draws the same tokens.
+    Sampler again = make(p);
+    again.observe_prompt(prompt);
+    for (size_t i = 0; i < rows.size(); ++i) ASSERT_EQ(*again.sample(rows[i]), output[i]) << "step " << i;
+  }
+}
+
+TEST(SamplerPenalties, RejectsOutOfRangeValues) {
+  for (float bad : {0.0f, -1.0f, INFINITY, NAN}) {
+    auto s = Sampler::create({.repetition_penalty = bad});
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_NE(s.error().what().find("--repetition-penalty"), std::string::npos);
+  }
+  for (float bad : {2.5f, -2.01f, NAN}) {
+    EXPECT_FALSE(Sampler::create({.presence_penalty = bad}).ok()) << bad;
+    EXPECT_FALSE(Sampler::create({.frequency_penalty = bad}).ok()) << bad;
+  }
+  EXPECT_TRUE(Sampler::create({.presence_penalty = -2.0f, .frequency_penalty = 2.0f}).ok());
+  EXPECT_FALSE(Sampler::create({.logit_bias = {{1, 100.5f}}}).ok());
+  EXPECT_FALSE(Sampler::create({.logit_bias = {{-1, 1.0f}}}).ok());
+  EXPECT_FALSE(Sampler::create({.logit_bias = {{1, NAN}}}).ok());
+}
+
 TEST(GenerationConfig, ParsesEosIntOrListAndDefaults) {
   auto a = parse_generation_config(R"({"eos_token_id": [2, 3], "do_sample": false})", "a.json");
   ASSERT_TRUE(a.ok()) << a.error().what();
@@ -132,6 +262,12 @@ TEST(GenerationConfig, ParsesEosIntOrListAndDefaults) {
   EXPECT_FLOAT_EQ(*b->temperature, 0.6f);
   EXPECT_FLOAT_EQ(*b->top_p, 0.95f);
   EXPECT_EQ(*b->top_k, 20);
+  EXPECT_FALSE(b->repetition_penalty.has_value());
+  auto c = parse_generation_config(R"({"repetition_penalty": 1.05, "min_p": 0.0, "top_p": null})", "c");
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_FLOAT_EQ(*c->repetition_penalty, 1.05f);
+  EXPECT_FLOAT_EQ(*c->min_p, 0.0f);
+  EXPECT_FALSE(c->top_p.has_value());
   auto empty = load_generation_config("/nonexistent-dir-for-moebius-tests");
   ASSERT_TRUE(empty.ok());
   EXPECT_TRUE(empty->eos_token_ids.empty());
@@ -148,6 +284,14 @@ TEST(GenerationConfig, MalformedIsAClearError) {
   EXPECT_FALSE(parse_generation_config(R"({"top_k": 1.5})", "g").ok());
   EXPECT_FALSE(parse_generation_config(R"({"temperature": "hot"})", "g").ok());
   EXPECT_FALSE(parse_generation_config(R"([1, 2])", "g").ok());
+  // Defaults every request would fail on are refused here, naming the field.
+  for (const char* bad : {R"({"repetition_penalty": 0})", R"({"top_p": 0})", R"({"top_p": 1.5})",
+                          R"({"min_p": 1})", R"({"temperature": -0.1})"}) {
+    auto r = parse_generation_config(bad, "g.json");
+    ASSERT_FALSE(r.ok()) << bad;
+    const std::string key = std::string(bad).substr(3, std::string(bad).find('"', 3) - 3);
+    EXPECT_NE(r.error().what().find(key), std::string::npos) << r.error().what();
+  }
 }
 
 }  // namespace

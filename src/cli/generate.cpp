@@ -30,12 +30,16 @@ struct GenerateCliOptions {
   float temperature = 1.0f;
   int top_k = 0;
   float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
   bool no_autotune = false;
   CLI::Option* prompt_opt = nullptr;
   CLI::Option* prompt_ids_opt = nullptr;
   CLI::Option* temperature_opt = nullptr;
   CLI::Option* top_k_opt = nullptr;
   CLI::Option* top_p_opt = nullptr;
+  CLI::Option* min_p_opt = nullptr;
+  CLI::Option* repetition_penalty_opt = nullptr;
 };
 
 void write_out(const std::string& s) {
@@ -50,6 +54,8 @@ Status run(GenerateCliOptions& o) {
   if (o.temperature_opt->count() > 0) g.temperature = o.temperature;
   if (o.top_k_opt->count() > 0) g.top_k = o.top_k;
   if (o.top_p_opt->count() > 0) g.top_p = o.top_p;
+  if (o.min_p_opt->count() > 0) g.min_p = o.min_p;
+  if (o.repetition_penalty_opt->count() > 0) g.repetition_penalty = o.repetition_penalty;
   g.autotune = !o.no_autotune;
 
   const std::string tok_path = (std::filesystem::path(g.model_dir) / "tokenizer.json").string();
@@ -120,7 +126,18 @@ void register_generate(CLI::App& app) {
                                        "0 = greedy (default: generation_config.json, else 1)");
   o->top_k_opt = cmd->add_option("--top-k", o->top_k, "keep the k most likely tokens; 0 = off");
   o->top_p_opt = cmd->add_option("--top-p", o->top_p, "nucleus sampling mass in (0, 1]; 1 = off");
-  cmd->add_option("--min-p", o->gen.min_p, "drop tokens below min_p * the top probability; 0 = off")
+  o->min_p_opt = cmd->add_option("--min-p", o->min_p,
+                                 "drop tokens below min_p * the top probability; 0 = off (default: "
+                                 "generation_config.json, else 0)");
+  o->repetition_penalty_opt = cmd->add_option(
+      "--repetition-penalty", o->repetition_penalty,
+      "HF's: a token seen in the prompt or output has its logit divided (> 0) or multiplied (< 0) by it; "
+      "1 = off (default: generation_config.json, else 1)");
+  cmd->add_option("--presence-penalty", o->gen.presence_penalty,
+                  "OpenAI's: subtracted once from the logit of every token already generated; in [-2, 2]")
+      ->capture_default_str();
+  cmd->add_option("--frequency-penalty", o->gen.frequency_penalty,
+                  "OpenAI's: subtracted from a generated token's logit once per time it was generated; in [-2, 2]")
       ->capture_default_str();
   cmd->add_option("--seed", o->gen.seed, "RNG seed (std::mt19937_64)")->capture_default_str();
   cmd->add_option("--experts", o->gen.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");

@@ -134,6 +134,8 @@ Status run(ServeOptions& o) {
   else if (gen.temperature) ao.sampling.temperature = *gen.temperature;
   if (gen.top_k) ao.sampling.top_k = *gen.top_k;
   if (gen.top_p) ao.sampling.top_p = *gen.top_p;
+  if (gen.min_p) ao.sampling.min_p = *gen.min_p;
+  if (gen.repetition_penalty) ao.sampling.repetition_penalty = *gen.repetition_penalty;
   server::ChatRenderer chat;  // stays empty without a template: /v1/chat/completions answers 400
   const std::string tok_config = (std::filesystem::path(o.tokenizer_dir) / "tokenizer_config.json").string();
   if (std::filesystem::exists(tok_config, ec)) {

@@ -52,10 +52,15 @@ Result<SamplerParams> resolve_sampler_params(const GenerateOptions& o, const Gen
   else if (g.temperature) p.temperature = *g.temperature;
   if (g.top_k) p.top_k = *g.top_k;
   if (g.top_p) p.top_p = *g.top_p;
+  if (g.min_p) p.min_p = *g.min_p;
+  if (g.repetition_penalty) p.repetition_penalty = *g.repetition_penalty;
   if (o.temperature) p.temperature = *o.temperature;
   if (o.top_k) p.top_k = *o.top_k;
   if (o.top_p) p.top_p = *o.top_p;
-  p.min_p = o.min_p;
+  if (o.min_p) p.min_p = *o.min_p;
+  if (o.repetition_penalty) p.repetition_penalty = *o.repetition_penalty;
+  p.presence_penalty = o.presence_penalty;
+  p.frequency_penalty = o.frequency_penalty;
   p.seed = o.seed;
   MOEBIUS_TRY(validate_sampler_params(p));
   return p;
@@ -251,6 +256,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   MOEBIUS_ASSIGN_OR_RETURN(GenerationConfig gen_config, load_generation_config(o.model_dir));
   MOEBIUS_ASSIGN_OR_RETURN(SamplerParams params, resolve_sampler_params(o, gen_config));
   MOEBIUS_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(params));
+  sampler.observe_prompt(o.prompt_ids);
   const std::vector<int32_t>& eos = o.eos_token_ids ? *o.eos_token_ids : gen_config.eos_token_ids;
 
 #ifdef MOEBIUS_HAS_CUDA

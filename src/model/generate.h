@@ -33,7 +33,10 @@ struct GenerateOptions {
   std::optional<float> temperature;
   std::optional<int> top_k;
   std::optional<float> top_p;
-  float min_p = 0.0f;
+  std::optional<float> min_p;
+  std::optional<float> repetition_penalty;  // generation_config.json has it for some models
+  float presence_penalty = 0.0f;            // OpenAI's; generation_config.json never sets them
+  float frequency_penalty = 0.0f;
   uint64_t seed = 0;
   std::string experts;          // "" keeps the checkpoint's precision; bf16, nvfp4, int4, int2
   std::string backend = "cpu";  // cpu or cuda

@@ -44,8 +44,20 @@ Result<GenerationConfig> parse_json(const json& j) {
       c.eos_token_ids.push_back(id);
     }
   }
+  // The ranges are HF's (its logits processors refuse values outside them), so a default that
+  // would fail every request is an error here, naming the file.
   MOEBIUS_ASSIGN_OR_RETURN(c.temperature, read_float(j, "temperature"));
+  if (c.temperature && *c.temperature < 0.0f)
+    return Error::format("must be >= 0, got {}", *c.temperature).in_field("temperature");
   MOEBIUS_ASSIGN_OR_RETURN(c.top_p, read_float(j, "top_p"));
+  if (c.top_p && !(*c.top_p > 0.0f && *c.top_p <= 1.0f))
+    return Error::format("must be in (0, 1], got {}", *c.top_p).in_field("top_p");
+  MOEBIUS_ASSIGN_OR_RETURN(c.min_p, read_float(j, "min_p"));
+  if (c.min_p && !(*c.min_p >= 0.0f && *c.min_p < 1.0f))
+    return Error::format("must be in [0, 1), got {}", *c.min_p).in_field("min_p");
+  MOEBIUS_ASSIGN_OR_RETURN(c.repetition_penalty, read_float(j, "repetition_penalty"));
+  if (c.repetition_penalty && !(*c.repetition_penalty > 0.0f))
+    return Error::format("must be > 0 (1 = off), got {}", *c.repetition_penalty).in_field("repetition_penalty");
   if (auto it = j.find("top_k"); it != j.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > std::numeric_limits<int>::max())
       return Error::format("expected an integer >= 0, got {}", it->dump()).in_field("top_k");

@@ -1,7 +1,8 @@
 // A Hugging Face generation_config.json: the end-of-sequence ids and the model's default sampling
 // parameters. Only the fields generation uses are read; other keys are ignored (HF writes many).
 //   eos_token_id: an int or a list of ints (Qwen3 lists <|im_end|> and <|endoftext|>)
-//   temperature, top_p, top_k, do_sample: optional defaults that CLI flags override
+//   temperature, top_p, top_k, min_p, repetition_penalty, do_sample: optional defaults that CLI
+//   flags and request fields override (the set vLLM takes from it)
 // A missing file gives an empty config (no eos ids, no defaults); a malformed one is an Error
 // naming the file and field.
 #pragma once
@@ -21,6 +22,8 @@ struct GenerationConfig {
   std::optional<float> temperature;
   std::optional<float> top_p;
   std::optional<int> top_k;
+  std::optional<float> min_p;
+  std::optional<float> repetition_penalty;
   std::optional<bool> do_sample;  // false: HF decodes greedily whatever temperature says
 };
 

@@ -13,6 +13,18 @@ Status validate_sampler_params(const SamplerParams& p) {
     return Error::format("must be in (0, 1] (1 = off), got {}", p.top_p).in_field("--top-p");
   if (!(p.min_p >= 0.0f && p.min_p < 1.0f))
     return Error::format("must be in [0, 1) (0 = off), got {}", p.min_p).in_field("--min-p");
+  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty))
+    return Error::format("must be a finite number > 0 (1 = off), got {}", p.repetition_penalty)
+        .in_field("--repetition-penalty");
+  if (!(std::fabs(p.presence_penalty) <= kMaxOpenAiPenalty))
+    return Error::format("must be in [-2, 2] (0 = off), got {}", p.presence_penalty).in_field("--presence-penalty");
+  if (!(std::fabs(p.frequency_penalty) <= kMaxOpenAiPenalty))
+    return Error::format("must be in [-2, 2] (0 = off), got {}", p.frequency_penalty).in_field("--frequency-penalty");
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) return Error::format("token id {} is negative", id).in_field("logit_bias");
+    if (!(std::fabs(bias) <= kMaxLogitBias))
+      return Error::format("the bias of token {} must be in [-100, 100], got {}", id, bias).in_field("logit_bias");
+  }
   return Ok{};
 }
 
@@ -34,11 +46,49 @@ Result<Sampler> Sampler::create(const SamplerParams& params) {
   return Sampler(params);
 }
 
-Result<std::vector<std::pair<int32_t, float>>> Sampler::candidates(std::span<const float> logits) {
-  if (logits.empty()) return Error("empty logits row");
-  // A NaN means a broken forward pass: refuse it rather than sample around it.
-  for (size_t i = 0; i < logits.size(); ++i)
-    if (std::isnan(logits[i])) return Error::format("logit {} is NaN", i);
+void Sampler::observe_prompt(std::span<const int32_t> ids) {
+  if (params_.repetition_penalty != 1.0f) prompt_ids_.insert(ids.begin(), ids.end());
+}
+
+Result<std::span<const float>> Sampler::adjusted(std::span<const float> logits) {
+  const size_t V = logits.size();
+  for (const auto& [id, bias] : params_.logit_bias)
+    if (static_cast<size_t>(id) >= V)
+      return Error::format("token id {} is outside the vocabulary [0, {})", id, V).in_field("logit_bias");
+  const bool repetition = params_.repetition_penalty != 1.0f && (!prompt_ids_.empty() || !output_counts_.empty());
+  const bool openai = (params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) && !output_counts_.empty();
+  if (!repetition && !openai && params_.logit_bias.empty()) return logits;
+  adjusted_.assign(logits.begin(), logits.end());
+  if (repetition) {
+    // Each seen id once, whether the prompt, the output or both saw it.
+    const float p = params_.repetition_penalty;
+    const auto penalize = [&](int32_t id) {
+      if (id < 0 || static_cast<size_t>(id) >= V) return;
+      float& l = adjusted_[static_cast<size_t>(id)];
+      l = l > 0.0f ? l / p : l * p;
+    };
+    for (int32_t id : prompt_ids_) penalize(id);
+    for (const auto& [id, count] : output_counts_)
+      if (!prompt_ids_.contains(id)) penalize(id);
+  }
+  if (openai) {
+    for (const auto& [id, count] : output_counts_) {
+      if (id < 0 || static_cast<size_t>(id) >= V) continue;
+      adjusted_[static_cast<size_t>(id)] -=
+          static_cast<float>(count) * params_.frequency_penalty + params_.presence_penalty;
+    }
+  }
+  for (const auto& [id, bias] : params_.logit_bias) adjusted_[static_cast<size_t>(id)] += bias;
+  return std::span<const float>(adjusted_);
+}
+
+Result<std::vector<std::pair<int32_t, float>>> Sampler::candidates(std::span<const float> raw) {
+  if (raw.empty()) return Error("empty logits row");
+  // A NaN means a broken forward pass: refuse it rather than sample around it. The adjustments
+  // never make one (their factors and terms are finite, and -inf stays -inf).
+  for (size_t i = 0; i < raw.size(); ++i)
+    if (std::isnan(raw[i])) return Error::format("logit {} is NaN", i);
+  MOEBIUS_ASSIGN_OR_RETURN(std::span<const float> logits, adjusted(raw));
   std::vector<std::pair<int32_t, float>> out;
   if (params_.temperature == 0.0f) {
     const int32_t id = argmax(logits);
@@ -94,16 +144,24 @@ Result<std::vector<std::pair<int32_t, float>>> Sampler::candidates(std::span<con
 
 Result<int32_t> Sampler::sample(std::span<const float> logits) {
   MOEBIUS_ASSIGN_OR_RETURN(auto cands, candidates(logits));
-  if (params_.temperature == 0.0f) return cands[0].first;
-  // 5. u in [0, 1) from the top 53 bits (drawn even for one candidate, so the RNG stream does not
-  // depend on the filters' outcome); walk the cumulative distribution.
-  const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53;
-  double cum = 0.0;
-  for (const auto& [id, p] : cands) {
-    cum += p;
-    if (u < cum) return id;
+  int32_t chosen = cands.back().first;  // if rounding leaves u just above the float sum
+  if (params_.temperature == 0.0f) {
+    chosen = cands[0].first;
+  } else {
+    // 5. u in [0, 1) from the top 53 bits (drawn even for one candidate, so the RNG stream does
+    // not depend on the filters' outcome); walk the cumulative distribution.
+    const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53;
+    double cum = 0.0;
+    for (const auto& [id, p] : cands) {
+      cum += p;
+      if (u < cum) {
+        chosen = id;
+        break;
+      }
+    }
   }
-  return cands.back().first;  // rounding left u just above the float sum
+  if (tracks_output()) ++output_counts_[chosen];
+  return chosen;
 }
 
 }  // namespace moebius::model

@@ -1,6 +1,16 @@
 // Token sampling from one row of logits (fp32 [V]).
 //
-// The filters run in this order, as in HF transformers' and llama.cpp's default chains:
+// First the logits are adjusted for what the sequence has seen (vLLM's order, each off at its
+// neutral value, and then the raw row is used as is):
+//   a. repetition penalty (HF transformers / CTRL): a token seen in the prompt or the output has
+//      its logit l divided by p when l > 0 and multiplied by p otherwise;
+//   b. frequency and presence penalties (OpenAI): over the output only, a token generated c > 0
+//      times loses c * frequency_penalty + presence_penalty;
+//   c. logit_bias (OpenAI): a fixed amount added to the listed ids.
+// The sampler keeps the history itself: observe_prompt() once, and every sample() records the
+// token it returns.
+//
+// Then the filters run in this order, as in HF transformers' and llama.cpp's default chains:
 //   1. temperature: logits / T; T == 0 means greedy (argmax, ties to the lowest id), and the
 //      other filters are then irrelevant;
 //   2. top-k: keep the k largest logits (k == 0: off), ties broken towards the lowest id;
@@ -16,6 +26,8 @@
 #include <cstdint>
 #include <random>
 #include <span>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -29,10 +41,20 @@ struct SamplerParams {
   float top_p = 1.0f;        // in (0, 1]; 1 = off
   float min_p = 0.0f;        // in [0, 1); 0 = off
   uint64_t seed = 0;
+  float repetition_penalty = 1.0f;  // > 0 and finite; 1 = off; > 1 discourages repeats
+  float presence_penalty = 0.0f;    // in [-2, 2] (OpenAI's range); 0 = off
+  float frequency_penalty = 0.0f;   // in [-2, 2]; 0 = off
+  // (id, bias) with bias in [-100, 100] (OpenAI's range); an id must be inside the vocabulary,
+  // which only sample() knows: an id past the row is an error there.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 // An Error naming the offending parameter (as its CLI flag) when a value is out of range.
 Status validate_sampler_params(const SamplerParams& params);
+
+// The ranges above, for the API and CLI layers' messages.
+inline constexpr float kMaxOpenAiPenalty = 2.0f;
+inline constexpr float kMaxLogitBias = 100.0f;
 
 // Index of the largest logit, the lowest index on ties. NaNs are never chosen. `logits` non-empty.
 int32_t argmax(std::span<const float> logits);
@@ -44,20 +66,37 @@ class Sampler {
 
   const SamplerParams& params() const { return params_; }
 
-  // One token id in [0, V). Errors for an empty row, a NaN, or every logit -inf. Advances the RNG
-  // (except in greedy mode).
+  // The prompt's ids, for the repetition penalty (kept only when it is on). Call once, before
+  // the first sample(); ids outside the row are ignored when the penalty is applied.
+  void observe_prompt(std::span<const int32_t> ids);
+
+  // One token id in [0, V). Errors for an empty row, a NaN, every logit -inf, or a logit_bias id
+  // outside [0, V). Advances the RNG (except in greedy mode) and records the id as output (when
+  // a penalty needs it).
   Result<int32_t> sample(std::span<const float> logits);
 
-  // The candidates left after steps 1-4 with their renormalized probabilities, most probable
-  // first (ties: lowest id first). Exposed for tests; sample() draws from exactly this list.
+  // The candidates left after the adjustments and steps 1-4 with their renormalized
+  // probabilities, most probable first (ties: lowest id first). Exposed for tests; sample() draws
+  // from exactly this list. Records nothing.
   Result<std::vector<std::pair<int32_t, float>>> candidates(std::span<const float> logits);
+
+  // The row after the adjustments a-c: `logits` itself when every one is off or has nothing to
+  // act on, else a copy in the sampler's scratch (valid until the next call).
+  Result<std::span<const float>> adjusted(std::span<const float> logits);
 
  private:
   explicit Sampler(const SamplerParams& params) : params_(params), rng_(params.seed) {}
 
+  bool tracks_output() const {
+    return params_.repetition_penalty != 1.0f || params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f;
+  }
+
   SamplerParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> scratch_;  // (scaled logit, id)
+  std::vector<float> adjusted_;                      // [V] the penalized row
+  std::unordered_set<int32_t> prompt_ids_;          // repetition penalty only
+  std::unordered_map<int32_t, int32_t> output_counts_;  // id -> times sampled
 };
 
 }  // namespace moebius::model

@@ -135,7 +135,11 @@ EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<
   e.sampling.temperature = r.temperature.value_or(options_.sampling.temperature);
   e.sampling.top_k = r.top_k.value_or(options_.sampling.top_k);
   e.sampling.top_p = r.top_p.value_or(options_.sampling.top_p);
-  e.sampling.min_p = r.min_p.value_or(0.0f);
+  e.sampling.min_p = r.min_p.value_or(options_.sampling.min_p);
+  e.sampling.repetition_penalty = r.repetition_penalty.value_or(options_.sampling.repetition_penalty);
+  e.sampling.presence_penalty = r.presence_penalty.value_or(0.0f);
+  e.sampling.frequency_penalty = r.frequency_penalty.value_or(0.0f);
+  e.sampling.logit_bias = r.logit_bias;
   if (r.seed) {
     e.sampling.seed = *r.seed;
   } else {

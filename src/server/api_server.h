@@ -44,6 +44,8 @@ struct SamplingDefaults {  // generation_config.json's, applied where a request 
   float temperature = 1.0f;
   int top_k = 0;
   float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
 };
 
 struct ApiServerOptions {

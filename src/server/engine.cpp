@@ -137,6 +137,11 @@ Submitted Engine::submit(EngineRequest r) {
       out.error = fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size());
       return out;
     }
+  for (const auto& [id, bias] : r.sampling.logit_bias)
+    if (id < 0 || id >= vocab_size()) {
+      out.error = fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size());
+      return out;
+    }
   auto sampler = model::Sampler::create(r.sampling);
   if (!sampler.ok()) {
     out.error = sampler.error().what();
@@ -144,6 +149,7 @@ Submitted Engine::submit(EngineRequest r) {
   }
   auto seq = std::make_unique<Seq>();
   seq->sampler.emplace(std::move(sampler).value());
+  seq->sampler->observe_prompt(r.prompt);
   seq->decoder.emplace(*tokenizer_, tokenizer::DecodeOptions{.skip_special_tokens = true});
   seq->stop = StopMatcher(r.stop);
   seq->tokens = r.prompt;

@@ -247,6 +247,37 @@ std::optional<ApiError> read_logprobs(const json& body, const ApiLimits& limits,
   return std::nullopt;
 }
 
+// {"<id>": bias}: OpenAI's keys are token ids written as decimal strings.
+std::optional<ApiError> read_logit_bias(const json& body, GenerationRequest* out) {
+  const json* v = field(body, "logit_bias");
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_object()) return wrong_type("logit_bias", "an object", *v);
+  for (const auto& [key, bias] : v->items()) {
+    const std::string param = "logit_bias." + key.substr(0, 32);
+    int64_t id = 0;
+    bool digits = !key.empty() && key.size() <= 10;
+    for (char c : key) {
+      if (c < '0' || c > '9') digits = false;
+      else id = id * 10 + (c - '0');
+    }
+    if (!digits || id > std::numeric_limits<int32_t>::max())
+      return invalid_request(fmt::format("'logit_bias' keys must be token ids (decimal integers), got '{}'",
+                                         key.substr(0, 32)),
+                             "logit_bias");
+    if (!bias.is_number()) return wrong_type(param, "a number", bias);
+    const double b = bias.get<double>();
+    if (!std::isfinite(b) || b < -100.0 || b > 100.0)
+      return invalid_request(fmt::format("'{}' must be in [-100, 100], got {}", param, b), param);
+    out->logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(b));
+  }
+  // JSON object keys compare as strings ("10" < "9"): order by id for a stable, readable list.
+  std::sort(out->logit_bias.begin(), out->logit_bias.end());
+  for (size_t i = 1; i < out->logit_bias.size(); ++i)  // "7" and "007"
+    if (out->logit_bias[i].first == out->logit_bias[i - 1].first)
+      return invalid_request(fmt::format("'logit_bias' names token {} twice", out->logit_bias[i].first), "logit_bias");
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_sampling(const json& body, GenerationRequest* out) {
   if (auto e = read_number(body, "temperature", 0.0, 2.0, false, &out->temperature)) return e;
   if (auto e = read_number(body, "top_p", 0.0, 1.0, true, &out->top_p)) return e;
@@ -259,7 +290,11 @@ std::optional<ApiError> read_sampling(const json& body, GenerationRequest* out) 
   if (auto e = read_int(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &seed))
     return e;
   if (seed) out->seed = static_cast<uint64_t>(*seed);
-  return std::nullopt;
+  if (auto e = read_number(body, "presence_penalty", -2.0, 2.0, false, &out->presence_penalty)) return e;
+  if (auto e = read_number(body, "frequency_penalty", -2.0, 2.0, false, &out->frequency_penalty)) return e;
+  if (auto e = read_number(body, "repetition_penalty", 0.0, kMaxRepetitionPenalty, true, &out->repetition_penalty))
+    return e;
+  return read_logit_bias(body, out);
 }
 
 }  // namespace

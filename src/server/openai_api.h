@@ -43,6 +43,10 @@ ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t con
 
 enum class Endpoint { kChat, kCompletion };
 
+// vLLM accepts any positive repetition_penalty; past 10 a seen token's logit is crushed to about
+// nothing, so a larger value is surely a mistake (e.g. a percentage).
+inline constexpr double kMaxRepetitionPenalty = 10.0;
+
 struct ApiLimits {
   size_t max_body_bytes = 4u << 20;
   std::vector<std::string> model_names;  // accepted values of "model"
@@ -70,6 +74,14 @@ struct GenerationRequest {
   std::optional<int> top_k;  // -1 (vLLM's "off") becomes 0
   std::optional<float> min_p;
   std::optional<uint64_t> seed;
+  // OpenAI's penalties, in [-2, 2], and vLLM's repetition_penalty (> 0, at most
+  // kMaxRepetitionPenalty); model::SamplerParams says how each acts.
+  std::optional<float> presence_penalty;
+  std::optional<float> frequency_penalty;
+  std::optional<float> repetition_penalty;
+  // logit_bias: {"<token id>": bias in [-100, 100]}, ascending ids. Ids are checked against the
+  // vocabulary by the engine (the parser does not know it).
+  std::vector<std::pair<int32_t, float>> logit_bias;
   // -1: no logprobs; k >= 0: the chosen token's logprob plus the k most likely alternatives.
   int top_logprobs = -1;
   bool stream = false;

@@ -188,6 +188,29 @@ test('max_tokens, seed and logprobs', async ({ client }) => {
   assert.equal(c.choices[0].logprobs.content[0].top_logprobs.length, 3);
 });
 
+test('penalties and logit_bias', async ({ url, client }) => {
+  const base = { model: MODEL, prompt: PROMPT, max_tokens: 12, temperature: 0, ignore_eos: true, logprobs: 0 };
+  const tokens = (r) => r.choices[0].logprobs.tokens;
+  const plain = tokens(await client.completions.create(base));
+  // A +100 bias makes greedy decoding pick that one token every time.
+  const forced = tokens(await client.completions.create({ ...base, logit_bias: { 7: 100 } }));
+  assert.equal(new Set(forced).size, 1, `one token repeated: ${JSON.stringify(forced)}`);
+  assert.notDeepEqual(forced, plain);
+  // Penalties change the greedy text (the engine test checks the exact ids against the
+  // one-sequence loop; the API's token strings are lossy for byte tokens).
+  const penalized = tokens(await client.completions.create(
+    { ...base, frequency_penalty: 2, presence_penalty: 2, repetition_penalty: 3 }));
+  assert.notDeepEqual(penalized, plain);
+  // Chat takes them too; bad values and ids outside the vocabulary are 400s.
+  await client.chat.completions.create({
+    model: MODEL, messages: [{ role: 'user', content: 'hi' }], max_tokens: 2, presence_penalty: 0.5, logit_bias: { 3: -5 } });
+  await expectStatus(client.completions.create({ ...base, presence_penalty: 3 }), 400);
+  await expectStatus(client.completions.create({ ...base, logit_bias: { 99999999: 1 } }), 400);
+  const r = await raw(url, '/v1/completions', JSON.stringify({ model: MODEL, prompt: 'a', logit_bias: { x: 1 } }));
+  assert.equal(r.status, 400);
+  assert.equal(r.json.error.param, 'logit_bias');
+});
+
 test('bad requests get the right 4xx', async ({ url, client }) => {
   await expectStatus(client.completions.create({ model: 'no-such-model', prompt: 'a' }), 404);
   await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', max_tokens: 100000 }), 400);
