@@ -1,6 +1,7 @@
 // model::run_generate (what `moebius generate` runs) on the tiny Qwen3-MoE fixture.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -95,6 +96,43 @@ TEST(Generate, StopsAtEos) {
   EXPECT_EQ(stopped->generated, std::vector<int32_t>(full->generated.begin(), full->generated.begin() + first));
 }
 
+// The repetition penalty sees the prompt: run_generate tells the sampler, and the greedy ids equal
+// a loop that divides each seen token's positive logit by the penalty (a penalty of 1e9 on a
+// positive logit, so a token of the prompt or the output can only win where every logit is <= 0).
+TEST(Generate, RepetitionPenaltySeesThePrompt) {
+  // A prompt whose plain greedy text repeats a prompt token or itself, so the penalty must act.
+  const auto repeats = [](std::vector<int32_t> seen, const std::vector<int32_t>& out) {
+    for (int32_t id : out) {
+      if (std::find(seen.begin(), seen.end(), id) != seen.end()) return true;
+      seen.push_back(id);
+    }
+    return false;
+  };
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> plain;
+  for (int32_t first = 1; first < 40 && plain.empty(); ++first) {
+    const std::vector<int32_t> p = {first, 17, 301, 5, 9, first + 100, 42, 250};
+    GenerateOptions o = greedy_options(p, 16);
+    o.eos_token_ids = std::vector<int32_t>{};
+    auto r = run_generate(o, nullptr);
+    ASSERT_TRUE(r.ok()) << r.error().what();
+    if (repeats(p, r->generated)) prompt = p, plain = r->generated;
+  }
+  ASSERT_FALSE(plain.empty()) << "no candidate prompt's greedy text repeats a token";
+  GenerateOptions o = greedy_options(prompt, 16);
+  o.eos_token_ids = std::vector<int32_t>{};
+  o.repetition_penalty = 1e9f;
+  auto penalized = run_generate(o, nullptr);
+  ASSERT_TRUE(penalized.ok());
+  ASSERT_EQ(penalized->generated.size(), 16u);
+  EXPECT_NE(plain, penalized->generated);
+  std::vector<int32_t> seen = prompt;
+  for (int32_t id : penalized->generated) {
+    EXPECT_EQ(std::find(seen.begin(), seen.end(), id), seen.end()) << "token " << id << " repeats";
+    seen.push_back(id);
+  }
+}
+
 TEST(Generate, BadOptionsAreErrors) {
   const auto fails_naming = [](const GenerateOptions& o, const std::string& what) {
     auto r = run_generate(o, nullptr);
@@ -125,6 +163,12 @@ TEST(Generate, BadOptionsAreErrors) {
   o = greedy_options({1, 2}, 2);
   o.top_p = 0.0f;
   fails_naming(o, "--top-p");
+  o = greedy_options({1, 2}, 2);
+  o.repetition_penalty = 0.0f;
+  fails_naming(o, "--repetition-penalty");
+  o = greedy_options({1, 2}, 2);
+  o.frequency_penalty = 2.5f;
+  fails_naming(o, "--frequency-penalty");
   o = greedy_options({1, 2}, 2);
   o.experts = "fp3";
   fails_naming(o, "--experts");
