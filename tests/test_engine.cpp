@@ -408,7 +408,11 @@ TEST(Engine, UpdateWeightsBetweenSteps) {
   }
   const std::vector<int32_t> want_altered = reference_ids_of(altered, probe, 12);
   EXPECT_NE(want_altered, ids_of(original));
-  EXPECT_EQ(ids_of(drain(*engine->submit(greedy(probe, 12)).stream)), want_altered);
+  // The probe's first block was cached with the old weights: it is computed again.
+  const RequestUpdate after = drain(*engine->submit(greedy(probe, 12)).stream);
+  EXPECT_EQ(ids_of(after), want_altered);
+  ASSERT_GE(probe.size(), 17u);
+  EXPECT_EQ(after.cached_tokens, 0);
 
   // Refused: the old (here: the altered) weights keep serving.
   const WeightUpdate missing = engine->update_weights("/nonexistent/moebius-checkpoint");
@@ -417,7 +421,9 @@ TEST(Engine, UpdateWeightsBetweenSteps) {
   const WeightUpdate shape = engine->update_weights(misshapen);
   EXPECT_EQ(shape.outcome, WeightUpdate::Outcome::kRefused);
   EXPECT_NE(shape.message.find("lm_head.weight"), std::string::npos) << shape.message;
-  EXPECT_EQ(ids_of(drain(*engine->submit(greedy(probe, 12)).stream)), want_altered);
+  const RequestUpdate again = drain(*engine->submit(greedy(probe, 12)).stream);
+  EXPECT_EQ(ids_of(again), want_altered);
+  EXPECT_EQ(again.cached_tokens, 16);  // cached under the altered weights, which still serve
 
   const WeightUpdate back = engine->update_weights(testing::tiny_fixture_dir());
   ASSERT_EQ(back.outcome, WeightUpdate::Outcome::kUpdated) << back.message;

@@ -460,13 +460,15 @@ TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
     EXPECT_TRUE(runner.ok()) << runner.error().what();
     if (!runner.ok()) return {};
     const std::vector<int32_t> a = {1, 2, 3, 4, 5}, b = {7, 8}, a1 = {9}, b1 = {10};
-    const std::vector<int32_t> table = {0, 1, 2, 3};
+    // Each sequence its own blocks: the single-process runner keeps the KV in the pool blocks the
+    // tables list (with --ep the tables are only accounting).
+    const std::vector<int32_t> ta = {0, 1}, tb = {2, 3};
     std::vector<float> all, logits;
-    RunnerSeq s0{1, a, 0, table, true}, s1{2, b, 0, table, true};
+    RunnerSeq s0{1, a, 0, ta, true}, s1{2, b, 0, tb, true};
     const RunnerSeq step1[] = {s0, s1};
     EXPECT_TRUE((*runner)->step(step1, logits).ok());
     all.insert(all.end(), logits.begin(), logits.end());
-    RunnerSeq d0{1, a1, 5, table, true}, d1{2, b1, 2, table, true};
+    RunnerSeq d0{1, a1, 5, ta, true}, d1{2, b1, 2, tb, true};
     const RunnerSeq step2[] = {d0, d1};
     EXPECT_TRUE((*runner)->step(step2, logits).ok());
     all.insert(all.end(), logits.begin(), logits.end());
@@ -503,7 +505,8 @@ TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
       EXPECT_EQ(logits.size(), want_rows * static_cast<size_t>((*runner)->config().vocab_size));
       all.insert(all.end(), logits.begin(), logits.end());
     };
-    const std::vector<int32_t> table = {0, 1, 2, 3, 4, 5, 6, 7};
+    // Sequence k's blocks: 2k and 2k + 1 (see StepsEqualTheSingleProcessRunner).
+    const std::vector<std::vector<int32_t>> tables = {{}, {2, 3}, {4, 5}, {6, 7}, {8, 9}};
     const std::vector<int32_t> p1 = {1, 2, 3, 4, 5}, p2 = {7, 8}, p3 = {3, 9, 27}, p4 = {11, 12, 13, 14};
     const std::vector<int32_t> t1 = {9}, t2 = {10}, t3 = {21}, t4 = {6}, c1 = {30, 31}, t5 = {40};
     // The live sequences per rank: least loaded first, so three sequences on two ranks are 2 + 1,
@@ -512,23 +515,23 @@ TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
       const std::vector<int> want = ep == 2 ? want_ep2 : ep == 4 ? want_ep4 : std::vector<int>{};
       EXPECT_EQ((*runner)->sequences_per_rank(), want) << "EP=" << ep;
     };
-    step({{1, p1, 0, table, true}, {2, p2, 0, table, true}, {3, p3, 0, table, true}}, 3);
+    step({{1, p1, 0, tables[1], true}, {2, p2, 0, tables[2], true}, {3, p3, 0, tables[3], true}}, 3);
     spread({2, 1}, {1, 1, 1, 0});
-    step({{1, t1, 5, table, true}, {2, t2, 2, table, true}, {3, t3, 3, table, true}}, 3);
+    step({{1, t1, 5, tables[1], true}, {2, t2, 2, tables[2], true}, {3, t3, 3, tables[3], true}}, 3);
     (*runner)->release(2);  // rank 1's
-    step({{4, p4, 0, table, true}, {1, t4, 6, table, true}, {3, t2, 4, table, false}}, 2);
+    step({{4, p4, 0, tables[4], true}, {1, t4, 6, tables[1], true}, {3, t2, 4, tables[3], false}}, 2);
     spread({2, 1}, {1, 1, 1, 0});  // 4 took the emptiest rank: 1 (EP 2), 1 (EP 4: ranks 1 and 3 tie at 0)
     // Sequence 3 preempted as the engine does it: released, then started over from its first
     // token; the release and the new work travel in one message, release first.
     (*runner)->release(3);
     const std::vector<int32_t> p3_again = {3, 9, 27, 21, 10};
-    step({{3, p3_again, 0, table, true}, {1, c1, 7, table, false}, {4, t5, 4, table, true}}, 2);
-    step({{4, t1, 5, table, true}, {3, t4, 5, table, true}, {1, t5, 9, table, true}}, 3);
-    step({{3, t3, 6, table, true}, {4, t4, 6, table, true}}, 2);
+    step({{3, p3_again, 0, tables[3], true}, {1, c1, 7, tables[1], false}, {4, t5, 4, tables[4], true}}, 2);
+    step({{4, t1, 5, tables[4], true}, {3, t4, 5, tables[3], true}, {1, t5, 9, tables[1], true}}, 3);
+    step({{3, t3, 6, tables[3], true}, {4, t4, 6, tables[4], true}}, 2);
     (*runner)->release(1);
     (*runner)->release(3);
     (*runner)->release(99);  // unknown: ignored
-    step({{4, t2, 7, table, true}}, 1);
+    step({{4, t2, 7, tables[4], true}}, 1);
     spread({0, 1}, {0, 1, 0, 0});
     return all;
   };
@@ -541,23 +544,23 @@ TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
 TEST(EpCpuRunner, ARefusedDataParallelStepLeavesTheRanksInStep) {
   auto runner = load_tiny_runner(2, 2, 16);
   ASSERT_TRUE(runner.ok()) << runner.error().what();
-  const std::vector<int32_t> table = {0, 1, 2, 3}, p = {1, 2, 3}, t = {4};
+  const std::vector<int32_t> t1 = {0, 1}, t2 = {2, 3}, p = {1, 2, 3}, t = {4};
   std::vector<float> logits;
-  const RunnerSeq first[] = {{1, p, 0, table, true}, {2, p, 0, table, true}};
+  const RunnerSeq first[] = {{1, p, 0, t1, true}, {2, p, 0, t2, true}};
   ASSERT_TRUE((*runner)->step(first, logits).ok());
   EXPECT_EQ((*runner)->sequences_per_rank(), (std::vector<int>{1, 1}));
   // Sequence 2 lives on rank 1: rank 0 only learns that rank 1 refused (its reason is logged).
-  const RunnerSeq wrong[] = {{1, t, 3, table, true}, {2, t, 7, table, true}};  // 2 is at 3, not 7
+  const RunnerSeq wrong[] = {{1, t, 3, t1, true}, {2, t, 7, t2, true}};  // 2 is at 3, not 7
   const Status st = (*runner)->step(wrong, logits);
   ASSERT_FALSE(st.ok());
   EXPECT_THAT(st.error().what(), ::testing::HasSubstr("rank(s) 1 could not run"));
   EXPECT_FALSE((*runner)->failed());
   // Rank 0's own refusal names the reason; nothing ran on either rank, so both continue.
-  const RunnerSeq wrong0[] = {{1, t, 5, table, true}, {2, t, 3, table, true}};  // 1 is at 3, not 5
+  const RunnerSeq wrong0[] = {{1, t, 5, t1, true}, {2, t, 3, t2, true}};  // 1 is at 3, not 5
   const Status st0 = (*runner)->step(wrong0, logits);
   ASSERT_FALSE(st0.ok());
   EXPECT_THAT(st0.error().what(), ::testing::HasSubstr("rank 0: sequence 1 is at 3 tokens"));
-  const RunnerSeq next[] = {{1, t, 3, table, true}, {2, t, 3, table, true}};
+  const RunnerSeq next[] = {{1, t, 3, t1, true}, {2, t, 3, t2, true}};
   const Status after = (*runner)->step(next, logits);
   ASSERT_TRUE(after.ok()) << after.error().what();
   EXPECT_EQ(logits.size(), 2 * static_cast<size_t>((*runner)->config().vocab_size));

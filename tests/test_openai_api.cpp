@@ -346,7 +346,9 @@ TEST(OpenAiApi, ResponseShapes) {
   EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["token"], "he");
   EXPECT_EQ(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"].size(), 2u);
   EXPECT_EQ(r["usage"]["total_tokens"], 5);
-  const json cr = json::parse(completion_response(m, c, Usage{3, 2}));
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json cr = json::parse(completion_response(m, c, Usage{3, 2, 1}));
+  EXPECT_EQ(cr["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
   EXPECT_EQ(cr["object"], "text_completion");
   EXPECT_EQ(cr["choices"][0]["text"], "hello");
   EXPECT_EQ(cr["choices"][0]["logprobs"]["tokens"][0], "he");

@@ -47,6 +47,7 @@ struct ServeOptions {
   size_t max_body_bytes = 4u << 20;
   int max_connections = 1024;
   bool no_autotune = false;
+  bool no_prefix_caching = false;
 };
 
 // tokenizer_config.json's eos_token ("<|im_end|>" or {"content": ...}) as an id, when there is one.
@@ -120,7 +121,13 @@ Status run(ServeOptions& o) {
   eo.eos_ids = gen.eos_token_ids;
   if (auto id = tokenizer_eos(o.tokenizer_dir, tok))
     if (std::find(eo.eos_ids.begin(), eo.eos_ids.end(), *id) == eo.eos_ids.end()) eo.eos_ids.push_back(*id);
+  eo.prefix_caching = !o.no_prefix_caching;
   server::Engine engine(std::move(runner), &tok, eo);
+  if (engine.prefix_caching())
+    log_info("prefix caching on: whole {}-token blocks of computed KV are reused across requests",
+             engine.limits().block_size);
+  else if (!o.no_prefix_caching)
+    log_info("prefix caching off: the data-parallel ranks keep their own caches (--ep on the cpu backend)");
 
   server::ApiServerOptions ao;
   ao.served_model_name = o.served_model_name;
@@ -217,6 +224,9 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-connections", o->max_connections, "open connections (503 past it)")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune,
                 "cuda: run the MoE kernels' heuristic configurations; no tuning, no tuning cache");
+  cmd->add_flag("--no-prefix-caching", o->no_prefix_caching,
+                "compute every prompt token; by default whole KV blocks of a prompt prefix another request "
+                "computed are reused");
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

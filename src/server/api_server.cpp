@@ -206,7 +206,7 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, int64_t, 
   c.want_logprobs = req.top_logprobs >= 0;
   c.logprobs = logprobs_text(u.tokens);
   c.finish_reason = u.finish_reason;
-  const Usage usage{u.prompt_tokens, u.completion_tokens};
+  const Usage usage{u.prompt_tokens, u.completion_tokens, u.cached_tokens};
   const ResponseMeta m = meta(endpoint);
   res.send(200, "application/json",
            endpoint == Endpoint::kChat ? chat_response(m, c, usage) : completion_response(m, c, usage));
@@ -223,7 +223,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
   // Chat streams open with the assistant role, as OpenAI's do.
   if (ok && endpoint == Endpoint::kChat) ok = res.write(chunk(ChoiceDelta{}, true));
   RequestUpdate u;
-  int64_t completion_tokens = 0;
+  int64_t completion_tokens = 0, cached_tokens = 0;
   while (ok) {
     RequestUpdate part;
     if (!s->take(&part, kPollSlice)) {
@@ -231,6 +231,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
       continue;
     }
     completion_tokens = part.completion_tokens;
+    cached_tokens = part.cached_tokens;
     if (!part.error.empty()) {
       ok = res.write(error_chunk(server_error(part.error)));
       break;
@@ -243,7 +244,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
     // A piece that is all held back (stop-string prefix, half a character) sends nothing yet.
     if (!d.text.empty() || !d.logprobs.empty() || part.finished) ok = res.write(chunk(d, false));
     if (part.finished) {
-      if (ok && usage) ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion_tokens}));
+      if (ok && usage) ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion_tokens, cached_tokens}));
       u.finished = true;
       break;
     }

@@ -27,6 +27,11 @@ struct Engine::Seq {
   int64_t prompt_len = 0;
   int64_t computed = 0;         // tokens[0, computed) are in the KV cache
   std::vector<int32_t> blocks;  // the block table
+  // [TAG_PREFIX_CACHE] blocks[0, chained) are published (or an equal block is), and `chain` is the
+  // prefix chain's hash after them; cached_tokens: the prefix cache's hit at first admission.
+  int64_t chained = 0;
+  uint64_t chain = 0;
+  int64_t cached_tokens = 0;
   std::optional<model::Sampler> sampler;
   std::optional<tokenizer::StreamingDecoder> decoder;
   StopMatcher stop;
@@ -65,6 +70,7 @@ bool RequestStream::take(RequestUpdate* out, std::chrono::milliseconds timeout) 
     out->error = pending_.error;
     out->prompt_tokens = pending_.prompt_tokens;
     out->completion_tokens = pending_.completion_tokens;
+    out->cached_tokens = pending_.cached_tokens;
   }
   return true;
 }
@@ -77,13 +83,15 @@ void RequestStream::cancel() {
 }
 
 void RequestStream::publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
-                            const std::string& error, int64_t prompt_tokens, int64_t completion_tokens) {
+                            const std::string& error, int64_t prompt_tokens, int64_t completion_tokens,
+                            int64_t cached_tokens) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     pending_.text += text;
     if (token != nullptr) pending_.tokens.push_back(std::move(*token));
     pending_.prompt_tokens = prompt_tokens;
     pending_.completion_tokens = completion_tokens;
+    pending_.cached_tokens = cached_tokens;
     if (finished) {
       pending_.finished = true;
       pending_.finish_reason = reason;
@@ -103,7 +111,8 @@ Engine::Engine(std::unique_ptr<StepRunner> runner, const tokenizer::BpeTokenizer
       options_(std::move(options)),
       wake_(std::make_shared<RequestStream::Wake>()) {
   const RunnerLimits& l = runner_->limits();
-  blocks_ = std::make_unique<model::BlockAllocator>(l.num_blocks);
+  prefix_caching_ = options_.prefix_caching && runner_->shares_kv_blocks();
+  blocks_ = std::make_unique<model::BlockAllocator>(l.num_blocks, prefix_caching_);
   max_context_ = std::min<int64_t>(l.max_context, int64_t{l.num_blocks} * l.block_size);
   metrics_.kv_blocks_total = l.num_blocks;
   thread_ = std::thread([this] { loop(); });
@@ -242,6 +251,10 @@ void Engine::commit_weights() {
   const auto t0 = Clock::now();
   runner_->commit_weights(*c->staged);
   c->staged.reset();  // the host copy (cuda) goes now, not when the caller wakes
+  // [TAG_PREFIX_CACHE] Cached KV was computed with the old weights: new sequences start new
+  // chains (running ones keep theirs, on the KV they have, as they keep their tokens).
+  ++weights_version_;
+  blocks_->clear_prefix_cache();
   const int64_t paused = static_cast<int64_t>(running_.size() + waiting_.size());
   ++metrics_.weight_updates_total;
   log_info("weights updated ({:.3f} s with the engine paused; requests in flight, which continue on them: {})",
@@ -267,12 +280,41 @@ void Engine::release_kv(Seq& seq) {
   if (!seq.blocks.empty()) blocks_->release(seq.blocks);
   runner_->release(seq.id);
   seq.computed = 0;
+  seq.chained = 0;
+}
+
+// [TAG_PREFIX_CACHE] A sequence about to be admitted with nothing in the cache: take the cached
+// blocks of its longest whole-block prefix, short of its last token (whose logits the step must
+// produce), and start computing after them.
+void Engine::start_from_prefix_cache(Seq& s) {
+  MOEBIUS_ASSERT(s.blocks.empty() && s.computed == 0, "sequence {} already holds KV", s.id);
+  s.chain = model::BlockAllocator::root_chain(weights_version_);
+  s.chained = 0;
+  if (!prefix_caching_) return;
+  const int bs = runner_->limits().block_size;
+  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
+  const model::BlockAllocator::PrefixMatch m = blocks_->match_prefix(s.chain, lookup, bs, s.blocks);
+  s.chain = m.chain;
+  s.chained = m.blocks;
+  s.computed = m.blocks * bs;
+}
+
+// [TAG_PREFIX_CACHE] After a step: publish the sequence's blocks that are now whole and computed.
+void Engine::publish_computed_blocks(Seq& s) {
+  if (!prefix_caching_) return;
+  const int bs = runner_->limits().block_size;
+  for (const int64_t whole = s.computed / bs; s.chained < whole; ++s.chained) {
+    const auto tokens = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.chained * bs),
+                                                                   static_cast<size_t>(bs));
+    s.chain = blocks_->publish(s.blocks[static_cast<size_t>(s.chained)], s.chain, tokens);
+  }
 }
 
 void Engine::update_gauges() {
   metrics_.running = static_cast<int64_t>(running_.size());
   metrics_.queue_depth = queued_.load();
-  metrics_.kv_blocks_used = blocks_->num_blocks() - blocks_->num_free();
+  metrics_.kv_blocks_used = blocks_->num_used();
+  metrics_.kv_blocks_cached = blocks_->num_cached();
   if (std::vector<int> dp = runner_->sequences_per_rank(); !dp.empty()) metrics_.set_dp_rank_sequences(std::move(dp));
 }
 
@@ -336,10 +378,19 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   while (!waiting_.empty() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
          static_cast<int>(running_.size()) < l.max_seqs) {
     Seq& s = *waiting_.front();
+    start_from_prefix_cache(s);
     const int64_t n = std::min(s.pending(), budget);
-    if (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) break;
+    if (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+      release_kv(s);  // the cached prefix it took, until it fits
+      break;
+    }
+    if (prefix_caching_) {
+      metrics_.prefix_cache_queries_total += static_cast<int64_t>(s.tokens.size());
+      metrics_.prefix_cache_hits_total += s.computed;
+    }
     if (!s.admitted_once) {
       s.admitted_once = true;
+      s.cached_tokens = s.computed;
       metrics_.prompt_tokens_total += s.prompt_len;
     }
     running_.push_back(std::move(waiting_.front()));
@@ -386,6 +437,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   for (size_t i = 0; i < batch.size(); ++i) {
     Seq& s = *batch[i];
     s.computed += chunk[i];
+    publish_computed_blocks(s);  // before on_token, which may finish s and release its blocks
     if (seqs[i].want_logits) on_token(s, logits_.data() + (row++) * V);
   }
 }
@@ -416,7 +468,7 @@ GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) 
 }  // namespace
 
 void Engine::emit(Seq& s, const std::string& text, GeneratedToken* token) {
-  s.stream->publish(text, token, false, "", "", s.prompt_len, s.generated);
+  s.stream->publish(text, token, false, "", "", s.prompt_len, s.generated, s.cached_tokens);
 }
 
 void Engine::on_token(Seq& s, const float* logits) {
@@ -463,7 +515,7 @@ void Engine::finish(Seq& s, const std::string& reason, const std::string& error)
   if (error.empty()) ++metrics_.requests_finished_total;
   else ++metrics_.requests_failed_total;
   metrics_.e2e.observe(std::chrono::duration<double>(Clock::now() - s.arrival).count());
-  s.stream->publish(tail, nullptr, true, why, error, s.prompt_len, s.generated);
+  s.stream->publish(tail, nullptr, true, why, error, s.prompt_len, s.generated, s.cached_tokens);
   release_kv(s);
   s.stream.reset();
 }

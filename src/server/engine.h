@@ -29,6 +29,20 @@
 //
 // Every request's prompt plus max_tokens must fit max_context(), which is at most the KV pool:
 // the oldest running sequence can then always grow, by preempting newer ones, and finish.
+//
+// Prefix caching [TAG_PREFIX_CACHE] (on unless EngineOptions::prefix_caching is false, and only on
+// runners whose block tables are their whole cache state): after every step a sequence publishes
+// its whole, computed KV blocks in the allocator (model/block_allocator.h) under the chain of
+// tokens that leads to them, prompt and generated tokens alike. A sequence being admitted with
+// nothing computed (new, or preempted) first takes the published blocks of its longest
+// whole-block prefix, short of its last token, and computes from there: a shared system prompt,
+// a next chat turn (the previous turn's prompt and answer) or a preempted sequence's own prefix is
+// not computed again. The tokens are the same as without the cache, because a token's KV does not
+// depend on what else shared its step (the CPU backend is bit-identical; the CUDA backend computes
+// a reused block's KV with the kernel of the step that made it, prefill or decode). Cached blocks
+// no table holds are evicted, least recently released first, only when the pool has no never-used
+// block left. A weight update starts new chains, so no KV of the old weights is matched again.
+// usage.prompt_tokens_details.cached_tokens reports the hit of the request's first admission.
 #pragma once
 
 #include <atomic>
@@ -76,6 +90,7 @@ struct RequestUpdate {
   std::string error;          // non-empty: the engine failed the request
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;  // prompt tokens found in the prefix cache at first admission
 };
 
 class RequestStream {
@@ -92,7 +107,7 @@ class RequestStream {
   struct Wake;
   RequestStream(std::shared_ptr<Wake> wake) : wake_(std::move(wake)) {}
   void publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
-               const std::string& error, int64_t prompt_tokens, int64_t completion_tokens);
+               const std::string& error, int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
 
   std::shared_ptr<Wake> wake_;  // the engine's condition, to wake it on cancel()
   std::mutex mu_;
@@ -105,6 +120,10 @@ class RequestStream {
 struct EngineOptions {
   int max_queue = 256;             // waiting requests before submit() refuses
   std::vector<int32_t> eos_ids;    // generation stops at these (unless ignore_eos)
+  // [TAG_PREFIX_CACHE] Reuse the KV of whole blocks of tokens other sequences computed (the
+  // allocator's prefix cache). Takes effect only where the runner's block tables are its whole
+  // cache state (StepRunner::shares_kv_blocks).
+  bool prefix_caching = true;
 };
 
 struct WeightUpdate {
@@ -146,6 +165,7 @@ class Engine {
   int vocab_size() const;
   const RunnerLimits& limits() const { return runner_->limits(); }
   const StepRunner& runner() const { return *runner_; }
+  bool prefix_caching() const { return prefix_caching_; }
   EngineMetrics& metrics() { return metrics_; }
   const EngineMetrics& metrics() const { return metrics_; }
 
@@ -163,6 +183,8 @@ class Engine {
   void finish(Seq& seq, const std::string& reason, const std::string& error);
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
   void release_kv(Seq& seq);
+  void start_from_prefix_cache(Seq& seq);
+  void publish_computed_blocks(Seq& seq);
   void update_gauges();
 
   std::unique_ptr<StepRunner> runner_;
@@ -185,6 +207,8 @@ class Engine {
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;  // admission order: oldest first
   std::unique_ptr<model::BlockAllocator> blocks_;
+  bool prefix_caching_ = false;
+  uint64_t weights_version_ = 0;  // the prefix chains' root (BlockAllocator::root_chain)
   std::vector<float> logits_;
   std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> rate_window_;
 

@@ -66,6 +66,13 @@ std::string EngineMetrics::render() const {
          double(requests_rejected_total.load()));
   metric(out, "preemptions_total", "counter", "Sequences preempted (KV freed, recomputed later).",
          double(preemptions_total.load()));
+  metric(out, "prefix_cache_queries_total", "counter",
+         "Tokens of admitted sequences looked up in the prefix cache (every admission, preempted ones again).",
+         double(prefix_cache_queries_total.load()));
+  metric(out, "prefix_cache_hits_total", "counter", "Of those, tokens whose KV was found cached and not computed.",
+         double(prefix_cache_hits_total.load()));
+  metric(out, "kv_blocks_cached", "gauge", "KV cache blocks published in the prefix cache (held or evictable).",
+         double(kv_blocks_cached.load()));
   metric(out, "engine_steps_total", "counter", "Forward steps run.", double(steps_total.load()));
   metric(out, "weight_updates_total", "counter", "Weight updates from disk that took effect.",
          double(weight_updates_total.load()));

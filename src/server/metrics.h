@@ -41,6 +41,11 @@ struct EngineMetrics {
   std::atomic<int64_t> preemptions_total{0};
   std::atomic<int64_t> steps_total{0};
   std::atomic<int64_t> weight_updates_total{0};     // POST /update_weights_from_disk that took effect
+  // Prefix caching ([TAG_PREFIX_CACHE]): tokens of admitted sequences looked up, and of those the
+  // tokens found cached (not computed); published blocks, held or not.
+  std::atomic<int64_t> prefix_cache_queries_total{0};
+  std::atomic<int64_t> prefix_cache_hits_total{0};
+  std::atomic<int64_t> kv_blocks_cached{0};
   // The dynamic expert cache (--expert-cache), copied from the runner after every step; rendered
   // only when expert_cache_on. Pairs are routed (token, expert) pairs summed over the MoE layers.
   std::atomic<bool> expert_cache_on{false};

@@ -114,6 +114,8 @@ std::string update_weights_error(const ApiError& error);
 struct Usage {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
+  // Prompt tokens whose KV the prefix cache held: OpenAI's usage.prompt_tokens_details.
+  int64_t cached_tokens = 0;
 };
 
 // One sampled token's logprob and its top alternatives (already decoded to text).

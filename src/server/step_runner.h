@@ -2,10 +2,10 @@
 // The scheduler (engine.h) owns the sequences and the KV block accounting (a BlockAllocator over
 // num_blocks() blocks of block_size() tokens); a runner only computes.
 //
-//   cpu:  Qwen3MoeCpu, one KvCache per sequence; a step is one forward_batch (dense ops and experts
-//         over every token of the step, attention per sequence). The block tables are only accounting here;
-//         release() frees the sequence's cache memory at once. A weight update swaps the model's
-//         weights for the staged model's.
+//   cpu:  Qwen3MoeCpu; a step is one forward_batch (dense ops and experts over every token of the
+//         step, attention per sequence) over one KV block pool viewed through the scheduler's block
+//         tables (--ep N: each rank keeps one KvCache per sequence, and the block tables are only
+//         accounting). A weight update swaps the model's weights for the staged model's.
 //   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block
 //         tables are the scheduler's ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the
 //         runner's CUDA graphs. A weight update copies the staged host weights into the device
@@ -62,6 +62,10 @@ class StepRunner {
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it
   // (cpu --ep: a follower rank drops it with the next step's message).
   virtual void release(int64_t id) = 0;
+  // True when a sequence's block table is its whole cache state (the KV lives in the pool blocks
+  // the table lists, and nothing else is kept per sequence), so sequences may share blocks: the
+  // engine's prefix cache ([TAG_PREFIX_CACHE]) is on only then.
+  virtual bool shares_kv_blocks() const { return false; }
   // True once the runner cannot run another step (cpu --ep: a step failed inside the ranks'
   // collectives, which may leave them out of step); the engine then stops and /health says so.
   virtual bool failed() const { return false; }

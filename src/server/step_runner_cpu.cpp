@@ -1,5 +1,10 @@
-// The CPU backend of StepRunner: Qwen3MoeCpu with one KvCache per sequence; a step is one
-// Qwen3MoeCpu::forward_batch over all its sequences.
+// The CPU backend of StepRunner: Qwen3MoeCpu; a step is one Qwen3MoeCpu::forward_batch over all
+// its sequences.
+//
+// One process: the KV cache is one model::KvBlockPool of the engine's block ids, and each step
+// views it through the sequences' block tables (model::KvCache's view), as the CUDA runner's paged
+// cache does. The block tables are then the whole cache state: the runner keeps nothing per
+// sequence, and blocks of a common prefix are shared ([TAG_PREFIX_CACHE]).
 //
 // `--ep N` ([TAG_SERVE_DP]): ranks 1..N-1 are threads with their own model (their E / N experts of
 // every MoE layer) and their own caches, and the runner is data-parallel over them: each step,
@@ -53,12 +58,25 @@ Status prepare_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const 
   return model.check_batch(batch);
 }
 
-// One forward_batch over `seqs`; `logits` gets the wanted rows in order (the single runner).
-Status run_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
-                     std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+// One forward_batch over `seqs`, each viewing `pool` through its block table; `logits` gets the
+// wanted rows in order (the single-process runner).
+Status run_pooled(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits,
+                  std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+  std::vector<model::KvCache> views;
+  views.reserve(seqs.size());  // BatchSeq keeps pointers into it
   std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
   size_t rows = 0;
-  MOEBIUS_TRY(prepare_sequences(model, caches, limits, seqs, batch, &rows));
+  for (const RunnerSeq& s : seqs) {
+    for (int32_t b : s.block_table)
+      if (b < 0 || b >= pool.num_blocks())
+        return Error::format("sequence {}'s block table lists block {}, the pool has {}", s.id, b, pool.num_blocks());
+    if (s.start < 0 || s.start > static_cast<int64_t>(s.block_table.size()) * pool.block_size())
+      return Error::format("sequence {} starts at {}, its block table covers {} tokens", s.id, s.start,
+                           s.block_table.size() * static_cast<size_t>(pool.block_size()));
+    views.emplace_back(pool, s.block_table, s.start, limits.max_context);
+    batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &views.back(), s.want_logits});
+    rows += s.want_logits ? 1 : 0;
+  }
   logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
   return model.forward_batch(batch, logits.data());
 }
@@ -124,7 +142,13 @@ class CpuRunner final : public StepRunner {
  public:
   CpuRunner(model::Qwen3MoeCpu model, RunnerLimits limits, std::unique_ptr<EpFollowers> ep = nullptr)
       : model_(std::move(model)), limits_(limits), ep_(std::move(ep)),
-        placement_(ep_ ? ep_->comm0->size() : 1), released_(static_cast<size_t>(placement_.ranks())) {}
+        placement_(ep_ ? ep_->comm0->size() : 1), released_(static_cast<size_t>(placement_.ranks())) {
+    if (!ep_) {
+      const model::Qwen3MoeConfig& c = model_.config();
+      pool_ = std::make_unique<model::KvBlockPool>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                                   limits_.block_size, limits_.num_blocks);
+    }
+  }
   ~CpuRunner() override {
     if (!ep_) return;
     if (broken_.ok()) {  // lets the follower ranks return (after a failure they already have)
@@ -150,7 +174,7 @@ class CpuRunner final : public StepRunner {
 
   // One forward_batch over every sequence of the step (bit-identical to running them one by one).
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    if (!ep_) return run_sequences(model_, caches_, limits_, seqs, logits);
+    if (!ep_) return run_pooled(model_, *pool_, limits_, seqs, logits);
     if (!broken_.ok()) return broken_;
     return dp_step(seqs, logits);
   }
@@ -163,11 +187,12 @@ class CpuRunner final : public StepRunner {
     return v;
   }
 
+  // One process: the block tables are the cache state. --ep: each rank keeps its sequences' own
+  // caches (the step message carries no block tables yet), so nothing can be shared.
+  bool shares_kv_blocks() const override { return !ep_; }
+
   void release(int64_t id) override {
-    if (!ep_) {
-      caches_.erase(id);
-      return;
-    }
+    if (!ep_) return;  // its blocks are the engine's
     const std::optional<int> r = placement_.release(id);
     if (!r) return;
     if (*r == 0) caches_.erase(id);
@@ -182,7 +207,7 @@ class CpuRunner final : public StepRunner {
     return std::unique_ptr<StagedWeights>(new Staged(std::move(next)));
   }
 
-  // The sequences' caches stay: same shape, and their rows (made with the old weights) are kept.
+  // The KV stays: same shape, and its rows (made with the old weights) are kept.
   void commit_weights(StagedWeights& staged) override {
     model_.commit_reload(std::move(static_cast<Staged&>(staged).model));
   }
@@ -241,7 +266,8 @@ class CpuRunner final : public StepRunner {
 
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
-  Caches caches_;  // rank 0's sequences
+  std::unique_ptr<model::KvBlockPool> pool_;  // one process
+  Caches caches_;  // --ep: rank 0's sequences
   std::unique_ptr<EpFollowers> ep_;
   DpPlacement placement_;
   std::vector<std::vector<int64_t>> released_;  // per rank: released since the last step

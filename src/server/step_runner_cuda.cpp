@@ -56,6 +56,7 @@ class CudaRunner final : public StepRunner {
   }
 
   void release(int64_t) override {}
+  bool shares_kv_blocks() const override { return true; }  // [TAG_PREFIX_CACHE]
 
   Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeStagedWeights> w, model_->stage_weights(dir));

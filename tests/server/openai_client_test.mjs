@@ -116,6 +116,16 @@ async function collectStream(stream) {
 // ---------------------------------------------------------------------------------------------
 
 const PROMPT = 'once upon a time there was';
+
+// Token counts equal; the second request of a pair may find the first one's prompt in the prefix
+// cache, so cached_tokens is only bounded.
+function assertSameUsage(a, b) {
+  for (const k of ['prompt_tokens', 'completion_tokens', 'total_tokens']) assert.equal(a[k], b[k], k);
+  for (const u of [a, b]) {
+    const c = u.prompt_tokens_details.cached_tokens;
+    assert.ok(Number.isInteger(c) && c >= 0 && c < u.prompt_tokens, `cached_tokens ${c}`);
+  }
+}
 const tests = [];
 const test = (name, fn) => tests.push({ name, fn });
 
@@ -138,7 +148,7 @@ test('completions: whole and streamed agree, usage', async ({ client }) => {
     model: MODEL, prompt: PROMPT, max_tokens: 16, temperature: 0, stream: true, stream_options: { include_usage: true } }));
   assert.equal(s.text, whole.choices[0].text);
   assert.equal(s.finish, whole.choices[0].finish_reason);
-  assert.deepEqual(s.usage, whole.usage);
+  assertSameUsage(s.usage, whole.usage);
 });
 
 test('chat: whole and streamed agree, usage', async ({ client }) => {
@@ -153,7 +163,7 @@ test('chat: whole and streamed agree, usage', async ({ client }) => {
   const s = await collectStream(await client.chat.completions.create({
     model: MODEL, messages, max_tokens: 12, temperature: 0, stream: true, stream_options: { include_usage: true } }));
   assert.equal(s.text, whole.choices[0].message.content);
-  assert.deepEqual(s.usage, whole.usage);
+  assertSameUsage(s.usage, whole.usage);
   // Without include_usage there is no usage chunk.
   const t = await collectStream(await client.chat.completions.create({ model: MODEL, messages, max_tokens: 4, stream: true }));
   assert.equal(t.usage, null);
@@ -209,6 +219,20 @@ test('penalties and logit_bias', async ({ url, client }) => {
   const r = await raw(url, '/v1/completions', JSON.stringify({ model: MODEL, prompt: 'a', logit_bias: { x: 1 } }));
   assert.equal(r.status, 400);
   assert.equal(r.json.error.param, 'logit_bias');
+});
+
+test('prefix caching: a repeated long prompt is served from the cache, with the same text', async ({ url, client }) => {
+  const long = Array.from({ length: 4 }, (_, i) => `line ${i}: the quick brown fox jumps over the lazy dog`).join('\n');
+  const base = { model: MODEL, prompt: long, max_tokens: 8, temperature: 0, ignore_eos: true };
+  const first = await client.completions.create(base);
+  const second = await client.completions.create(base);
+  assert.equal(second.choices[0].text, first.choices[0].text);
+  const cached = second.usage.prompt_tokens_details.cached_tokens;
+  assert.ok(cached >= 16 && cached % 16 === 0 && cached < second.usage.prompt_tokens,
+    `cached ${cached} of ${second.usage.prompt_tokens}`);
+  const m = await (await fetch(`${url}/metrics`)).text();
+  const hits = Number(/^moebius_prefix_cache_hits_total (\S+)$/m.exec(m)[1]);
+  assert.ok(hits >= cached, `hits ${hits}`);
 });
 
 test('bad requests get the right 4xx', async ({ url, client }) => {

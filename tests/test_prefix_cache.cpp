@@ -1,0 +1,401 @@
+// Prefix caching ([TAG_PREFIX_CACHE]): the block allocator's published blocks (match, publish,
+// eviction order, duplicates, weight versions), a random stress against a model of the blocks'
+// contents, the CPU KV cache's pool views, and the engine: requests that reuse cached blocks give
+// exactly the tokens of the one-sequence loop that computes everything, under eviction and
+// preemption too.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "model/block_allocator.h"
+#include "model/generate.h"
+#include "model/kv_cache.h"
+#include "server/engine.h"
+#include "test_util.h"
+#include "tiny_fixture.h"
+
+namespace moebius::model {
+namespace {
+
+std::vector<int32_t> iota_tokens(int n, int32_t first) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = first + i;
+  return v;
+}
+
+// Publishes the whole blocks of `table` holding tokens[0, computed).
+uint64_t publish_all(BlockAllocator& a, const std::vector<int32_t>& table, const std::vector<int32_t>& tokens,
+                     int64_t computed, int bs, uint64_t root) {
+  uint64_t chain = root;
+  for (int64_t b = 0; b < computed / bs; ++b)
+    chain = a.publish(table[static_cast<size_t>(b)], chain,
+                      std::span<const int32_t>(tokens).subspan(static_cast<size_t>(b * bs), static_cast<size_t>(bs)));
+  return chain;
+}
+
+TEST(PrefixCache, MatchesPublishedWholeBlocksOnly) {
+  constexpr int bs = 4;
+  BlockAllocator a(10, true);
+  const uint64_t root = BlockAllocator::root_chain(0);
+  const std::vector<int32_t> t = iota_tokens(14, 100);
+  std::vector<int32_t> ta;
+  ASSERT_TRUE(a.ensure(ta, 14, bs).ok());  // 4 blocks; the last holds 2 tokens
+  publish_all(a, ta, t, 14, bs, root);     // blocks 0-2
+  EXPECT_EQ(a.num_cached(), 3);
+  std::vector<int32_t> tb;
+  auto m = a.match_prefix(root, std::span<const int32_t>(t).first(11), bs, tb);
+  EXPECT_EQ(m.blocks, 2);  // 11 tokens hold 2 whole blocks
+  EXPECT_EQ(tb, (std::vector<int32_t>{ta[0], ta[1]}));
+  EXPECT_EQ(a.num_used(), 4);  // shared, not copied
+  a.release(tb);
+  m = a.match_prefix(root, t, bs, tb);
+  EXPECT_EQ(m.blocks, 3);
+  // The chain hash after the match is the one a continuation publishes under.
+  EXPECT_EQ(m.chain, publish_all(a, ta, t, 12, bs, root));
+  a.release(tb);
+  // A different token in block 1 stops the match after block 0; another weights version or
+  // another block size matches nothing.
+  std::vector<int32_t> u = t;
+  u[5] = 7;
+  EXPECT_EQ(a.match_prefix(root, u, bs, tb).blocks, 1);
+  a.release(tb);
+  EXPECT_EQ(a.match_prefix(BlockAllocator::root_chain(1), t, bs, tb).blocks, 0);
+  EXPECT_EQ(a.match_prefix(root, t, 2, tb).blocks, 0);
+  EXPECT_TRUE(tb.empty());
+  // Without prefix caching nothing is ever matched.
+  BlockAllocator off(10);
+  std::vector<int32_t> to;
+  ASSERT_TRUE(off.ensure(to, 12, bs).ok());
+  publish_all(off, to, t, 12, bs, root);
+  std::vector<int32_t> tm;
+  EXPECT_EQ(off.match_prefix(root, t, bs, tm).blocks, 0);
+  EXPECT_EQ(off.num_cached(), 0);
+}
+
+TEST(PrefixCache, ReleasedBlocksStayCachedUntilThePoolNeedsThem) {
+  constexpr int bs = 2;
+  BlockAllocator a(6, true);
+  const uint64_t root = BlockAllocator::root_chain(0);
+  const std::vector<int32_t> t = iota_tokens(8, 1);
+  std::vector<int32_t> ta;
+  ASSERT_TRUE(a.ensure(ta, 8, bs).ok());  // blocks 0-3
+  publish_all(a, ta, t, 8, bs, root);
+  a.release(ta);
+  EXPECT_EQ(a.num_free(), 6);  // cached blocks count as free
+  EXPECT_EQ(a.num_used(), 0);
+  EXPECT_EQ(a.num_cached(), 4);
+  // Fresh blocks come from the never-used ones first: the cache survives.
+  std::vector<int32_t> other;
+  ASSERT_TRUE(a.ensure(other, 4, bs).ok());
+  EXPECT_EQ(other, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(a.num_cached(), 4);
+  // Then the least recently released, deepest first: block 3 (tokens 7, 8), then 2.
+  ASSERT_TRUE(a.ensure(other, 8, bs).ok());
+  EXPECT_EQ(other, (std::vector<int32_t>{4, 5, 3, 2}));
+  EXPECT_EQ(a.num_cached(), 2);
+  std::vector<int32_t> tb;
+  EXPECT_EQ(a.match_prefix(root, t, bs, tb).blocks, 2);
+  EXPECT_EQ(tb, (std::vector<int32_t>{0, 1}));
+  // Held blocks are never evicted: the pool is now full.
+  EXPECT_EQ(a.num_free(), 0);
+  EXPECT_FALSE(a.ensure(other, 10, bs).ok());
+  EXPECT_EQ(a.num_cached(), 2);
+  a.release(other);
+  a.release(tb);
+  // Weights changed: nothing matches, and every block is plainly free.
+  a.clear_prefix_cache();
+  EXPECT_EQ(a.num_cached(), 0);
+  EXPECT_EQ(a.num_free(), 6);
+  EXPECT_EQ(a.match_prefix(root, t, bs, tb).blocks, 0);
+  ASSERT_TRUE(a.ensure(tb, 12, bs).ok());
+  EXPECT_EQ(tb, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));  // lowest ids first, as new
+}
+
+TEST(PrefixCache, AnEqualBlockPublishedTwiceKeepsTheFirst) {
+  constexpr int bs = 4;
+  BlockAllocator a(8, true);
+  const uint64_t root = BlockAllocator::root_chain(0);
+  const std::vector<int32_t> t = iota_tokens(8, 50);
+  std::vector<int32_t> ta, tb;
+  ASSERT_TRUE(a.ensure(ta, 8, bs).ok());
+  ASSERT_TRUE(a.ensure(tb, 8, bs).ok());  // computed the same prompt in the same step
+  const uint64_t ha = publish_all(a, ta, t, 8, bs, root), hb = publish_all(a, tb, t, 8, bs, root);
+  EXPECT_EQ(ha, hb);
+  EXPECT_EQ(a.num_cached(), 2);
+  a.release(tb);  // its duplicates are plain free blocks
+  EXPECT_EQ(a.num_cached(), 2);
+  std::vector<int32_t> tc;
+  EXPECT_EQ(a.match_prefix(root, t, bs, tc).blocks, 2);
+  EXPECT_EQ(tc, ta);
+}
+
+// Random admissions, publishes and releases over prompts that share prefixes, with a model of
+// what each block holds: whatever match_prefix hands out must hold exactly the tokens asked for,
+// and the counts must always add up.
+TEST(PrefixCache, RandomStressNeverHandsOutWrongBlocks) {
+  constexpr int bs = 4, kBlocks = 40;
+  std::mt19937 rng(12345);
+  BlockAllocator a(kBlocks, true);
+  std::vector<std::vector<int32_t>> content(kBlocks);  // the tokens written to each block
+  struct Live {
+    std::vector<int32_t> tokens, table;
+    int64_t computed = 0;
+    uint64_t chain = 0;
+    int64_t chained = 0;
+  };
+  std::vector<Live> live;
+  uint64_t version = 0;
+  const std::vector<std::vector<int32_t>> stems = {iota_tokens(24, 0), iota_tokens(24, 1000), iota_tokens(9, 0)};
+  int64_t hits = 0;
+  for (int op = 0; op < 20000; ++op) {
+    const int kind = static_cast<int>(rng() % 10);
+    if (kind < 4 && live.size() < 8) {  // admit: a stem, maybe cut, plus a random tail
+      Live s;
+      const auto& stem = stems[rng() % stems.size()];
+      s.tokens.assign(stem.begin(), stem.begin() + static_cast<std::ptrdiff_t>(rng() % (stem.size() + 1)));
+      for (int i = 0, n = static_cast<int>(rng() % 10) + 1; i < n; ++i) s.tokens.push_back(static_cast<int32_t>(rng() % 3));
+      const uint64_t root = BlockAllocator::root_chain(version);
+      const auto m = a.match_prefix(root, std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1), bs, s.table);
+      for (int64_t b = 0; b < m.blocks; ++b) {
+        const auto want = std::vector<int32_t>(s.tokens.begin() + b * bs, s.tokens.begin() + (b + 1) * bs);
+        ASSERT_EQ(content[static_cast<size_t>(s.table[static_cast<size_t>(b)])], want) << "op " << op;
+      }
+      hits += m.blocks;
+      s.computed = m.blocks * bs;
+      s.chain = m.chain;
+      s.chained = m.blocks;
+      if (!a.ensure(s.table, static_cast<int64_t>(s.tokens.size()), bs).ok()) {
+        a.release(s.table);
+        continue;
+      }
+      live.push_back(std::move(s));
+    } else if (kind < 8 && !live.empty()) {  // compute some tokens of one, write them, publish
+      Live& s = live[rng() % live.size()];
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(rng() % 7) + 1,
+                                          static_cast<int64_t>(s.tokens.size()) - s.computed);
+      for (int64_t p = s.computed; p < s.computed + n; ++p) {
+        auto& c = content[static_cast<size_t>(s.table[static_cast<size_t>(p / bs)])];
+        if (p % bs == 0) c.clear();
+        ASSERT_EQ(static_cast<int64_t>(c.size()), p % bs);
+        c.push_back(s.tokens[static_cast<size_t>(p)]);
+      }
+      s.computed += n;
+      for (; s.chained < s.computed / bs; ++s.chained)
+        s.chain = a.publish(s.table[static_cast<size_t>(s.chained)], s.chain,
+                            std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.chained * bs), bs));
+    } else if (kind < 9 && !live.empty()) {  // finish (or preempt) one
+      const size_t i = rng() % live.size();
+      a.release(live[i].table);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (op % 997 == 0) {  // weights update
+      ++version;
+      a.clear_prefix_cache();
+    }
+    int32_t held = 0;
+    std::set<int32_t> distinct;
+    for (const Live& s : live)
+      for (int32_t b : s.table) distinct.insert(b);
+    held = static_cast<int32_t>(distinct.size());
+    ASSERT_EQ(a.num_used(), held) << "op " << op;
+    ASSERT_EQ(a.num_free() + a.num_used(), kBlocks);
+    ASSERT_LE(a.num_cached(), kBlocks);
+  }
+  EXPECT_GT(hits, 1000) << "the stress never exercised a cache hit";
+}
+
+TEST(KvCacheView, ViewsShareThePoolsBlocks) {
+  KvBlockPool pool(2, 1, 4, 2, 6);  // L=2, nkv=1, hd=4, 2 tokens per block, 6 blocks
+  const std::vector<int32_t> ta = {3, 1}, tb = {3, 5};  // block 3 shared
+  KvCache a(pool, ta, 0, 100);
+  EXPECT_EQ(a.max_tokens(), 4);  // capped by its table
+  ASSERT_TRUE(a.reserve(3).ok());
+  EXPECT_EQ(pool.allocated(), 2);
+  for (int64_t p = 0; p < 3; ++p) a.key(1, p)[0] = static_cast<float>(10 + p);
+  a.advance(3);
+  EXPECT_FALSE(a.reserve(5).ok());  // past its table
+  KvCache b(pool, tb, 2, 100);      // continues after the shared block
+  ASSERT_TRUE(b.reserve(4).ok());
+  EXPECT_EQ(b.key(1, 0)[0], 10.0f);
+  EXPECT_EQ(b.key(1, 1)[0], 11.0f);
+  b.key(1, 2)[0] = 99.0f;  // its own block 5
+  EXPECT_EQ(a.key(1, 2)[0], 12.0f);
+  b.clear();  // only the position: the pool keeps the rows
+  EXPECT_EQ(b.position(), 0);
+  EXPECT_EQ(a.key(1, 0)[0], 10.0f);
+}
+
+}  // namespace
+}  // namespace moebius::model
+
+namespace moebius::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+const tokenizer::BpeTokenizer& tokenizer_for_tests() {
+  static tokenizer::BpeTokenizer* tok = [] {
+    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
+    EXPECT_TRUE(t.ok()) << t.error().what();
+    return new tokenizer::BpeTokenizer(std::move(t).value());
+  }();
+  return *tok;
+}
+
+// What the one-sequence loop generates (greedy, no eos), computing every token.
+std::vector<int32_t> reference(const std::vector<int32_t>& prompt, int max_tokens) {
+  static model::Qwen3MoeCpu* m = [] {
+    auto r = model::Qwen3MoeCpu::load(testing::tiny_fixture_dir());
+    EXPECT_TRUE(r.ok()) << r.error().what();
+    return new model::Qwen3MoeCpu(std::move(r).value());
+  }();
+  auto sampler = model::Sampler::create(model::SamplerParams{.temperature = 0.0f});
+  auto stats = model::generate(*m, prompt, max_tokens, *sampler, {}, nullptr);
+  EXPECT_TRUE(stats.ok()) << stats.error().what();
+  return stats->generated;
+}
+
+std::unique_ptr<Engine> engine(int max_seqs, int max_step_tokens, int32_t num_blocks, bool prefix_caching = true) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = max_seqs;
+  o.max_step_tokens = max_step_tokens;
+  o.num_blocks = num_blocks;
+  o.block_size = 16;
+  auto runner = load_runner(o);
+  EXPECT_TRUE(runner.ok()) << runner.error().what();
+  EngineOptions eo;
+  eo.prefix_caching = prefix_caching;
+  return std::make_unique<Engine>(std::move(runner).value(), &tokenizer_for_tests(), eo);
+}
+
+struct Done {
+  std::vector<int32_t> ids;
+  int64_t cached = 0;
+  std::string error;
+};
+
+std::shared_ptr<RequestStream> submit(Engine& e, const std::vector<int32_t>& prompt, int max_tokens) {
+  EngineRequest r;
+  r.prompt = prompt;
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0.0f;
+  r.top_logprobs = 0;
+  Submitted s = e.submit(r);
+  EXPECT_TRUE(s.stream) << s.error;
+  return s.stream;
+}
+
+Done drain(RequestStream& s) {
+  RequestUpdate u;
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  while (!u.finished && std::chrono::steady_clock::now() < deadline) s.take(&u, 100ms);
+  EXPECT_TRUE(u.finished);
+  Done d;
+  for (const GeneratedToken& t : u.tokens) d.ids.push_back(t.id);
+  d.cached = u.cached_tokens;
+  d.error = u.error;
+  return d;
+}
+
+Done run(Engine& e, const std::vector<int32_t>& prompt, int max_tokens) {
+  return drain(*submit(e, prompt, max_tokens));
+}
+
+// The gauges are refreshed on the engine's next iteration after the last request ends.
+void wait_until_no_kv_in_use(Engine& e) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (e.metrics().kv_blocks_used.load() > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(e.metrics().kv_blocks_used.load(), 0);
+}
+
+std::vector<int32_t> tokens_from(int n, int seed) {
+  std::vector<int32_t> v;
+  for (int i = 0; i < n; ++i) v.push_back((seed * 37 + i * 11) % 500 + 3);
+  return v;
+}
+
+std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(EnginePrefixCache, ASharedPromptIsReusedAndGivesTheSameTokens) {
+  auto e = engine(4, 64, 64);
+  ASSERT_TRUE(e->prefix_caching());
+  const std::vector<int32_t> system = tokens_from(40, 1);  // 2 whole blocks of 16, and 8 more
+  const auto p1 = concat(system, tokens_from(5, 2)), p2 = concat(system, tokens_from(9, 3));
+  const Done a = run(*e, p1, 6);
+  EXPECT_EQ(a.error, "");
+  EXPECT_EQ(a.cached, 0);
+  EXPECT_EQ(a.ids, reference(p1, 6));
+  const Done b = run(*e, p2, 6);
+  EXPECT_EQ(b.cached, 32);  // blocks 0 and 1; block 2 differs (tokens 40.. differ)
+  EXPECT_EQ(b.ids, reference(p2, 6));
+  // The same prompt again: every whole block but the one holding the last token.
+  const Done c = run(*e, p1, 6);
+  EXPECT_EQ(c.cached, 32);
+  EXPECT_EQ(c.ids, a.ids);
+  const auto p3 = tokens_from(48, 1);  // exactly 3 blocks, the first two the system prompt's
+  const Done d = run(*e, p3, 4);
+  EXPECT_EQ(d.cached, 32);  // block 2 holds the last token: computed again
+  EXPECT_EQ(d.ids, reference(p3, 4));
+  EXPECT_EQ(e->metrics().prefix_cache_hits_total.load(), 96);
+  wait_until_no_kv_in_use(*e);  // cached blocks are not in use
+  EXPECT_GT(e->metrics().kv_blocks_cached.load(), 0);
+}
+
+// A second turn: the prompt is the first turn's prompt and answer plus more. The answer's KV was
+// computed in decode steps (all but the last token, which was never fed back) and is reused.
+TEST(EnginePrefixCache, TheNextTurnReusesTheAnswer) {
+  auto e = engine(2, 64, 32);
+  const auto p1 = tokens_from(20, 4);
+  const Done a = run(*e, p1, 20);
+  ASSERT_EQ(a.ids.size(), 20u);
+  const auto p2 = concat(concat(p1, a.ids), tokens_from(7, 5));  // 47 tokens
+  const Done b = run(*e, p2, 5);
+  EXPECT_EQ(b.cached, 32);  // tokens [0, 39) were computed: blocks 0 and 1
+  EXPECT_EQ(b.ids, reference(p2, 5));
+}
+
+TEST(EnginePrefixCache, OffComputesEverything) {
+  auto e = engine(2, 64, 32, false);
+  EXPECT_FALSE(e->prefix_caching());
+  const auto p = tokens_from(40, 6);
+  run(*e, p, 3);
+  const Done b = run(*e, p, 3);
+  EXPECT_EQ(b.cached, 0);
+  EXPECT_EQ(e->metrics().prefix_cache_hits_total.load(), 0);
+  EXPECT_EQ(e->metrics().kv_blocks_cached.load(), 0);
+}
+
+// Many concurrent requests over a few shared prefixes in a pool too small for them all: cached
+// blocks are evicted, sequences are preempted and recomputed (finding their own blocks again),
+// and every request still gets exactly the one-sequence loop's tokens.
+TEST(EnginePrefixCache, UnderEvictionAndPreemptionEveryRequestMatchesTheReference) {
+  auto e = engine(4, 24, 10);  // 10 blocks of 16 tokens; 24 tokens a step (chunked prefill)
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 12; ++i) {
+    const auto stem = tokens_from(16 + 16 * (i % 3), 10 + i % 3);
+    prompts.push_back(concat(stem, tokens_from(3 + i, 20 + i)));
+  }
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& p : prompts) streams.push_back(submit(*e, p, 24));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Done d = drain(*streams[i]);
+    EXPECT_EQ(d.error, "") << "request " << i;
+    EXPECT_EQ(d.ids, reference(prompts[i], 24)) << "request " << i;
+  }
+  EXPECT_GT(e->metrics().prefix_cache_hits_total.load(), 0);
+  EXPECT_GT(e->metrics().preemptions_total.load(), 0) << "the pool never ran short: the test would not see eviction";
+  wait_until_no_kv_in_use(*e);
+}
+
+}  // namespace
+}  // namespace moebius::server
