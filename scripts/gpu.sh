@@ -308,7 +308,10 @@ if [ "${MOEBIUS_OFFLOAD_CACHE:-0}" = 1 ]; then
 fi
 
 # moebius serve with the CUDA backend on the tiny fixture: start it, one completion and one
-# streamed chat request through the real HTTP server, then /metrics must show no KV in use.
+# streamed chat request through the real HTTP server, a long prompt twice (the second must start
+# from the prefix cache, [TAG_PREFIX_CACHE]; whether the greedy texts agree is printed: the reused
+# KV came from a prefill of another token count, so the CUDA GEMMs may round differently), then
+# /metrics must show no KV in use.
 serve_tiny_cuda() {
   local port=18123 log="$OUT/serve-tiny-cuda.server.log"
   "$BUILD/moebius" serve --model tests/data/tiny-qwen3-moe --tokenizer tests/data/tiny-serve --backend cuda \
@@ -319,7 +322,20 @@ serve_tiny_cuda() {
     -d '{"model":"tiny-qwen3-moe","prompt":"hello","max_tokens":8,"temperature":0}' && echo &&
   curl -sfN "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
     -d '{"model":"tiny-qwen3-moe","messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true}' &&
-  curl -sf "http://127.0.0.1:$port/metrics" | grep -i kv
+  local long='{"model":"tiny-qwen3-moe","prompt":"line 0: the quick brown fox jumps over the lazy dog, line 1: the quick brown fox jumps over the lazy dog, line 2: the quick brown fox jumps over the lazy dog","max_tokens":8,"temperature":0,"ignore_eos":true}' &&
+  local first second &&
+  first=$(curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' -d "$long") &&
+  second=$(curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' -d "$long") &&
+  python3 - "$first" "$second" <<'PY' &&
+import json, sys
+a, b = (json.loads(x) for x in sys.argv[1:])
+cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+same = a["choices"][0]["text"] == b["choices"][0]["text"]
+print(f"prefix cache: the second request found {cached} of {b['usage']['prompt_tokens']} prompt tokens cached; "
+      f"greedy texts {'agree' if same else 'DIFFER'}")
+sys.exit(0 if cached >= 16 else 1)
+PY
+  curl -sf "http://127.0.0.1:$port/metrics" | grep -i -E "kv|prefix"
   local rc=$?
   kill $pid; wait $pid
   cat "$log"
