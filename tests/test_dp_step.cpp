@@ -1,6 +1,6 @@
 // [TAG_SERVE_DP] The data-parallel step protocol of `serve --ep N` (server/dp_step.h): the message
 // wire format (round trips; every truncation and corruption refused, never read past the end),
-// the two collectives over in-process ranks, and the sticky least-loaded placement.
+// and the two collectives over in-process ranks. (Placement is the engine's: test_engine.cpp.)
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,22 +15,21 @@ namespace {
 
 DpStepMessage sample_message() {
   DpStepMessage m;
-  m.release = {7, -3, int64_t{1} << 40};
-  m.seqs.push_back(DpSeq{11, 0, true, {1, 2, 3, 4, 5}});
-  m.seqs.push_back(DpSeq{12, 37, false, {151643}});
-  m.seqs.push_back(DpSeq{-5, 9, true, {0}});
+  m.seqs.push_back(DpSeq{11, 0, true, {1, 2, 3, 4, 5}, {3, 9}});
+  m.seqs.push_back(DpSeq{12, 37, false, {151643}, {0, 1, 2}});
+  m.seqs.push_back(DpSeq{-5, 9, true, {0}, {1 << 30}});
   return m;
 }
 
 void expect_same(const DpStepMessage& a, const DpStepMessage& b) {
   EXPECT_EQ(a.stop, b.stop);
-  EXPECT_EQ(a.release, b.release);
   ASSERT_EQ(a.seqs.size(), b.seqs.size());
   for (size_t i = 0; i < a.seqs.size(); ++i) {
     EXPECT_EQ(a.seqs[i].id, b.seqs[i].id);
     EXPECT_EQ(a.seqs[i].start, b.seqs[i].start);
     EXPECT_EQ(a.seqs[i].want_logits, b.seqs[i].want_logits);
     EXPECT_EQ(a.seqs[i].tokens, b.seqs[i].tokens);
+    EXPECT_EQ(a.seqs[i].block_table, b.seqs[i].block_table);
   }
 }
 
@@ -70,14 +69,18 @@ TEST(DpStepMessage, RefusesCorruptFields) {
   const uint32_t zero = 0;
   EXPECT_THAT(with(0, &huge, 4).error().what(), ::testing::HasSubstr("magic"));
   EXPECT_THAT(with(4, &two, 1).error().what(), ::testing::HasSubstr("stop flag"));
-  EXPECT_THAT(with(5, &huge, 4).error().what(), ::testing::HasSubstr("release count"));  // never allocated
-  const size_t seqs_at = 5 + 4 + 3 * 8;
-  EXPECT_THAT(with(seqs_at, &huge, 4).error().what(), ::testing::HasSubstr("sequence count"));
-  const size_t seq0 = seqs_at + 4;  // id, start, want, count
+  const size_t seqs_at = 5;
+  EXPECT_THAT(with(seqs_at, &huge, 4).error().what(), ::testing::HasSubstr("sequence count"));  // never allocated
+  const size_t seq0 = seqs_at + 4;  // id, start, want, token count, 5 tokens, block count, 2 blocks
   EXPECT_THAT(with(seq0 + 8, &negative, 8).error().what(), ::testing::HasSubstr("starts at -1"));
   EXPECT_FALSE(with(seq0 + 16, &two, 1).ok());
   EXPECT_THAT(with(seq0 + 17, &zero, 4).error().what(), ::testing::HasSubstr("token count"));
   EXPECT_THAT(with(seq0 + 17, &huge, 4).error().what(), ::testing::HasSubstr("token count"));
+  const size_t blocks0 = seq0 + 21 + 5 * 4;
+  EXPECT_THAT(with(blocks0, &zero, 4).error().what(), ::testing::HasSubstr("block count"));
+  EXPECT_THAT(with(blocks0, &huge, 4).error().what(), ::testing::HasSubstr("block count"));
+  const int32_t bad_block = -2;
+  EXPECT_THAT(with(blocks0 + 4, &bad_block, 4).error().what(), ::testing::HasSubstr("block -2"));
   // A stop flag on a message that carries work.
   std::vector<uint8_t> b = good;
   b[4] = 1;
@@ -116,8 +119,7 @@ TEST(DpStepExchange, RankZeroReachesEveryRankAndGathersTheirRows) {
       if (c.rank() == 0)
         for (int r = 0; r < N; ++r) {
           DpStepMessage m;
-          for (int s = 0; s < r; ++s) m.seqs.push_back(DpSeq{100 * r + s, s, s % 2 == 0, {r, s}});
-          if (r == 1) m.release = {42};
+          for (int s = 0; s < r; ++s) m.seqs.push_back(DpSeq{100 * r + s, s, s % 2 == 0, {r, s}, {s, 42}});
           out.push_back(m);
         }
       MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(c, out));
@@ -142,10 +144,10 @@ TEST(DpStepExchange, RankZeroReachesEveryRankAndGathersTheirRows) {
     for (auto& s : st) ASSERT_TRUE(s.ok()) << s.error().what();
     for (int r = 0; r < N; ++r) {
       ASSERT_EQ(got[static_cast<size_t>(r)].seqs.size(), static_cast<size_t>(r)) << "N=" << N;
-      for (int s = 0; s < r; ++s) EXPECT_EQ(got[static_cast<size_t>(r)].seqs[static_cast<size_t>(s)].tokens, (std::vector<int32_t>{r, s}));
-    }
-    if (N > 1) {
-      EXPECT_EQ(got[1].release, std::vector<int64_t>{42});
+      for (int s = 0; s < r; ++s) {
+        EXPECT_EQ(got[static_cast<size_t>(r)].seqs[static_cast<size_t>(s)].tokens, (std::vector<int32_t>{r, s}));
+        EXPECT_EQ(got[static_cast<size_t>(r)].seqs[static_cast<size_t>(s)].block_table, (std::vector<int32_t>{s, 42}));
+      }
     }
     std::vector<float> want;
     for (int r = 1; r < N; ++r)
@@ -166,34 +168,6 @@ TEST(DpStepExchange, MismatchedCallsAreErrorsNotHangs) {
   });
   EXPECT_FALSE(st[0].ok());
   EXPECT_FALSE(st[1].ok());
-}
-
-TEST(DpPlacement, StickyLeastLoadedAndBalancedUnderChurn) {
-  DpPlacement p(3);
-  EXPECT_EQ(p.place(10), 0);
-  EXPECT_EQ(p.place(11), 1);
-  EXPECT_EQ(p.place(12), 2);
-  EXPECT_EQ(p.place(13), 0);
-  EXPECT_EQ(p.place(11), 1);  // sticky
-  EXPECT_EQ(p.release(11), 1);
-  EXPECT_EQ(p.release(11), std::nullopt);
-  EXPECT_EQ(p.place(14), 1);  // the emptied rank first
-  EXPECT_EQ(p.live(0), 2);
-  // Churn: with at most 3 x 4 live sequences, no rank ever holds more than 4.
-  std::mt19937 rng(3);
-  std::vector<int64_t> live = {10, 12, 13, 14};
-  int64_t next = 100;
-  for (int i = 0; i < 5000; ++i) {
-    if (live.size() < 12 && (live.empty() || rng() % 2 == 0)) {
-      p.place(next);
-      live.push_back(next++);
-    } else {
-      const size_t k = rng() % live.size();
-      ASSERT_TRUE(p.release(live[k]).has_value());
-      live.erase(live.begin() + static_cast<ptrdiff_t>(k));
-    }
-    for (int r = 0; r < 3; ++r) ASSERT_LE(p.live(r), 4) << "step " << i;
-  }
 }
 
 }  // namespace

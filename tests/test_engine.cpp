@@ -190,6 +190,7 @@ class FailingRunner final : public StepRunner {
     return inner_->step(seqs, logits);
   }
   void release(int64_t id) override { inner_->release(id); }
+  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
   bool failed() const override { return broken_; }
   Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
     return inner_->stage_weights(dir);

@@ -487,17 +487,18 @@ TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
   EXPECT_THAT(r.error().what(), ::testing::HasSubstr("num_experts"));
 }
 
-// [TAG_SERVE_DP] `serve --ep N` is data parallel: the runner spreads the sequences over the ranks
-// (each keeps its own caches) and collects their logits in the step's order. A script of steps
-// with prefills, decodes, a chunk without logits, a released sequence, a new one taking its place
-// and a preempted one starting over gives logits bit-identical to `--ep 1`; the engine may run N
-// times as many sequences a step.
+// [TAG_SERVE_DP] `serve --ep N` is data parallel: the runner sends each sequence to the rank of its
+// pool (each rank runs over its own KV pool) and collects their logits in the step's order. A
+// script of steps with prefills, decodes, a chunk without logits, a new sequence and a preempted
+// one starting over gives logits bit-identical to `--ep 1`; the engine may run N times as many
+// sequences a step. (Placement is the engine's: test_engine.cpp.)
 TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
   auto run = [](int ep) -> std::vector<float> {
     auto runner = load_tiny_runner(ep, 4, 64);
     EXPECT_TRUE(runner.ok()) << runner.error().what();
     if (!runner.ok()) return {};
     EXPECT_EQ((*runner)->limits().max_seqs, 4 * ep);
+    EXPECT_EQ((*runner)->limits().kv_pools, ep);
     std::vector<float> all, logits;
     auto step = [&](std::vector<RunnerSeq> seqs, size_t want_rows) {
       const Status st = (*runner)->step(seqs, logits);
@@ -505,62 +506,56 @@ TEST(EpCpuRunner, DataParallelStepsEqualTheSingleProcessRunner) {
       EXPECT_EQ(logits.size(), want_rows * static_cast<size_t>((*runner)->config().vocab_size));
       all.insert(all.end(), logits.begin(), logits.end());
     };
-    // Sequence k's blocks: 2k and 2k + 1 (see StepsEqualTheSingleProcessRunner).
+    // Sequence k's blocks: 2k and 2k + 1 of its pool, which the engine would choose; here k - 1
+    // modulo the ranks, so with EP 4 sequence 4 has rank 3 to itself and ranks share no sequence.
     const std::vector<std::vector<int32_t>> tables = {{}, {2, 3}, {4, 5}, {6, 7}, {8, 9}};
+    auto pool = [&](int k) { return (k - 1) % ep; };
     const std::vector<int32_t> p1 = {1, 2, 3, 4, 5}, p2 = {7, 8}, p3 = {3, 9, 27}, p4 = {11, 12, 13, 14};
     const std::vector<int32_t> t1 = {9}, t2 = {10}, t3 = {21}, t4 = {6}, c1 = {30, 31}, t5 = {40};
-    // The live sequences per rank: least loaded first, so three sequences on two ranks are 2 + 1,
-    // on four ranks one each on ranks 0-2.
-    auto spread = [&](std::vector<int> want_ep2, std::vector<int> want_ep4) {
-      const std::vector<int> want = ep == 2 ? want_ep2 : ep == 4 ? want_ep4 : std::vector<int>{};
-      EXPECT_EQ((*runner)->sequences_per_rank(), want) << "EP=" << ep;
+    auto seq = [&](int k, const std::vector<int32_t>& tokens, int64_t start, bool want) {
+      return RunnerSeq{k, tokens, start, tables[static_cast<size_t>(k)], want, pool(k)};
     };
-    step({{1, p1, 0, tables[1], true}, {2, p2, 0, tables[2], true}, {3, p3, 0, tables[3], true}}, 3);
-    spread({2, 1}, {1, 1, 1, 0});
-    step({{1, t1, 5, tables[1], true}, {2, t2, 2, tables[2], true}, {3, t3, 3, tables[3], true}}, 3);
-    (*runner)->release(2);  // rank 1's
-    step({{4, p4, 0, tables[4], true}, {1, t4, 6, tables[1], true}, {3, t2, 4, tables[3], false}}, 2);
-    spread({2, 1}, {1, 1, 1, 0});  // 4 took the emptiest rank: 1 (EP 2), 1 (EP 4: ranks 1 and 3 tie at 0)
-    // Sequence 3 preempted as the engine does it: released, then started over from its first
-    // token; the release and the new work travel in one message, release first.
-    (*runner)->release(3);
+    step({seq(1, p1, 0, true), seq(2, p2, 0, true), seq(3, p3, 0, true)}, 3);
+    step({seq(1, t1, 5, true), seq(2, t2, 2, true), seq(3, t3, 3, true)}, 3);
+    step({seq(4, p4, 0, true), seq(1, t4, 6, true), seq(3, t2, 4, false)}, 2);
+    // Sequence 3 preempted as the engine does it: started over from its first token, and a
+    // prefill chunk without logits.
     const std::vector<int32_t> p3_again = {3, 9, 27, 21, 10};
-    step({{3, p3_again, 0, tables[3], true}, {1, c1, 7, tables[1], false}, {4, t5, 4, tables[4], true}}, 2);
-    step({{4, t1, 5, tables[4], true}, {3, t4, 5, tables[3], true}, {1, t5, 9, tables[1], true}}, 3);
-    step({{3, t3, 6, tables[3], true}, {4, t4, 6, tables[4], true}}, 2);
-    (*runner)->release(1);
-    (*runner)->release(3);
-    (*runner)->release(99);  // unknown: ignored
-    step({{4, t2, 7, tables[4], true}}, 1);
-    spread({0, 1}, {0, 1, 0, 0});
+    step({seq(3, p3_again, 0, true), seq(1, c1, 7, false), seq(4, t5, 4, true)}, 2);
+    step({seq(4, t1, 5, true), seq(3, t4, 5, true), seq(1, t5, 9, true)}, 3);
+    step({seq(3, t3, 6, true), seq(4, t4, 6, true)}, 2);
+    step({seq(4, t2, 7, true)}, 1);
     return all;
   };
   expect_ep_runs_equal(run);
 }
 
-// A step one rank cannot run (a sequence that does not continue where its cache ends) is refused
-// by every rank before any forward (no rank waits in a collective the others skipped): the step is
-// an error naming the rank and its reason, the runner has not failed, and the next step runs.
+// A step one rank cannot run (a sequence starting past its block table, a block outside the pool)
+// is refused by every rank before any forward (no rank waits in a collective the others skipped):
+// the step is an error naming the rank and its reason, the runner has not failed, and the next step
+// runs.
 TEST(EpCpuRunner, ARefusedDataParallelStepLeavesTheRanksInStep) {
   auto runner = load_tiny_runner(2, 2, 16);
   ASSERT_TRUE(runner.ok()) << runner.error().what();
   const std::vector<int32_t> t1 = {0, 1}, t2 = {2, 3}, p = {1, 2, 3}, t = {4};
   std::vector<float> logits;
-  const RunnerSeq first[] = {{1, p, 0, t1, true}, {2, p, 0, t2, true}};
+  const RunnerSeq first[] = {{1, p, 0, t1, true, 0}, {2, p, 0, t2, true, 1}};
   ASSERT_TRUE((*runner)->step(first, logits).ok());
-  EXPECT_EQ((*runner)->sequences_per_rank(), (std::vector<int>{1, 1}));
   // Sequence 2 lives on rank 1: rank 0 only learns that rank 1 refused (its reason is logged).
-  const RunnerSeq wrong[] = {{1, t, 3, t1, true}, {2, t, 7, t2, true}};  // 2 is at 3, not 7
+  const RunnerSeq wrong[] = {{1, t, 3, t1, true, 0}, {2, t, 40, t2, true, 1}};  // 2 blocks: 32 tokens
   const Status st = (*runner)->step(wrong, logits);
   ASSERT_FALSE(st.ok());
   EXPECT_THAT(st.error().what(), ::testing::HasSubstr("rank(s) 1 could not run"));
   EXPECT_FALSE((*runner)->failed());
   // Rank 0's own refusal names the reason; nothing ran on either rank, so both continue.
-  const RunnerSeq wrong0[] = {{1, t, 5, t1, true}, {2, t, 3, t2, true}};  // 1 is at 3, not 5
+  const std::vector<int32_t> outside = {0, 100000};
+  const RunnerSeq wrong0[] = {{1, t, 3, outside, true, 0}, {2, t, 3, t2, true, 1}};
   const Status st0 = (*runner)->step(wrong0, logits);
   ASSERT_FALSE(st0.ok());
-  EXPECT_THAT(st0.error().what(), ::testing::HasSubstr("rank 0: sequence 1 is at 3 tokens"));
-  const RunnerSeq next[] = {{1, t, 3, t1, true}, {2, t, 3, t2, true}};
+  EXPECT_THAT(st0.error().what(), ::testing::HasSubstr("rank 0: sequence 1's block table lists block 100000"));
+  const RunnerSeq bad_pool[] = {{1, t, 3, t1, true, 2}};
+  EXPECT_THAT((*runner)->step(bad_pool, logits).error().what(), ::testing::HasSubstr("pool 2"));
+  const RunnerSeq next[] = {{1, t, 3, t1, true, 0}, {2, t, 3, t2, true, 1}};
   const Status after = (*runner)->step(next, logits);
   ASSERT_TRUE(after.ok()) << after.error().what();
   EXPECT_EQ(logits.size(), 2 * static_cast<size_t>((*runner)->config().vocab_size));

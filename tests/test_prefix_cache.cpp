@@ -260,18 +260,56 @@ std::vector<int32_t> reference(const std::vector<int32_t>& prompt, int max_token
   return stats->generated;
 }
 
-std::unique_ptr<Engine> engine(int max_seqs, int max_step_tokens, int32_t num_blocks, bool prefix_caching = true) {
+// Forwards to the CPU runner and records where the engine put each sequence of each step.
+class RecordingRunner final : public StepRunner {
+ public:
+  explicit RecordingRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
+  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
+  const RunnerLimits& limits() const override { return inner_->limits(); }
+  std::string describe() const override { return inner_->describe(); }
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    std::vector<int> per_pool(static_cast<size_t>(limits().kv_pools), 0);
+    for (const RunnerSeq& s : seqs) {
+      ++per_pool[static_cast<size_t>(s.pool)];
+      pools_of[s.id].insert(s.pool);
+      used_pools.insert(s.pool);
+    }
+    for (int n : per_pool) most_in_a_pool = std::max(most_in_a_pool, n);
+    return inner_->step(seqs, logits);
+  }
+  void release(int64_t id) override { inner_->release(id); }
+  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    return inner_->stage_weights(dir);
+  }
+  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
+
+  // Written by the engine thread; read by the test once the requests are done.
+  std::map<int64_t, std::set<int>> pools_of;
+  std::set<int> used_pools;
+  int most_in_a_pool = 0;
+
+ private:
+  std::unique_ptr<StepRunner> inner_;
+};
+
+// ep > 1: data parallel over `ep` ranks, each with `num_blocks` blocks and `max_seqs` sequences.
+std::unique_ptr<Engine> engine(int max_seqs, int max_step_tokens, int32_t num_blocks, bool prefix_caching = true,
+                               int ep = 1, RecordingRunner** recorder = nullptr) {
   RunnerOptions o;
   o.source.model_dir = testing::tiny_fixture_dir();
   o.max_seqs = max_seqs;
   o.max_step_tokens = max_step_tokens;
   o.num_blocks = num_blocks;
   o.block_size = 16;
+  o.ep = ep;
   auto runner = load_runner(o);
   EXPECT_TRUE(runner.ok()) << runner.error().what();
+  auto rec = std::make_unique<RecordingRunner>(std::move(runner).value());
+  if (recorder != nullptr) *recorder = rec.get();
   EngineOptions eo;
   eo.prefix_caching = prefix_caching;
-  return std::make_unique<Engine>(std::move(runner).value(), &tokenizer_for_tests(), eo);
+  return std::make_unique<Engine>(std::move(rec), &tokenizer_for_tests(), eo);
 }
 
 struct Done {
@@ -377,9 +415,14 @@ TEST(EnginePrefixCache, OffComputesEverything) {
 
 // Many concurrent requests over a few shared prefixes in a pool too small for them all: cached
 // blocks are evicted, sequences are preempted and recomputed (finding their own blocks again),
-// and every request still gets exactly the one-sequence loop's tokens.
-TEST(EnginePrefixCache, UnderEvictionAndPreemptionEveryRequestMatchesTheReference) {
-  auto e = engine(4, 24, 10);  // 10 blocks of 16 tokens; 24 tokens a step (chunked prefill)
+// and every request still gets exactly the one-sequence loop's tokens. With --ep 2 each of the two
+// data-parallel ranks has such a pool, and preemption frees blocks on the rank that needs them.
+class EnginePrefixCacheEp : public ::testing::TestWithParam<int> {};
+
+TEST_P(EnginePrefixCacheEp, UnderEvictionAndPreemptionEveryRequestMatchesTheReference) {
+  const int ep = GetParam();
+  RecordingRunner* rec = nullptr;
+  auto e = engine(4, 24, 10, true, ep, &rec);  // 10 blocks of 16 tokens a rank; 24 tokens a step
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 12; ++i) {
     const auto stem = tokens_from(16 + 16 * (i % 3), 10 + i % 3);
@@ -395,6 +438,36 @@ TEST(EnginePrefixCache, UnderEvictionAndPreemptionEveryRequestMatchesTheReferenc
   EXPECT_GT(e->metrics().prefix_cache_hits_total.load(), 0);
   EXPECT_GT(e->metrics().preemptions_total.load(), 0) << "the pool never ran short: the test would not see eviction";
   wait_until_no_kv_in_use(*e);
+  EXPECT_EQ(static_cast<int>(rec->used_pools.size()), ep);
+  EXPECT_LE(rec->most_in_a_pool, 4);  // --max-running per rank
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, EnginePrefixCacheEp, ::testing::Values(1, 2));
+
+// [TAG_SERVE_DP] Cache-aware placement: a request whose prompt shares a cached prefix goes to the
+// rank holding it, although the other rank runs fewer sequences; without a shared prefix the
+// emptier rank wins.
+TEST(EnginePrefixCache, DataParallelPlacementFollowsTheCachedPrefix) {
+  RecordingRunner* rec = nullptr;
+  auto e = engine(4, 256, 32, true, 2, &rec);
+  const std::vector<int32_t> system = tokens_from(40, 7);
+  const Done a = run(*e, concat(system, tokens_from(3, 8)), 4);  // on rank 0: both idle, the lowest
+  EXPECT_EQ(a.cached, 0);
+  // In one schedule: d (unrelated) ties and takes rank 0; c shares the system prompt, which rank 0
+  // holds: rank 0 although it now runs d; f (unrelated) takes the emptier rank 1.
+  const auto d_prompt = tokens_from(30, 9), c_prompt = concat(system, tokens_from(5, 10)), f_prompt = tokens_from(20, 11);
+  auto d = submit(*e, d_prompt, 6);
+  auto c = submit(*e, c_prompt, 6);
+  auto f = submit(*e, f_prompt, 6);
+  const Done dd = drain(*d), cd = drain(*c), fd = drain(*f);
+  EXPECT_EQ(cd.cached, 32);
+  EXPECT_EQ(dd.ids, reference(d_prompt, 6));
+  EXPECT_EQ(cd.ids, reference(c_prompt, 6));
+  EXPECT_EQ(fd.ids, reference(f_prompt, 6));
+  EXPECT_EQ(rec->pools_of.at(0), std::set<int>{0});  // request ids in submission order
+  EXPECT_EQ(rec->pools_of.at(1), std::set<int>{0});
+  EXPECT_EQ(rec->pools_of.at(2), std::set<int>{0});
+  EXPECT_EQ(rec->pools_of.at(3), std::set<int>{1});
 }
 
 }  // namespace

@@ -127,7 +127,7 @@ Status run(ServeOptions& o) {
     log_info("prefix caching on: whole {}-token blocks of computed KV are reused across requests",
              engine.limits().block_size);
   else if (!o.no_prefix_caching)
-    log_info("prefix caching off: the data-parallel ranks keep their own caches (--ep on the cpu backend)");
+    log_info("prefix caching off: this runner keeps a cache per sequence");
 
   server::ApiServerOptions ao;
   ao.served_model_name = o.served_model_name;

@@ -61,6 +61,8 @@ class BlockAllocator {
   // caching.
   PrefixMatch match_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size,
                            std::vector<int32_t>& table);
+  // How many blocks match_prefix would hand out, without taking them.
+  int64_t cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size) const;
   // Publishes `block` (held by the caller's table, its block_size tokens computed) as `tokens`
   // after chain `parent`, and returns the block's chain hash. When an equal block is already
   // published the index keeps that one and `block` stays private (freed on release). Without
@@ -77,6 +79,10 @@ class BlockAllocator {
     bool valid = false;
   };
   void unpublish(int32_t block);
+  // Walks the published chain of `tokens`' whole blocks after `root`; calls visit(block, chain)
+  // for each match, in order.
+  template <typename Visit>
+  void walk_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size, Visit&& visit) const;
   int32_t take_block();  // a free block, else the least recently released cached one
 
   bool prefix_caching_ = false;

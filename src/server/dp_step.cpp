@@ -8,10 +8,10 @@
 namespace moebius::server {
 namespace {
 
-constexpr uint32_t kDpStepMagic = 0x31535044u;  // "DPS1" little-endian: version 1 of the layout below
+constexpr uint32_t kDpStepMagic = 0x32535044u;  // "DPS2" little-endian: version 2 of the layout below
 
-// Layout: magic u32, stop u8, releases u32, release ids i64 x n, seqs u32, then per sequence:
-// id i64, start i64, want_logits u8, tokens u32, token ids i32 x n.
+// Layout: magic u32, stop u8, seqs u32, then per sequence: id i64, start i64, want_logits u8,
+// tokens u32, token ids i32 x n, blocks u32, block ids i32 x n.
 class Writer {
  public:
   template <typename T>
@@ -50,8 +50,6 @@ std::vector<uint8_t> encode_dp_step(const DpStepMessage& m) {
   Writer w;
   w.put<uint32_t>(kDpStepMagic);
   w.put<uint8_t>(m.stop ? 1 : 0);
-  w.put<uint32_t>(static_cast<uint32_t>(m.release.size()));
-  for (int64_t id : m.release) w.put<int64_t>(id);
   w.put<uint32_t>(static_cast<uint32_t>(m.seqs.size()));
   for (const DpSeq& s : m.seqs) {
     w.put<int64_t>(s.id);
@@ -59,6 +57,8 @@ std::vector<uint8_t> encode_dp_step(const DpStepMessage& m) {
     w.put<uint8_t>(s.want_logits ? 1 : 0);
     w.put<uint32_t>(static_cast<uint32_t>(s.tokens.size()));
     for (int32_t t : s.tokens) w.put<int32_t>(t);
+    w.put<uint32_t>(static_cast<uint32_t>(s.block_table.size()));
+    for (int32_t b : s.block_table) w.put<int32_t>(b);
   }
   return std::move(w.out);
 }
@@ -71,12 +71,9 @@ Result<DpStepMessage> decode_dp_step(std::span<const uint8_t> bytes) {
   DpStepMessage m;
   if (!r.get(flag) || flag > 1) return malformed("bad stop flag");
   m.stop = flag == 1;
-  if (!r.get(n) || !r.holds(n, sizeof(int64_t))) return malformed("release count past the end");
-  m.release.resize(n);
-  for (int64_t& id : m.release) r.get(id);
   if (!r.get(n)) return malformed("missing sequence count");
-  // A sequence takes at least 8 + 8 + 1 + 4 + 4 bytes (one token).
-  if (!r.holds(n, 25)) return malformed("sequence count past the end");
+  // A sequence takes at least 8 + 8 + 1 + 4 + 4 + 4 + 4 bytes (one token, one block).
+  if (!r.holds(n, 33)) return malformed("sequence count past the end");
   m.seqs.resize(n);
   for (DpSeq& s : m.seqs) {
     uint32_t t = 0;
@@ -87,8 +84,15 @@ Result<DpStepMessage> decode_dp_step(std::span<const uint8_t> bytes) {
     if (t == 0 || !r.holds(t, sizeof(int32_t))) return malformed(fmt::format("sequence {}: bad token count {}", s.id, t));
     s.tokens.resize(t);
     for (int32_t& tok : s.tokens) r.get(tok);
+    if (!r.get(t) || t == 0 || !r.holds(t, sizeof(int32_t)))
+      return malformed(fmt::format("sequence {}: bad block count", s.id));
+    s.block_table.resize(t);
+    for (int32_t& b : s.block_table) {
+      r.get(b);
+      if (b < 0) return malformed(fmt::format("sequence {}: block {}", s.id, b));
+    }
   }
-  if (m.stop && (!m.release.empty() || !m.seqs.empty())) return malformed("a stop message carries work");
+  if (m.stop && !m.seqs.empty()) return malformed("a stop message carries work");
   if (r.left() != 0) return malformed(fmt::format("{} trailing bytes", r.left()));
   return m;
 }
@@ -162,25 +166,6 @@ Status dp_gather_logits(parallel::Communicator& comm, std::span<const float> min
     send_bytes[0] = mine.size() * sizeof(float);
   }
   return comm.all_to_all_v(mine.data(), send_bytes, send_offsets, gathered.data(), recv_bytes, recv_offsets);
-}
-
-DpPlacement::DpPlacement(int ranks) : live_(static_cast<size_t>(std::max(ranks, 1)), 0) {}
-
-int DpPlacement::place(int64_t id) {
-  if (auto it = rank_of_.find(id); it != rank_of_.end()) return it->second;
-  const int r = static_cast<int>(std::min_element(live_.begin(), live_.end()) - live_.begin());
-  rank_of_.emplace(id, r);
-  ++live_[static_cast<size_t>(r)];
-  return r;
-}
-
-std::optional<int> DpPlacement::release(int64_t id) {
-  auto it = rank_of_.find(id);
-  if (it == rank_of_.end()) return std::nullopt;
-  const int r = it->second;
-  rank_of_.erase(it);
-  --live_[static_cast<size_t>(r)];
-  return r;
 }
 
 }  // namespace moebius::server

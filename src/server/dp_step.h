@@ -1,20 +1,20 @@
 // Data-parallel serving over the expert-parallel ranks (`moebius serve --ep N`, DP = EP): rank 0's
-// scheduler hands each step's sequences to the ranks, every rank runs the dense layers and
-// attention of its own sequences (its own KV caches), and all ranks meet in every MoE layer's
+// scheduler places each sequence on a rank and allocates its KV blocks from that rank's pool (the
+// engine keeps one block allocator per rank, server/engine.h), every rank runs the dense layers and
+// attention of its own sequences over its own pool, and all ranks meet in every MoE layer's
 // dispatch and return (docs/EXPERT_PARALLEL.md). This file holds what travels around the forward
-// of one step, and where a sequence lives:
+// of one step:
 //   before the forward, rank 0 -> each rank: that rank's sequences of the step (id, cache start,
-//     whether its logits are wanted, new tokens) and the sequences it may forget (released since
-//     the last step), or "stop" (the server is going away);
+//     whether its logits are wanted, new tokens, block table into the rank's pool), or "stop" (the
+//     server is going away). The block tables are the whole cache state, so a rank keeps nothing
+//     per sequence between steps;
 //   after the forward, each rank -> rank 0: the logits rows of its sequences that want them.
 // Both are collectives over parallel::Communicator (host buffers: buffers_on_device() false), so
 // every rank calls them once per step, in the same order, as it calls the model's forward.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
 #include "core/error.h"
@@ -26,14 +26,14 @@ struct DpSeq {
   int64_t id = 0;
   int64_t start = 0;           // tokens already in this sequence's cache on its rank
   bool want_logits = false;
-  std::vector<int32_t> tokens;  // new tokens, at least one
+  std::vector<int32_t> tokens;       // new tokens, at least one
+  std::vector<int32_t> block_table;  // blocks of the rank's pool; covers start + tokens
 };
 
 // One rank's part of one step.
 struct DpStepMessage {
-  bool stop = false;             // no more steps: a follower returns
-  std::vector<int64_t> release;  // sequences to drop before the step
-  std::vector<DpSeq> seqs;       // in the step's order
+  bool stop = false;        // no more steps: a follower returns
+  std::vector<DpSeq> seqs;  // in the step's order
 };
 
 // Wire form: little-endian fixed-width fields behind a magic and version word. decode_dp_step
@@ -53,23 +53,5 @@ Result<DpStepMessage> dp_exchange_step(parallel::Communicator& comm, std::span<c
 // empty rows_per_rank and get `gathered` cleared.
 Status dp_gather_logits(parallel::Communicator& comm, std::span<const float> mine, std::span<const int64_t> rows_per_rank,
                         int64_t vocab, std::vector<float>& gathered);
-
-// Where sequences run: a sequence stays on the rank that first ran it until it is released (its
-// KV cache lives there); a new one, or one the engine preempted (it releases it, and the rank
-// drops the cache before the step that places it again), goes to the rank with the fewest live
-// sequences, the lowest rank on ties, so that as long as the live count is at most ranks x the
-// per-rank limit, every rank stays within the limit.
-class DpPlacement {
- public:
-  explicit DpPlacement(int ranks);
-  int place(int64_t id);                    // the sequence's rank (assigned on first sight)
-  std::optional<int> release(int64_t id);   // the rank it was on, or nothing for an unknown id
-  int live(int rank) const { return live_[static_cast<size_t>(rank)]; }
-  int ranks() const { return static_cast<int>(live_.size()); }
-
- private:
-  std::unordered_map<int64_t, int> rank_of_;
-  std::vector<int> live_;
-};
 
 }  // namespace moebius::server

@@ -26,7 +26,8 @@ struct Engine::Seq {
   std::vector<int32_t> tokens;  // prompt, then the generated ids
   int64_t prompt_len = 0;
   int64_t computed = 0;         // tokens[0, computed) are in the KV cache
-  std::vector<int32_t> blocks;  // the block table
+  std::vector<int32_t> blocks;  // the block table, into pool `pool`
+  int pool = 0;                 // [TAG_SERVE_DP] the KV pool (rank) holding its blocks, while it holds any
   // [TAG_PREFIX_CACHE] blocks[0, chained) are published (or an equal block is), and `chain` is the
   // prefix chain's hash after them; cached_tokens: the prefix cache's hit at first admission.
   int64_t chained = 0;
@@ -112,9 +113,12 @@ Engine::Engine(std::unique_ptr<StepRunner> runner, const tokenizer::BpeTokenizer
       wake_(std::make_shared<RequestStream::Wake>()) {
   const RunnerLimits& l = runner_->limits();
   prefix_caching_ = options_.prefix_caching && runner_->shares_kv_blocks();
-  blocks_ = std::make_unique<model::BlockAllocator>(l.num_blocks, prefix_caching_);
+  MOEBIUS_ASSERT(l.kv_pools >= 1 && l.max_seqs >= l.kv_pools, "runner limits: {} KV pools, {} sequences",
+                 l.kv_pools, l.max_seqs);
+  for (int p = 0; p < l.kv_pools; ++p)
+    pools_.push_back(std::make_unique<model::BlockAllocator>(l.num_blocks, prefix_caching_));
   max_context_ = std::min<int64_t>(l.max_context, int64_t{l.num_blocks} * l.block_size);
-  metrics_.kv_blocks_total = l.num_blocks;
+  metrics_.kv_blocks_total = int64_t{l.num_blocks} * l.kv_pools;
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -254,7 +258,7 @@ void Engine::commit_weights() {
   // [TAG_PREFIX_CACHE] Cached KV was computed with the old weights: new sequences start new
   // chains (running ones keep theirs, on the KV they have, as they keep their tokens).
   ++weights_version_;
-  blocks_->clear_prefix_cache();
+  for (auto& p : pools_) p->clear_prefix_cache();
   const int64_t paused = static_cast<int64_t>(running_.size() + waiting_.size());
   ++metrics_.weight_updates_total;
   log_info("weights updated ({:.3f} s with the engine paused; requests in flight, which continue on them: {})",
@@ -277,23 +281,25 @@ bool Engine::take_incoming(bool block) {
 }
 
 void Engine::release_kv(Seq& seq) {
-  if (!seq.blocks.empty()) blocks_->release(seq.blocks);
+  if (!seq.blocks.empty()) pools_[static_cast<size_t>(seq.pool)]->release(seq.blocks);
   runner_->release(seq.id);
   seq.computed = 0;
   seq.chained = 0;
 }
 
-// [TAG_PREFIX_CACHE] A sequence about to be admitted with nothing in the cache: take the cached
-// blocks of its longest whole-block prefix, short of its last token (whose logits the step must
-// produce), and start computing after them.
-void Engine::start_from_prefix_cache(Seq& s) {
+// [TAG_PREFIX_CACHE] A sequence about to be admitted on `pool` with nothing in the cache: take the
+// pool's cached blocks of its longest whole-block prefix, short of its last token (whose logits
+// the step must produce), and start computing after them.
+void Engine::start_from_prefix_cache(Seq& s, int pool) {
   MOEBIUS_ASSERT(s.blocks.empty() && s.computed == 0, "sequence {} already holds KV", s.id);
+  s.pool = pool;
   s.chain = model::BlockAllocator::root_chain(weights_version_);
   s.chained = 0;
   if (!prefix_caching_) return;
   const int bs = runner_->limits().block_size;
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
-  const model::BlockAllocator::PrefixMatch m = blocks_->match_prefix(s.chain, lookup, bs, s.blocks);
+  const model::BlockAllocator::PrefixMatch m =
+      pools_[static_cast<size_t>(pool)]->match_prefix(s.chain, lookup, bs, s.blocks);
   s.chain = m.chain;
   s.chained = m.blocks;
   s.computed = m.blocks * bs;
@@ -306,16 +312,25 @@ void Engine::publish_computed_blocks(Seq& s) {
   for (const int64_t whole = s.computed / bs; s.chained < whole; ++s.chained) {
     const auto tokens = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.chained * bs),
                                                                    static_cast<size_t>(bs));
-    s.chain = blocks_->publish(s.blocks[static_cast<size_t>(s.chained)], s.chain, tokens);
+    s.chain = pools_[static_cast<size_t>(s.pool)]->publish(s.blocks[static_cast<size_t>(s.chained)], s.chain, tokens);
   }
 }
 
 void Engine::update_gauges() {
   metrics_.running = static_cast<int64_t>(running_.size());
   metrics_.queue_depth = queued_.load();
-  metrics_.kv_blocks_used = blocks_->num_used();
-  metrics_.kv_blocks_cached = blocks_->num_cached();
-  if (std::vector<int> dp = runner_->sequences_per_rank(); !dp.empty()) metrics_.set_dp_rank_sequences(std::move(dp));
+  int64_t used = 0, cached = 0;
+  for (const auto& p : pools_) {
+    used += p->num_used();
+    cached += p->num_cached();
+  }
+  metrics_.kv_blocks_used = used;
+  metrics_.kv_blocks_cached = cached;
+  if (pools_.size() > 1) {
+    std::vector<int> per_rank(pools_.size());
+    for (size_t p = 0; p < pools_.size(); ++p) per_rank[p] = running_on(static_cast<int>(p));
+    metrics_.set_dp_rank_sequences(std::move(per_rank));
+  }
 }
 
 void Engine::drop_cancelled() {
@@ -353,37 +368,45 @@ void Engine::preempt(size_t i) {
 void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   const RunnerLimits& l = runner_->limits();
   int64_t budget = l.max_step_tokens;
-  // Running sequences, oldest first; a block shortage preempts the newest.
+  // Running sequences, oldest first; a block shortage preempts the newest sequence of the same
+  // pool (its blocks are the only ones that can help).
   for (size_t i = 0; i < running_.size() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs;) {
     Seq& s = *running_[i];
     const int64_t n = std::min(s.pending(), budget);
-    bool fits = true;
-    while (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
-      const size_t victim = running_.size() - 1;
-      const bool self = victim == i;
+    model::BlockAllocator& pool = *pools_[static_cast<size_t>(s.pool)];
+    bool preempted_self = false;
+    while (!pool.ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+      size_t victim = running_.size() - 1;
+      while (running_[victim]->pool != s.pool) --victim;  // stops at i at the latest
+      preempted_self = victim == i;
       preempt(victim);
-      if (self) {
-        fits = false;
-        break;
-      }
+      if (preempted_self) break;
     }
-    if (!fits) break;  // i was the newest: nothing after it
+    if (preempted_self) continue;  // running_[i] is now the next sequence
     batch.push_back(&s);
     chunk.push_back(static_cast<int>(n));
     budget -= n;
     ++i;
   }
   // Admission, in arrival order (preempted sequences went back to the front), while the chunk's
-  // blocks can be had without preempting anyone.
+  // blocks can be had without preempting anyone, on the first pool in admission_order() where
+  // they can.
   while (!waiting_.empty() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
          static_cast<int>(running_.size()) < l.max_seqs) {
     Seq& s = *waiting_.front();
-    start_from_prefix_cache(s);
-    const int64_t n = std::min(s.pending(), budget);
-    if (!blocks_->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
-      release_kv(s);  // the cached prefix it took, until it fits
-      break;
+    const int64_t budget_left = budget;
+    bool placed = false;
+    int64_t n = 0;
+    for (int pool : admission_order(s)) {
+      start_from_prefix_cache(s, pool);
+      n = std::min(s.pending(), budget_left);
+      if (pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+        placed = true;
+        break;
+      }
+      release_kv(s);  // the cached prefix it took on that pool
     }
+    if (!placed) break;
     if (prefix_caching_) {
       metrics_.prefix_cache_queries_total += static_cast<int64_t>(s.tokens.size());
       metrics_.prefix_cache_hits_total += s.computed;
@@ -402,6 +425,46 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   }
 }
 
+int Engine::running_on(int pool) const {
+  int n = 0;
+  for (const auto& s : running_) n += s->pool == pool ? 1 : 0;
+  return n;
+}
+
+// [TAG_SERVE_DP] The pools a waiting sequence may be admitted on, best first: those with fewer than
+// max_seqs / kv_pools running sequences, ordered by the longest cached prefix of its tokens (its
+// own, after a preemption, or a shared prompt's: cache-aware placement), then the fewest running
+// sequences, then the most free blocks, then the lowest pool.
+std::vector<int> Engine::admission_order(const Seq& s) const {
+  const RunnerLimits& l = runner_->limits();
+  const int cap = l.max_seqs / l.kv_pools;
+  struct Option {
+    int pool;
+    int64_t cached_blocks;
+    int running;
+    int32_t free;
+  };
+  std::vector<Option> options;
+  const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
+  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
+  for (int p = 0; p < l.kv_pools; ++p) {
+    const int running = running_on(p);
+    if (running >= cap) continue;
+    const model::BlockAllocator& a = *pools_[static_cast<size_t>(p)];
+    options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size) : 0, running,
+                       a.num_free()});
+  }
+  std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) {
+    if (a.cached_blocks != b.cached_blocks) return a.cached_blocks > b.cached_blocks;
+    if (a.running != b.running) return a.running < b.running;
+    if (a.free != b.free) return a.free > b.free;
+    return a.pool < b.pool;
+  });
+  std::vector<int> order;
+  for (const Option& o : options) order.push_back(o.pool);
+  return order;
+}
+
 void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk) {
   std::vector<RunnerSeq> seqs(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -411,6 +474,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     r.tokens = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.computed), static_cast<size_t>(chunk[i]));
     r.start = s.computed;
     r.block_table = s.blocks;
+    r.pool = s.pool;
     r.want_logits = s.computed + chunk[i] == static_cast<int64_t>(s.tokens.size());
   }
   Status st = runner_->step(seqs, logits_);

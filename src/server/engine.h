@@ -183,7 +183,9 @@ class Engine {
   void finish(Seq& seq, const std::string& reason, const std::string& error);
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
   void release_kv(Seq& seq);
-  void start_from_prefix_cache(Seq& seq);
+  void start_from_prefix_cache(Seq& seq, int pool);
+  std::vector<int> admission_order(const Seq& seq) const;
+  int running_on(int pool) const;
   void publish_computed_blocks(Seq& seq);
   void update_gauges();
 
@@ -206,7 +208,8 @@ class Engine {
   // Engine thread only.
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;  // admission order: oldest first
-  std::unique_ptr<model::BlockAllocator> blocks_;
+  // One block allocator per KV pool (RunnerLimits::kv_pools: data-parallel ranks, [TAG_SERVE_DP]).
+  std::vector<std::unique_ptr<model::BlockAllocator>> pools_;
   bool prefix_caching_ = false;
   uint64_t weights_version_ = 0;  // the prefix chains' root (BlockAllocator::root_chain)
   std::vector<float> logits_;

@@ -4,8 +4,8 @@
 //
 //   cpu:  Qwen3MoeCpu; a step is one forward_batch (dense ops and experts over every token of the
 //         step, attention per sequence) over one KV block pool viewed through the scheduler's block
-//         tables (--ep N: each rank keeps one KvCache per sequence, and the block tables are only
-//         accounting). A weight update swaps the model's weights for the staged model's.
+//         tables (--ep N: one pool per data-parallel rank, [TAG_SERVE_DP]). A weight update swaps
+//         the model's weights for the staged model's.
 //   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block
 //         tables are the scheduler's ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the
 //         runner's CUDA graphs. A weight update copies the staged host weights into the device
@@ -32,16 +32,20 @@ struct RunnerSeq {
   int64_t id = 0;                        // stable for the sequence's life (a preempted one keeps it)
   std::span<const int32_t> tokens;       // new tokens, at least one
   int64_t start = 0;                     // tokens of this sequence already in the cache
-  std::span<const int32_t> block_table;  // covers start + tokens.size()
+  std::span<const int32_t> block_table;  // covers start + tokens.size(); blocks of pool `pool`
   bool want_logits = false;              // the last new token's logits are wanted
+  int pool = 0;                          // the KV pool (data-parallel rank) it runs on
 };
 
 struct RunnerLimits {
   int block_size = 16;
-  int32_t num_blocks = 0;    // KV blocks in the pool
+  int32_t num_blocks = 0;    // KV blocks in each pool
   int max_context = 0;       // tokens per sequence
   int max_step_tokens = 0;   // tokens per step (the prefill chunk)
-  int max_seqs = 0;          // sequences per step
+  int max_seqs = 0;          // sequences per step, over every pool
+  // KV pools: 1, or one per data-parallel rank ([TAG_SERVE_DP]: a sequence runs on the rank whose
+  // pool holds its blocks, at most max_seqs / kv_pools sequences per rank). The engine places.
+  int kv_pools = 1;
 };
 
 // A checkpoint a runner has read and checked, ready for commit_weights (backend-specific).
@@ -60,7 +64,7 @@ class StepRunner {
   // Errors leave every sequence's cache as it was before the step's tokens.
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it
-  // (cpu --ep: a follower rank drops it with the next step's message).
+  // (the runners here keep nothing: the block tables are the cache state).
   virtual void release(int64_t id) = 0;
   // True when a sequence's block table is its whole cache state (the KV lives in the pool blocks
   // the table lists, and nothing else is kept per sequence), so sequences may share blocks: the
@@ -69,8 +73,6 @@ class StepRunner {
   // True once the runner cannot run another step (cpu --ep: a step failed inside the ranks'
   // collectives, which may leave them out of step); the engine then stops and /health says so.
   virtual bool failed() const { return false; }
-  // Data-parallel runners ([TAG_SERVE_DP]): the live sequences on each rank; empty otherwise.
-  virtual std::vector<int> sequences_per_rank() const { return {}; }
   // The dynamic expert cache's counts since the runner started (--expert-cache), or nothing when
   // the runner has no cache.
   virtual std::optional<offload::ModelCacheStats> expert_cache_stats() const { return std::nullopt; }
@@ -102,8 +104,8 @@ struct RunnerOptions {
   std::string placement_file;
   offload::ExpertCacheFlags expert_cache;
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
-  // communicator, data parallel ([TAG_SERVE_DP]): the runner places each sequence on a rank, every
-  // rank holds its E / N experts and its own sequences' caches. cuda: one process per GPU, this one rank
+  // communicator, data parallel ([TAG_SERVE_DP]): one KV pool per rank (the engine places each
+  // sequence on a rank), every rank holds its E / N experts. cuda: one process per GPU, this one rank
   // ep_comm->rank() of ep_comm (NCCL, src/cli/ep_workers.h); rank 0 runs the runner (every
   // sequence: the scheduler lives there), the others run_ep_follower. The runner's destructor
   // releases the followers.

@@ -1,24 +1,23 @@
 // The CPU backend of StepRunner: Qwen3MoeCpu; a step is one Qwen3MoeCpu::forward_batch over all
 // its sequences.
 //
-// One process: the KV cache is one model::KvBlockPool of the engine's block ids, and each step
-// views it through the sequences' block tables (model::KvCache's view), as the CUDA runner's paged
-// cache does. The block tables are then the whole cache state: the runner keeps nothing per
-// sequence, and blocks of a common prefix are shared ([TAG_PREFIX_CACHE]).
+// The KV cache is a model::KvBlockPool of the engine's block ids, and each step views it through
+// the sequences' block tables (model::KvCache's view), as the CUDA runner's paged cache does. The
+// block tables are then the whole cache state: the runner keeps nothing per sequence, and blocks
+// of a common prefix are shared ([TAG_PREFIX_CACHE]).
 //
 // `--ep N` ([TAG_SERVE_DP]): ranks 1..N-1 are threads with their own model (their E / N experts of
-// every MoE layer) and their own caches, and the runner is data-parallel over them: each step,
-// rank 0 (the engine's thread) places every sequence on a rank (server/dp_step.h: sticky, least
-// loaded), sends each rank its part, all ranks run forward_batch over their own sequences (the
-// MoE layers exchange tokens between them), and rank 0 collects the wanted logits rows in the
-// step's order. Each rank computes exactly what the single-process model computes for its
-// sequences, so the logits are bit-identical to `--ep 1`.
+// every MoE layer) and their own KV pool, and the runner is data-parallel over them: the engine
+// places each sequence on a rank (RunnerSeq::pool) and allocates its blocks from that rank's pool;
+// each step rank 0 (the engine's thread) sends each rank its part (server/dp_step.h), all ranks
+// run forward_batch over their own sequences (the MoE layers exchange tokens between them), and
+// rank 0 collects the wanted logits rows in the step's order. Each rank computes exactly what the
+// single-process model computes for its sequences, so the logits are bit-identical to `--ep 1`.
 #include <algorithm>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <thread>
-#include <unordered_map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,39 +32,16 @@
 namespace moebius::server {
 namespace {
 
-using Caches = std::unordered_map<int64_t, model::KvCache>;  // node-based: BatchSeq pointers stay valid
-
-// The forward_batch batch of `seqs`, each sequence continuing its cache in `caches` (made on first
-// sight), and its checks (Qwen3MoeCpu::check_batch); *rows: the wanted logits rows.
-Status prepare_sequences(const model::Qwen3MoeCpu& model, Caches& caches, const RunnerLimits& limits,
-                         std::span<const RunnerSeq> seqs, std::vector<model::Qwen3MoeCpu::BatchSeq>& batch,
-                         size_t* rows) {
+// The forward_batch batch of `seqs`, each viewing `pool` through its block table (the views go
+// in `views`, which BatchSeq points into), and its checks (Qwen3MoeCpu::check_batch); *rows: the
+// wanted logits rows.
+Status prepare_views(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits,
+                     std::span<const RunnerSeq> seqs, std::vector<model::KvCache>& views,
+                     std::vector<model::Qwen3MoeCpu::BatchSeq>& batch, size_t* rows) {
+  views.clear();
+  views.reserve(seqs.size());  // no reallocation: BatchSeq keeps pointers into it
   batch.clear();
   *rows = 0;
-  for (const RunnerSeq& s : seqs) {
-    auto it = caches.find(s.id);
-    if (it == caches.end()) it = caches.emplace(s.id, model.make_cache(limits.max_context, limits.block_size)).first;
-    model::KvCache& cache = it->second;
-    // A recomputed (preempted) sequence starts over from 0; anything else must continue where
-    // its cache ends. [TAG_SERVE_RECOMPUTE]
-    if (s.start == 0) cache.clear();
-    if (cache.position() != s.start)
-      return Error::format("sequence {} is at {} tokens in its cache, the step starts it at {}", s.id, cache.position(),
-                           s.start);
-    batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &cache, s.want_logits});
-    *rows += s.want_logits ? 1 : 0;
-  }
-  return model.check_batch(batch);
-}
-
-// One forward_batch over `seqs`, each viewing `pool` through its block table; `logits` gets the
-// wanted rows in order (the single-process runner).
-Status run_pooled(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits,
-                  std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
-  std::vector<model::KvCache> views;
-  views.reserve(seqs.size());  // BatchSeq keeps pointers into it
-  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
-  size_t rows = 0;
   for (const RunnerSeq& s : seqs) {
     for (int32_t b : s.block_table)
       if (b < 0 || b >= pool.num_blocks())
@@ -75,27 +51,37 @@ Status run_pooled(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, con
                            s.block_table.size() * static_cast<size_t>(pool.block_size()));
     views.emplace_back(pool, s.block_table, s.start, limits.max_context);
     batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &views.back(), s.want_logits});
-    rows += s.want_logits ? 1 : 0;
+    *rows += s.want_logits ? 1 : 0;
   }
+  return model.check_batch(batch);
+}
+
+// One forward_batch over `seqs` on `pool`; `logits` gets the wanted rows in order (one process).
+Status run_pooled(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits,
+                  std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
+  std::vector<model::KvCache> views;
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
+  size_t rows = 0;
+  MOEBIUS_TRY(prepare_views(model, pool, limits, seqs, views, batch, &rows));
   logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
   return model.forward_batch(batch, logits.data());
 }
 
-// [TAG_SERVE_DP] One rank's part of a step after its message, rank 0's included: drop the released
-// sequences, prepare its own, agree with every rank whether all parts can run (one all-gather of a
+// [TAG_SERVE_DP] One rank's part of a step after its message, rank 0's included: prepare its own
+// sequences over its pool, agree with every rank whether all parts can run (one all-gather of a
 // flag: forward_batch is a collective, so a rank that failed its checks alone would leave the
 // others waiting in it), then run. Returns false when some rank refused (nobody ran; *why says
 // which, with this rank's reason if it was one); an error means the ranks may be out of step.
-Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, Caches& caches,
+Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, model::KvBlockPool& pool,
                          const RunnerLimits& limits, const DpStepMessage& m, std::vector<float>& logits,
                          std::string* why) {
-  for (int64_t id : m.release) caches.erase(id);
   std::vector<RunnerSeq> seqs;
   seqs.reserve(m.seqs.size());
-  for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, {}, s.want_logits});
+  for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, s.block_table, s.want_logits});
+  std::vector<model::KvCache> views;
   std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
   size_t rows = 0;
-  const Status mine = prepare_sequences(model, caches, limits, seqs, batch, &rows);
+  const Status mine = prepare_views(model, pool, limits, seqs, views, batch, &rows);
   const int32_t flag = mine.ok() ? 1 : 0;
   std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
   MOEBIUS_TRY(comm.all_gather(&flag, flags.data(), sizeof(flag)));
@@ -115,17 +101,23 @@ Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator
   return true;
 }
 
-// A follower rank (1..N-1) of the DP runner: steps until rank 0 says stop. A step some rank
-// refused is skipped by every rank; any other error ends the loop, and the caller aborts the group.
+std::unique_ptr<model::KvBlockPool> make_pool(const model::Qwen3MoeConfig& c, const RunnerLimits& l) {
+  return std::make_unique<model::KvBlockPool>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, l.block_size,
+                                              l.num_blocks);
+}
+
+// A follower rank (1..N-1) of the DP runner, with its own KV pool: steps until rank 0 says stop. A
+// step some rank refused is skipped by every rank; any other error ends the loop, and the caller
+// aborts the group.
 Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, const RunnerLimits& limits) {
-  Caches caches;
+  const std::unique_ptr<model::KvBlockPool> pool = make_pool(model.config(), limits);
   std::vector<float> logits, unused;
   const int64_t V = model.config().vocab_size;
   for (;;) {
     MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage m, dp_exchange_step(comm, {}));
     if (m.stop) return Ok{};
     std::string why;
-    MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model, comm, caches, limits, m, logits, &why));
+    MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model, comm, *pool, limits, m, logits, &why));
     if (ran) MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
   }
 }
@@ -141,18 +133,11 @@ struct EpFollowers {
 class CpuRunner final : public StepRunner {
  public:
   CpuRunner(model::Qwen3MoeCpu model, RunnerLimits limits, std::unique_ptr<EpFollowers> ep = nullptr)
-      : model_(std::move(model)), limits_(limits), ep_(std::move(ep)),
-        placement_(ep_ ? ep_->comm0->size() : 1), released_(static_cast<size_t>(placement_.ranks())) {
-    if (!ep_) {
-      const model::Qwen3MoeConfig& c = model_.config();
-      pool_ = std::make_unique<model::KvBlockPool>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                                   limits_.block_size, limits_.num_blocks);
-    }
-  }
+      : model_(std::move(model)), limits_(limits), ep_(std::move(ep)), pool_(make_pool(model_.config(), limits_)) {}
   ~CpuRunner() override {
     if (!ep_) return;
     if (broken_.ok()) {  // lets the follower ranks return (after a failure they already have)
-      std::vector<DpStepMessage> stop(static_cast<size_t>(placement_.ranks()));
+      std::vector<DpStepMessage> stop(static_cast<size_t>(limits_.kv_pools));
       for (DpStepMessage& m : stop) m.stop = true;
       if (!dp_exchange_step(*ep_->comm0, stop).ok()) ep_->group->abort("rank 0: stopping");
     }
@@ -162,13 +147,13 @@ class CpuRunner final : public StepRunner {
   const model::Qwen3MoeConfig& config() const override { return model_.config(); }
   const RunnerLimits& limits() const override { return limits_; }
   std::string describe() const override {
-    std::string s = fmt::format("cpu backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens",
+    std::string s = fmt::format("cpu backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}",
                                 config().num_hidden_layers, config().vocab_size, limits_.max_context,
-                                limits_.num_blocks, limits_.block_size);
+                                limits_.num_blocks, limits_.block_size, ep_ ? " per rank" : "");
     if (ep_)
       s += fmt::format("; data parallel over {} expert-parallel ranks (threads), up to {} sequences and {} tokens a "
                        "step",
-                       placement_.ranks(), limits_.max_seqs, limits_.max_step_tokens);
+                       limits_.kv_pools, limits_.max_seqs, limits_.max_step_tokens);
     return s;
   }
 
@@ -180,24 +165,10 @@ class CpuRunner final : public StepRunner {
   }
 
   bool failed() const override { return !broken_.ok(); }
-  std::vector<int> sequences_per_rank() const override {
-    if (!ep_) return {};
-    std::vector<int> v(static_cast<size_t>(placement_.ranks()));
-    for (int r = 0; r < placement_.ranks(); ++r) v[static_cast<size_t>(r)] = placement_.live(r);
-    return v;
-  }
 
-  // One process: the block tables are the cache state. --ep: each rank keeps its sequences' own
-  // caches (the step message carries no block tables yet), so nothing can be shared.
-  bool shares_kv_blocks() const override { return !ep_; }
-
-  void release(int64_t id) override {
-    if (!ep_) return;  // its blocks are the engine's
-    const std::optional<int> r = placement_.release(id);
-    if (!r) return;
-    if (*r == 0) caches_.erase(id);
-    else released_[static_cast<size_t>(*r)].push_back(id);  // sent with the next step
-  }
+  // The block tables are the cache state, on every rank.
+  bool shares_kv_blocks() const override { return true; }
+  void release(int64_t) override {}
 
   Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
     if (ep_)
@@ -222,23 +193,24 @@ class CpuRunner final : public StepRunner {
   // A step some rank refused returns its error with every rank still in step; any other error
   // (a collective's) marks the runner failed.
   Status dp_step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
-    const size_t N = static_cast<size_t>(placement_.ranks());
+    const size_t N = static_cast<size_t>(limits_.kv_pools);
     const int64_t V = config().vocab_size;
     std::vector<DpStepMessage> msgs(N);
     std::vector<int64_t> rows(N, 0);
     std::vector<std::pair<size_t, int64_t>> where;  // per wanted row, in step order: (rank, its row)
-    for (size_t r = 0; r < N; ++r) msgs[r].release = std::move(released_[r]);
-    released_.assign(N, {});
     for (const RunnerSeq& s : seqs) {
-      const size_t r = static_cast<size_t>(placement_.place(s.id));
-      msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()}});
+      if (s.pool < 0 || s.pool >= limits_.kv_pools)
+        return Error::format("sequence {} is placed on pool {}; there are {}", s.id, s.pool, limits_.kv_pools);
+      const size_t r = static_cast<size_t>(s.pool);
+      msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()},
+                                   {s.block_table.begin(), s.block_table.end()}});
       if (s.want_logits) where.emplace_back(r, rows[r]++);
     }
     Status refused = Ok{};  // a step some rank refused: every rank is still in step
     const Status st = [&]() -> Status {
       MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
       std::string why;
-      MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model_, *ep_->comm0, caches_, limits_, mine, own_, &why));
+      MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model_, *ep_->comm0, *pool_, limits_, mine, own_, &why));
       if (!ran) {
         refused = Error(why);
         return Ok{};
@@ -266,11 +238,8 @@ class CpuRunner final : public StepRunner {
 
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
-  std::unique_ptr<model::KvBlockPool> pool_;  // one process
-  Caches caches_;  // --ep: rank 0's sequences
   std::unique_ptr<EpFollowers> ep_;
-  DpPlacement placement_;
-  std::vector<std::vector<int64_t>> released_;  // per rank: released since the last step
+  std::unique_ptr<model::KvBlockPool> pool_;  // rank 0's (--ep: the followers have their own)
   std::vector<float> own_, gathered_;  // rank 0's rows, the other ranks' rows
   Status broken_ = Ok{};
 };
@@ -307,7 +276,6 @@ Result<std::unique_ptr<StepRunner>> load_cpu_ep_runner(const RunnerOptions& o, c
         return std::move(ep->status[r]).error();
     return joined.error();
   }
-  l.num_blocks = o.num_blocks > 0 ? o.num_blocks : l.num_blocks;
   return std::unique_ptr<StepRunner>(new CpuRunner(std::move(m).value(), l, std::move(ep)));
 }
 
@@ -324,21 +292,22 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     const int ctx = config.max_position_embeddings;
     l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : ctx;
     l.block_size = o.block_size;
-    // [TAG_SERVE_DP] Each rank runs up to --max-running sequences (its own caches), so the engine
-    // schedules N times as many. --max-step-tokens is the step's total, raised to one token per
-    // sequence where it is below N x --max-running (the engine needs that much), which describe()
-    // reports.
+    // [TAG_SERVE_DP] Each rank runs up to --max-running sequences over its own KV pool (--kv-blocks
+    // blocks, by default --max-running full contexts), so the engine schedules N times as many.
+    // --max-step-tokens is the step's total, raised to one token per sequence where it is below
+    // N x --max-running (the engine needs that much), which describe() reports.
     const int64_t seqs = int64_t{o.max_seqs} * o.ep;
-    const int64_t blocks = (int64_t{l.max_context} + l.block_size - 1) / l.block_size * seqs;
+    const int64_t blocks = (int64_t{l.max_context} + l.block_size - 1) / l.block_size * o.max_seqs;
     if (seqs > std::numeric_limits<int32_t>::max())
       return Error::format("--max-running {} x --ep {} is too many sequences", o.max_seqs, o.ep).in_field("--max-running");
     if (o.num_blocks == 0 && blocks > std::numeric_limits<int32_t>::max())
       return Error::format("{} sequences of {} tokens need {} KV blocks, more than a pool holds; lower --max-context",
-                           seqs, l.max_context, blocks)
+                           o.max_seqs, l.max_context, blocks)
           .in_field("--max-context");
     l.max_seqs = static_cast<int>(seqs);
     l.max_step_tokens = std::max(o.max_step_tokens, l.max_seqs);
-    l.num_blocks = static_cast<int32_t>(blocks);
+    l.num_blocks = o.num_blocks > 0 ? o.num_blocks : static_cast<int32_t>(blocks);
+    l.kv_pools = o.ep;
     return load_cpu_ep_runner(o, load, l);
   }
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
