@@ -1,6 +1,13 @@
-// `moebius generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [sampling flags]`
+// `moebius generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--chat [--system TEXT]
+//  [--no-thinking]] [sampling flags]`
 //
-// Prompt: --prompt is encoded with DIR/tokenizer.json (required then); --prompt-ids is used as is.
+// Prompt: --prompt is encoded with the tokenizer (--tokenizer DIR, default the model's directory:
+// DIR/tokenizer.json, required then); --prompt-ids is used as is. With --chat the prompt is the
+// user's message of a conversation (after --system's message, if given) rendered with the chat
+// template of DIR/tokenizer_config.json and the assistant's turn opened, as a chat client or
+// `serve`'s /v1/chat/completions would send it; an instruct model answers rather than continues
+// the text. --no-thinking passes enable_thinking=false (Qwen3's template then closes an empty
+// think block).
 // Output: generated text streams to stdout through the StreamingDecoder as tokens are sampled;
 // with --prompt-ids and no DIR/tokenizer.json the generated ids are printed instead, space
 // separated. The end-of-run report (token counts, tok/s, GB/s, logits hash) goes to stderr.
@@ -13,6 +20,7 @@
 
 #include "cli/commands.h"
 #include "cli/ep_workers.h"
+#include "chat/chat_template.h"
 #include "cli/progress.h"
 #include "core/error.h"
 #include "model/generate.h"
@@ -27,6 +35,10 @@ struct GenerateCliOptions {
   model::GenerateOptions gen;
   std::string prompt;
   std::vector<int32_t> prompt_ids;
+  std::string tokenizer_dir;  // "": the model's directory
+  bool chat = false;
+  std::string system;
+  bool no_thinking = false;
   float temperature = 1.0f;
   int top_k = 0;
   float top_p = 1.0f;
@@ -47,10 +59,32 @@ void write_out(const std::string& s) {
   std::fflush(stdout);
 }
 
+// --chat: the conversation's prompt text, from the tokenizer directory's chat template.
+Result<std::string> render_chat_prompt(const GenerateCliOptions& o, const std::string& tok_dir) {
+  const std::string config = (std::filesystem::path(tok_dir) / "tokenizer_config.json").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(config, ec))
+    return Error::format("needs a chat template, and '{}' does not exist", config).in_field("--chat");
+  try {
+    const chat::ChatTemplate tmpl = chat::ChatTemplate::from_tokenizer_config(config);
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!o.system.empty()) messages.push_back({{"role", "system"}, {"content", o.system}});
+    messages.push_back({{"role", "user"}, {"content", o.prompt}});
+    chat::RenderOptions ro;
+    if (o.no_thinking) ro.enable_thinking = false;
+    return tmpl.render(messages, ro);
+  } catch (const Error& e) {
+    return Error("the chat template of '" + config + "' failed: " + e.what()).in_field("--chat");
+  }
+}
+
 Status run(GenerateCliOptions& o) {
   model::GenerateOptions g = o.gen;
   const bool has_text = o.prompt_opt->count() > 0, has_ids = o.prompt_ids_opt->count() > 0;
   if (has_text == has_ids) return Error("give exactly one of --prompt and --prompt-ids").in_field("--prompt");
+  if (o.chat && !has_text) return Error("renders a text prompt; give --prompt, not --prompt-ids").in_field("--chat");
+  if (!o.chat && !o.system.empty()) return Error("is a chat message; add --chat").in_field("--system");
+  if (!o.chat && o.no_thinking) return Error("is a chat template option; add --chat").in_field("--no-thinking");
   if (o.temperature_opt->count() > 0) g.temperature = o.temperature;
   if (o.top_k_opt->count() > 0) g.top_k = o.top_k;
   if (o.top_p_opt->count() > 0) g.top_p = o.top_p;
@@ -58,18 +92,26 @@ Status run(GenerateCliOptions& o) {
   if (o.repetition_penalty_opt->count() > 0) g.repetition_penalty = o.repetition_penalty;
   g.autotune = !o.no_autotune;
 
-  const std::string tok_path = (std::filesystem::path(g.model_dir) / "tokenizer.json").string();
+  const std::string tok_dir = o.tokenizer_dir.empty() ? g.model_dir : o.tokenizer_dir;
+  const std::string tok_path = (std::filesystem::path(tok_dir) / "tokenizer.json").string();
   std::error_code ec;
   std::optional<tokenizer::BpeTokenizer> tok;
+  if (!o.tokenizer_dir.empty() && !std::filesystem::exists(tok_path, ec))
+    return Error::format("'{}' does not exist", tok_path).in_field("--tokenizer");
   if (has_text || std::filesystem::exists(tok_path, ec)) {
     if (has_text && !std::filesystem::exists(tok_path, ec))
-      return Error::format("--prompt needs a tokenizer, and '{}' does not exist; pass --prompt-ids instead", tok_path)
+      return Error::format("--prompt needs a tokenizer, and '{}' does not exist; pass --tokenizer DIR or --prompt-ids",
+                           tok_path)
           .in_field("--prompt");
     MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer t, tokenizer::BpeTokenizer::load(tok_path));
     tok.emplace(std::move(t));
   }
   if (has_text) {
-    for (tokenizer::TokenId id : tok->encode(o.prompt)) g.prompt_ids.push_back(static_cast<int32_t>(id));
+    std::string text = o.prompt;
+    if (o.chat) {
+      MOEBIUS_ASSIGN_OR_RETURN(text, render_chat_prompt(o, tok_dir));
+    }
+    for (tokenizer::TokenId id : tok->encode(text)) g.prompt_ids.push_back(static_cast<int32_t>(id));
     if (g.prompt_ids.empty()) return Error("the prompt encodes to no tokens").in_field("--prompt");
   } else {
     g.prompt_ids = o.prompt_ids;
@@ -121,6 +163,13 @@ void register_generate(CLI::App& app) {
   o->prompt_ids_opt =
       cmd->add_option("--prompt-ids", o->prompt_ids, "prompt token ids, comma-separated")->delimiter(',');
   o->prompt_opt->excludes(o->prompt_ids_opt);
+  cmd->add_option("--tokenizer", o->tokenizer_dir,
+                  "directory of tokenizer.json (and tokenizer_config.json for --chat); default: --model's");
+  cmd->add_flag("--chat", o->chat,
+                "--prompt is a user message: render it with the chat template (tokenizer_config.json) and open the "
+                "assistant's turn");
+  cmd->add_option("--system", o->system, "--chat: a system message before the user's");
+  cmd->add_flag("--no-thinking", o->no_thinking, "--chat: enable_thinking=false (Qwen3: answer without reasoning)");
   cmd->add_option("--max-tokens", o->gen.max_tokens, "tokens to generate at most")->capture_default_str();
   o->temperature_opt = cmd->add_option("--temperature", o->temperature,
                                        "0 = greedy (default: generation_config.json, else 1)");
