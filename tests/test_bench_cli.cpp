@@ -1,4 +1,4 @@
-// `moebius bench moe`, `bench generate` and `bench attention` through the real binary: their options' bad values get
+// `moebius bench moe`, `bench generate`, `bench attention` and `bench serve` through the real binary: their options' bad values get
 // a clear error that names the option and a non-zero exit, before any device or weight work starts
 // (the CUDA backend's options are validated on machines without a GPU too).
 #include <gtest/gtest.h>
@@ -56,6 +56,13 @@ TEST(BenchAttentionCli, BadOptionsNameTheOption) {
   expect_error("bench attention --mode sideways", "--mode");
   expect_error("bench attention --mode decode --heads 34 --kv-heads 2", "--heads");
   expect_error("bench attention --mode decode --context 1024,x", "--context");
+}
+
+TEST(BenchServeCli, BadOptionsNameTheOption) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  // Checked before any connection is made.
+  expect_error("bench serve --model m --input-len 10 --shared-prefix-len 11", "--shared-prefix-len");
+  expect_error("bench serve --model m --input-len 10 --shared-prefix-len -1", "--shared-prefix-len");
 }
 
 TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {

@@ -1,10 +1,14 @@
 // `moebius bench serve --url http://127.0.0.1:8000 --dataset random --input-len 1024 --output-len 128
-//                      --num-prompts 200 [--request-rate inf] [--max-concurrency N] [--output-file F]`
+//                      --num-prompts 200 [--shared-prefix-len N] [--request-rate inf] [--max-concurrency N]
+//                      [--output-file F]`
 //
 // A load client for an OpenAI-compatible server (ours or any other), printing the metrics SGLang's
 // bench_serving prints. Each request is a streamed /v1/completions with a prompt of input-len
 // random token ids (so the length is exact whatever the tokenizer) and max_tokens output-len with
-// ignore_eos (so is the output). Requests arrive as a Poisson process of --request-rate per
+// ignore_eos (so is the output). With --shared-prefix-len N every prompt starts with the same N
+// random ids (a shared system prompt, as SGLang's generated-shared-prefix dataset), which a server
+// with prefix caching computes once; the cached prompt tokens the server reports
+// (usage.prompt_tokens_details.cached_tokens) are summed. Requests arrive as a Poisson process of --request-rate per
 // second (inf: all at once), at most --max-concurrency in flight.
 //   TTFT: send to the first SSE event that carries text; ITL: between such events; TPOT:
 //   (E2E - TTFT) / (output tokens - 1); E2E: send to the end of the stream. Output tokens come
@@ -42,6 +46,7 @@ struct BenchServeOptions {
   std::string model;  // the served model name (required)
   std::string dataset = "random";
   int input_len = 1024;
+  int shared_prefix_len = 0;  // leading prompt ids common to every request
   int output_len = 128;
   int num_prompts = 200;
   double request_rate = INFINITY;
@@ -57,6 +62,7 @@ struct RequestResult {
   std::string error;
   int64_t input_tokens = 0;
   int64_t output_tokens = 0;
+  int64_t cached_tokens = 0;  // usage.prompt_tokens_details.cached_tokens, when the server sends it
   double ttft = 0, e2e = 0;
   std::vector<double> itl;
   double start = 0, end = 0;  // seconds since the benchmark began
@@ -106,7 +112,12 @@ RequestResult run_one(const server::HttpUrl& url, const std::string& base, const
         r.error = j["error"].value("message", "error event");
         continue;
       }
-      if (j.contains("usage") && j["usage"].is_object()) r.output_tokens = j["usage"].value("completion_tokens", 0);
+      if (j.contains("usage") && j["usage"].is_object()) {
+        const json& u = j["usage"];
+        r.output_tokens = u.value("completion_tokens", 0);
+        if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object())
+          r.cached_tokens = u["prompt_tokens_details"].value("cached_tokens", 0);
+      }
       if (!j.contains("choices") || j["choices"].empty()) continue;
       const std::string text = j["choices"][0].value("text", "");
       if (text.empty()) continue;
@@ -136,15 +147,22 @@ Status run(const BenchServeOptions& o) {
   if (o.input_len < 1 || o.output_len < 1 || o.num_prompts < 1)
     return Error("--input-len, --output-len and --num-prompts must be >= 1");
   if (!(o.request_rate > 0)) return Error("must be > 0 (inf: all at once)").in_field("--request-rate");
+  if (o.shared_prefix_len < 0 || o.shared_prefix_len > o.input_len)
+    return Error::format("must be in [0, --input-len {}], got {}", o.input_len, o.shared_prefix_len)
+        .in_field("--shared-prefix-len");
   MOEBIUS_ASSIGN_OR_RETURN(server::HttpUrl url, server::parse_http_url(o.url));
   std::vector<std::string> headers;
   if (!o.api_key.empty()) headers.push_back("Authorization: Bearer " + o.api_key);
 
   std::mt19937_64 rng(o.seed);
   std::uniform_int_distribution<int32_t> tok(0, o.vocab_size - 1);
+  std::vector<int32_t> shared;
+  for (int i = 0; i < o.shared_prefix_len; ++i) shared.push_back(tok(rng));
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(o.num_prompts));
-  for (auto& p : prompts)
-    for (int i = 0; i < o.input_len; ++i) p.push_back(tok(rng));
+  for (auto& p : prompts) {
+    p = shared;
+    for (int i = o.shared_prefix_len; i < o.input_len; ++i) p.push_back(tok(rng));
+  }
   std::exponential_distribution<double> gap(std::isinf(o.request_rate) ? 1.0 : o.request_rate);
 
   std::vector<RequestResult> results(prompts.size());
@@ -175,7 +193,7 @@ Status run(const BenchServeOptions& o) {
   const double duration = std::chrono::duration<double>(Clock::now() - t0).count();
 
   std::vector<double> ttft, tpot, itl, e2e;
-  int64_t in_tok = 0, out_tok = 0;
+  int64_t in_tok = 0, out_tok = 0, cached_tok = 0;
   int ok = 0;
   std::string first_error;
   for (const RequestResult& r : results) {
@@ -186,6 +204,7 @@ Status run(const BenchServeOptions& o) {
     ++ok;
     in_tok += r.input_tokens;
     out_tok += r.output_tokens;
+    cached_tok += r.cached_tokens;
     ttft.push_back(r.ttft * 1e3);
     e2e.push_back(r.e2e * 1e3);
     for (double x : r.itl) itl.push_back(x * 1e3);
@@ -206,6 +225,7 @@ Status run(const BenchServeOptions& o) {
   num("Benchmark duration (s):", duration);
   row("Total input tokens:", std::to_string(in_tok));
   row("Total generated tokens:", std::to_string(out_tok));
+  row("Total cached input tokens:", std::to_string(cached_tok));
   num("Request throughput (req/s):", ok / duration);
   num("Input token throughput (tok/s):", static_cast<double>(in_tok) / duration);
   num("Output token throughput (tok/s):", static_cast<double>(out_tok) / duration);
@@ -235,6 +255,8 @@ Status run(const BenchServeOptions& o) {
               {"request_rate", std::isinf(o.request_rate) ? json("inf") : json(o.request_rate)},
               {"max_concurrency", o.max_concurrency > 0 ? json(o.max_concurrency) : json(nullptr)},
               {"random_input_len", o.input_len},
+              {"shared_prefix_len", o.shared_prefix_len},
+              {"total_cached_input_tokens", cached_tok},
               {"random_output_len", o.output_len},
               {"num_prompts", o.num_prompts},
               {"completed", ok},
@@ -270,6 +292,9 @@ void register_bench_serve(CLI::App& bench) {
   cmd->add_option("--model", o->model, "the served model name")->required();
   cmd->add_option("--dataset", o->dataset, "random (random token ids)")->capture_default_str();
   cmd->add_option("--input-len", o->input_len, "prompt tokens per request")->capture_default_str();
+  cmd->add_option("--shared-prefix-len", o->shared_prefix_len,
+                  "leading prompt tokens every request shares (a system prompt for prefix caching)")
+      ->capture_default_str();
   cmd->add_option("--output-len", o->output_len, "generated tokens per request (ignore_eos)")->capture_default_str();
   cmd->add_option("--num-prompts", o->num_prompts, "requests")->capture_default_str();
   cmd->add_option("--request-rate", o->request_rate, "Poisson arrivals per second; inf: all at once");
