@@ -377,6 +377,17 @@ bench_serve_run() {  # URL NAME SERVER_LOG OUT
     --num-prompts 64 --max-concurrency 16 --vocab-size 151000 >"$out" || { cat "$out"; return 1; }
   cat "$out"
   curl -sf "$url/metrics" | grep -E '^moebius_(engine_steps_total|preemptions_total|requests_failed_total) '
+  # [TAG_PREFIX_CACHE] The same load with a 896-token prompt prefix shared by every request (a
+  # system prompt): the server computes it once; its TTFT against the run above is the cache's gain.
+  local shared
+  shared=$(mktemp)
+  "$BUILD/moebius" bench serve --url "$url" --model $name --dataset random --input-len 1024 --shared-prefix-len 896 \
+    --output-len 128 --num-prompts 64 --max-concurrency 16 --vocab-size 151000 --seed 2 >"$shared" || { cat "$shared"; return 1; }
+  awk -F': *' '/^Total input tokens:/ {in_tok = $2} /^Total cached input tokens:/ {cached = $2}
+               /^Median TTFT/ {ttft = $2} /^Output token throughput/ {tps = $2}
+               END {printf "shared prefix 896 of 1024: %d of %d input tokens cached, %.0f output tok/s, TTFT p50 %.0f ms\n",
+                    cached, in_tok, tps, ttft}' "$shared"
+  rm -f "$shared"
   # Summary row: requests completed, output tok/s, median TTFT and TPOT; fails unless all 64 completed.
   awk -F': *' '/^Successful requests:/ {ok = $2} /^Output token throughput/ {tps = $2}
                /^Median TTFT/ {ttft = $2} /^Median TPOT/ {tpot = $2}
