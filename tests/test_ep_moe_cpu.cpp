@@ -487,6 +487,31 @@ TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
   EXPECT_THAT(r.error().what(), ::testing::HasSubstr("num_experts"));
 }
 
+// A sequence starting past the context (inside its block table) is refused, on one rank and on a
+// follower rank, rather than stopping the process on the KV view's assertion.
+TEST(EpCpuRunner, AStepPastTheContextIsRefused) {
+  for (int ep : {1, 2}) {
+    RunnerOptions o;
+    o.source.model_dir = testing::tiny_fixture_dir();
+    o.max_seqs = 2;
+    o.max_step_tokens = 20;
+    o.num_blocks = 8;
+    o.max_context = 20;
+    o.ep = ep;
+    auto runner = load_runner(o);
+    ASSERT_TRUE(runner.ok()) << runner.error().what();
+    const std::vector<int32_t> table = {0, 1}, t = {4};
+    std::vector<float> logits;
+    const RunnerSeq past[] = {{1, t, 25, table, true, ep - 1}};
+    const Status st = (*runner)->step(past, logits);
+    ASSERT_FALSE(st.ok()) << "EP=" << ep;
+    if (ep == 1) {
+      EXPECT_THAT(st.error().what(), ::testing::HasSubstr("past the context of 20"));
+    }
+    EXPECT_FALSE((*runner)->failed());
+  }
+}
+
 // [TAG_SERVE_DP] `serve --ep N` is data parallel: the runner sends each sequence to the rank of its
 // pool (each rank runs over its own KV pool) and collects their logits in the step's order. A
 // script of steps with prefills, decodes, a chunk without logits, a new sequence and a preempted

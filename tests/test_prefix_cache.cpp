@@ -34,8 +34,8 @@ uint64_t publish_all(BlockAllocator& a, const std::vector<int32_t>& table, const
                      int64_t computed, int bs, uint64_t root) {
   uint64_t chain = root;
   for (int64_t b = 0; b < computed / bs; ++b)
-    chain = a.publish(table[static_cast<size_t>(b)], chain,
-                      std::span<const int32_t>(tokens).subspan(static_cast<size_t>(b * bs), static_cast<size_t>(bs)));
+    chain = *a.publish(table[static_cast<size_t>(b)], chain,
+                       std::span<const int32_t>(tokens).subspan(static_cast<size_t>(b * bs), static_cast<size_t>(bs)));
   return chain;
 }
 
@@ -187,7 +187,7 @@ TEST(PrefixCache, RandomStressNeverHandsOutWrongBlocks) {
       }
       s.computed += n;
       for (; s.chained < s.computed / bs; ++s.chained)
-        s.chain = a.publish(s.table[static_cast<size_t>(s.chained)], s.chain,
+        s.chain = *a.publish(s.table[static_cast<size_t>(s.chained)], s.chain,
                             std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.chained * bs), bs));
     } else if (kind < 9 && !live.empty()) {  // finish (or preempt) one
       const size_t i = rng() % live.size();
@@ -443,6 +443,92 @@ TEST_P(EnginePrefixCacheEp, UnderEvictionAndPreemptionEveryRequestMatchesTheRefe
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EnginePrefixCacheEp, ::testing::Values(1, 2));
+
+// Random requests of block-boundary prompt lengths (1, 15, 16, 17, ... 48) over shared stems, in
+// pools of 8 blocks, some cancelled while queued or running: every request that completes gets the
+// one-sequence loop's tokens, none finds its whole prompt cached, and no KV stays in use.
+TEST_P(EnginePrefixCacheEp, RandomRequestsWithCancelsMatchTheReference) {
+  const int ep = GetParam();
+  auto e = engine(3, 20, 8, true, ep);
+  std::mt19937 rng(77 + ep);
+  const int lens[] = {1, 5, 15, 16, 17, 31, 32, 33, 47, 48};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int> max_tokens;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 36; ++i) {
+    auto p = tokens_from(lens[rng() % 10], 50 + static_cast<int>(rng() % 3));
+    if (rng() % 2) p = concat(p, tokens_from(static_cast<int>(rng() % 12) + 1, 90 + i));
+    const int room = 128 - static_cast<int>(p.size());  // 8 blocks of 16
+    max_tokens.push_back(1 + static_cast<int>(rng() % std::min(room, 40)));
+    prompts.push_back(p);
+    streams.push_back(submit(*e, p, max_tokens.back()));
+    if (i % 5 == 4) std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 20));
+    if (i % 7 == 3) streams.back()->cancel();
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (i % 7 == 3) continue;
+    const Done d = drain(*streams[i]);
+    EXPECT_EQ(d.error, "") << "request " << i;
+    EXPECT_EQ(d.ids, reference(prompts[i], max_tokens[i])) << "request " << i << ", " << prompts[i].size() << " tokens";
+    EXPECT_LT(d.cached, static_cast<int64_t>(prompts[i].size()));
+  }
+  wait_until_no_kv_in_use(*e);
+  EXPECT_GT(e->metrics().prefix_cache_hits_total.load(), 0);
+}
+
+// A runner whose sequence cap does not divide over its pools: the remainder goes to the first
+// pools (7 over 4: 2, 2, 2, 1), so every slot can be used and no pool exceeds its share.
+class CappedRunner final : public StepRunner {
+ public:
+  CappedRunner(std::unique_ptr<StepRunner> inner, int max_seqs) : inner_(std::move(inner)), limits_(inner_->limits()) {
+    limits_.max_seqs = max_seqs;
+  }
+  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
+  const RunnerLimits& limits() const override { return limits_; }
+  std::string describe() const override { return inner_->describe(); }
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    std::vector<int> per(static_cast<size_t>(limits_.kv_pools), 0);
+    for (const RunnerSeq& s : seqs) ++per[static_cast<size_t>(s.pool)];
+    for (size_t p = 0; p < per.size(); ++p) most_in_pool[p] = std::max(most_in_pool[p], per[p]);
+    most_in_step = std::max(most_in_step, static_cast<int>(seqs.size()));
+    return inner_->step(seqs, logits);
+  }
+  void release(int64_t id) override { inner_->release(id); }
+  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    return inner_->stage_weights(dir);
+  }
+  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
+  std::vector<int> most_in_pool = std::vector<int>(4, 0);
+  int most_in_step = 0;
+
+ private:
+  std::unique_ptr<StepRunner> inner_;
+  RunnerLimits limits_;
+};
+
+TEST(EnginePrefixCache, ASequenceCapThatDoesNotDivideIsSpreadOverThePools) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = 2;
+  o.max_step_tokens = 64;
+  o.num_blocks = 16;
+  o.ep = 4;
+  auto runner = load_runner(o);
+  ASSERT_TRUE(runner.ok()) << runner.error().what();
+  auto capped = std::make_unique<CappedRunner>(std::move(runner).value(), 7);
+  CappedRunner* c = capped.get();
+  Engine e(std::move(capped), &tokenizer_for_tests(), EngineOptions{});
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 10; ++i) {
+    prompts.push_back(tokens_from(3 + i, 60 + i));
+    streams.push_back(submit(e, prompts.back(), 24));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(drain(*streams[i]).ids, reference(prompts[i], 24)) << i;
+  EXPECT_EQ(c->most_in_pool, (std::vector<int>{2, 2, 2, 1}));
+  EXPECT_EQ(c->most_in_step, 7);
+}
 
 // [TAG_SERVE_DP] Cache-aware placement: a request whose prompt shares a cached prefix goes to the
 // rank holding it, although the other rank runs fewer sequences; without a shared prefix the

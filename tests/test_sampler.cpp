@@ -167,6 +167,20 @@ TEST(SamplerPenalties, RepetitionPenaltyDividesPositiveAndMultipliesNegative) {
   EXPECT_EQ(*fav.sample(row), 1);  // 2 / 0.5 = 4 > 3
 }
 
+// A penalty near 0 divides a seen positive logit towards +inf: it is clamped finite, so the
+// softmax has no inf - inf and the token is simply the most likely (it was NaN probabilities and
+// the least likely token).
+TEST(SamplerPenalties, ATinyRepetitionPenaltyStaysFinite) {
+  Sampler s = make({.temperature = 1.0f, .seed = 1, .repetition_penalty = 1e-39f});
+  s.observe_prompt(std::vector<int32_t>{0, 2});
+  const std::vector<float> row{2.0f, 1.0f, -3.0f, -INFINITY};
+  auto a = s.adjusted(row);
+  ASSERT_TRUE(a.ok());
+  for (float x : *a) EXPECT_FALSE(std::isnan(x));
+  EXPECT_EQ((*a)[3], -INFINITY);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(*s.sample(row), 0) << i;
+}
+
 TEST(SamplerPenalties, FrequencyAndPresenceCountTheOutputOnly) {
   Sampler s = make({.temperature = 0.0f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f});
   s.observe_prompt(std::vector<int32_t>{0});  // the OpenAI penalties ignore the prompt

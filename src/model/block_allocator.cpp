@@ -135,7 +135,7 @@ int64_t BlockAllocator::cached_prefix_blocks(uint64_t root, std::span<const int3
   return n;
 }
 
-uint64_t BlockAllocator::publish(int32_t block, uint64_t parent, std::span<const int32_t> tokens) {
+std::optional<uint64_t> BlockAllocator::publish(int32_t block, uint64_t parent, std::span<const int32_t> tokens) {
   const uint64_t h = chain_hash(parent, tokens);
   if (!prefix_caching_) return h;
   MOEBIUS_ASSERT(block >= 0 && block < num_blocks() && refs_[static_cast<size_t>(block)] > 0,
@@ -147,7 +147,14 @@ uint64_t BlockAllocator::publish(int32_t block, uint64_t parent, std::span<const
   MOEBIUS_ASSERT(static_cast<int>(tokens.size()) == block_size_, "publish of {} tokens, blocks hold {}", tokens.size(),
                  block_size_);
   Published& p = published_[static_cast<size_t>(block)];
-  if (p.valid || index_.contains(h)) return h;  // already published, or an equal block is
+  if (p.valid) return h;  // already published (a block's tokens never change while held)
+  if (auto it = index_.find(h); it != index_.end()) {
+    const int32_t other = it->second;
+    const bool equal = published_[static_cast<size_t>(other)].parent == parent &&
+                       std::equal(tokens.begin(), tokens.end(), block_tokens_.begin() + static_cast<int64_t>(other) * block_size_);
+    if (!equal) return std::nullopt;  // a hash collision: this chain's hashes are ambiguous from here
+    return h;                         // an equal block is published: this one stays private
+  }
   p = Published{h, parent, true};
   index_.emplace(h, block);
   std::copy(tokens.begin(), tokens.end(), block_tokens_.begin() + static_cast<int64_t>(block) * block_size_);

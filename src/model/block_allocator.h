@@ -11,12 +11,15 @@
 // that is published stays cached (its KV intact) until the pool needs it: ensure() takes free
 // blocks first, then evicts cached ones least recently released first (a table's blocks are
 // released deepest first, so a shared prefix outlives its tails). Lookups compare the block's
-// tokens and its parent chain's hash exactly, so a hash collision of one block cannot hand out
-// wrong KV; only two chains with equal 64-bit hashes and equal last blocks could.
+// tokens and its parent chain's hash exactly, and publish() refuses a block whose hash an unequal
+// block already owns (the sequence then stops publishing: its chain hash is ambiguous from there),
+// so a collision of block hashes cannot hand out wrong KV; only two different token chains with
+// equal 64-bit parent hashes and equal next blocks could.
 #pragma once
 
 #include <cstdint>
 #include <list>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -65,9 +68,12 @@ class BlockAllocator {
   int64_t cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size) const;
   // Publishes `block` (held by the caller's table, its block_size tokens computed) as `tokens`
   // after chain `parent`, and returns the block's chain hash. When an equal block is already
-  // published the index keeps that one and `block` stays private (freed on release). Without
-  // prefix caching it only computes the hash.
-  uint64_t publish(int32_t block, uint64_t parent, std::span<const int32_t> tokens);
+  // published the index keeps that one and `block` stays private (freed on release). nullopt when
+  // the hash belongs to an unequal block (a collision): publish nothing more after this chain.
+  // Without prefix caching it only computes the hash.
+  std::optional<uint64_t> publish(int32_t block, uint64_t parent, std::span<const int32_t> tokens);
+  // Tables holding `block` (a step may write only blocks held once).
+  int32_t holders(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
   // Forgets every published block (the weights changed, so their KV is stale): cached blocks go
   // back to the free list; held blocks stay with their tables, unpublished.
   void clear_prefix_cache();

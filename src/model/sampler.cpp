@@ -1,6 +1,7 @@
 #include "model/sampler.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 namespace moebius::model {
@@ -62,10 +63,13 @@ Result<std::span<const float>> Sampler::adjusted(std::span<const float> logits) 
   if (repetition) {
     // Each seen id once, whether the prompt, the output or both saw it.
     const float p = params_.repetition_penalty;
+    // A finite logit stays finite: a penalty near 0 (1e-39 is > 0) would divide a positive logit
+    // to +inf, and inf - inf in the softmax is NaN.
     const auto penalize = [&](int32_t id) {
       if (id < 0 || static_cast<size_t>(id) >= V) return;
       float& l = adjusted_[static_cast<size_t>(id)];
-      l = l > 0.0f ? l / p : l * p;
+      if (!std::isfinite(l)) return;  // -inf stays masked
+      l = std::clamp(l > 0.0f ? l / p : l * p, -FLT_MAX, FLT_MAX);
     };
     for (int32_t id : prompt_ids_) penalize(id);
     for (const auto& [id, count] : output_counts_)
@@ -85,7 +89,8 @@ Result<std::span<const float>> Sampler::adjusted(std::span<const float> logits) 
 Result<std::vector<std::pair<int32_t, float>>> Sampler::candidates(std::span<const float> raw) {
   if (raw.empty()) return Error("empty logits row");
   // A NaN means a broken forward pass: refuse it rather than sample around it. The adjustments
-  // never make one (their factors and terms are finite, and -inf stays -inf).
+  // never make one: their factors and terms are finite, a penalized logit is clamped finite, and
+  // -inf stays -inf.
   for (size_t i = 0; i < raw.size(); ++i)
     if (std::isnan(raw[i])) return Error::format("logit {} is NaN", i);
   MOEBIUS_ASSIGN_OR_RETURN(std::span<const float> logits, adjusted(raw));

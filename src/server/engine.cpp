@@ -32,6 +32,9 @@ struct Engine::Seq {
   // prefix chain's hash after them; cached_tokens: the prefix cache's hit at first admission.
   int64_t chained = 0;
   uint64_t chain = 0;
+  // False once its chain hash is ambiguous (a collision) or its KV predates a weight update:
+  // it publishes nothing more until it is admitted again.
+  bool publishing = true;
   int64_t cached_tokens = 0;
   std::optional<model::Sampler> sampler;
   std::optional<tokenizer::StreamingDecoder> decoder;
@@ -259,6 +262,8 @@ void Engine::commit_weights() {
   // chains (running ones keep theirs, on the KV they have, as they keep their tokens).
   ++weights_version_;
   for (auto& p : pools_) p->clear_prefix_cache();
+  for (auto& s : running_) s->publishing = false;  // their chains are the old weights'; they hold KV
+
   const int64_t paused = static_cast<int64_t>(running_.size() + waiting_.size());
   ++metrics_.weight_updates_total;
   log_info("weights updated ({:.3f} s with the engine paused; requests in flight, which continue on them: {})",
@@ -295,6 +300,7 @@ void Engine::start_from_prefix_cache(Seq& s, int pool) {
   s.pool = pool;
   s.chain = model::BlockAllocator::root_chain(weights_version_);
   s.chained = 0;
+  s.publishing = true;
   if (!prefix_caching_) return;
   const int bs = runner_->limits().block_size;
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
@@ -307,12 +313,18 @@ void Engine::start_from_prefix_cache(Seq& s, int pool) {
 
 // [TAG_PREFIX_CACHE] After a step: publish the sequence's blocks that are now whole and computed.
 void Engine::publish_computed_blocks(Seq& s) {
-  if (!prefix_caching_) return;
+  if (!prefix_caching_ || !s.publishing) return;
   const int bs = runner_->limits().block_size;
   for (const int64_t whole = s.computed / bs; s.chained < whole; ++s.chained) {
     const auto tokens = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.chained * bs),
                                                                    static_cast<size_t>(bs));
-    s.chain = pools_[static_cast<size_t>(s.pool)]->publish(s.blocks[static_cast<size_t>(s.chained)], s.chain, tokens);
+    const std::optional<uint64_t> next =
+        pools_[static_cast<size_t>(s.pool)]->publish(s.blocks[static_cast<size_t>(s.chained)], s.chain, tokens);
+    if (!next) {
+      s.publishing = false;
+      return;
+    }
+    s.chain = *next;
   }
 }
 
@@ -431,13 +443,13 @@ int Engine::running_on(int pool) const {
   return n;
 }
 
-// [TAG_SERVE_DP] The pools a waiting sequence may be admitted on, best first: those with fewer than
-// max_seqs / kv_pools running sequences, ordered by the longest cached prefix of its tokens (its
+// [TAG_SERVE_DP] The pools a waiting sequence may be admitted on, best first: those running fewer
+// sequences than their share of max_seqs (max_seqs / kv_pools, the remainder spread over the first
+// pools), ordered by the longest cached prefix of its tokens (its
 // own, after a preemption, or a shared prompt's: cache-aware placement), then the fewest running
 // sequences, then the most free blocks, then the lowest pool.
 std::vector<int> Engine::admission_order(const Seq& s) const {
   const RunnerLimits& l = runner_->limits();
-  const int cap = l.max_seqs / l.kv_pools;
   struct Option {
     int pool;
     int64_t cached_blocks;
@@ -449,7 +461,7 @@ std::vector<int> Engine::admission_order(const Seq& s) const {
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
   for (int p = 0; p < l.kv_pools; ++p) {
     const int running = running_on(p);
-    if (running >= cap) continue;
+    if (running >= l.max_seqs / l.kv_pools + (p < l.max_seqs % l.kv_pools ? 1 : 0)) continue;
     const model::BlockAllocator& a = *pools_[static_cast<size_t>(p)];
     options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size) : 0, running,
                        a.num_free()});
@@ -475,6 +487,13 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     r.start = s.computed;
     r.block_table = s.blocks;
     r.pool = s.pool;
+    // The step writes rows [computed, computed + chunk): their blocks must be this sequence's alone
+    // (a shared block is whole and computed, [TAG_PREFIX_CACHE]).
+    const int bs = runner_->limits().block_size;
+    for (int64_t b = s.computed / bs; b <= (s.computed + chunk[i] - 1) / bs; ++b)
+      MOEBIUS_ASSERT(pools_[static_cast<size_t>(s.pool)]->holders(s.blocks[static_cast<size_t>(b)]) == 1,
+                     "sequence {} would write block {}, which {} tables hold", s.id, s.blocks[static_cast<size_t>(b)],
+                     pools_[static_cast<size_t>(s.pool)]->holders(s.blocks[static_cast<size_t>(b)]));
     r.want_logits = s.computed + chunk[i] == static_cast<int64_t>(s.tokens.size());
   }
   Status st = runner_->step(seqs, logits_);

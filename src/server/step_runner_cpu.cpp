@@ -49,6 +49,8 @@ Status prepare_views(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, 
     if (s.start < 0 || s.start > static_cast<int64_t>(s.block_table.size()) * pool.block_size())
       return Error::format("sequence {} starts at {}, its block table covers {} tokens", s.id, s.start,
                            s.block_table.size() * static_cast<size_t>(pool.block_size()));
+    if (s.start > limits.max_context)
+      return Error::format("sequence {} starts at {}, past the context of {} tokens", s.id, s.start, limits.max_context);
     views.emplace_back(pool, s.block_table, s.start, limits.max_context);
     batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &views.back(), s.want_logits});
     *rows += s.want_logits ? 1 : 0;
