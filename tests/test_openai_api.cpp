@@ -519,6 +519,12 @@ TEST(OpenAiApi, ToolCallArgumentsBecomeObjects) {
     ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
     EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"], json::object());
   }
+  // No "content" key at all: adding it must not disturb the rest of the message (the role is read
+  // after it; fuzz/corpus/openai_request/crash_content_added_after_role).
+  b["messages"] = tool_turns("{\"a\": 1}");
+  b["messages"][1].erase("content");
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"]["a"], 1);
   b["messages"] = tool_turns(json{{"city", "Paris"}});  // already an object: kept
   ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
   EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"]["city"], "Paris");

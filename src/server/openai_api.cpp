@@ -236,7 +236,9 @@ std::optional<ApiError> read_messages(const json& body, const ApiLimits& limits,
     const json* role = field(m, "role");
     if (role == nullptr) return invalid_request(fmt::format("'{}.role' is required", param), param + ".role");
     if (!role->is_string()) return wrong_type(param + ".role", "a string", *role);
-    const std::string& r = role->get_ref<const std::string&>();
+    // A copy: normalize_content may add "content" to the message, which moves its other values
+    // (ordered_json keeps an object's members in a vector; found by fuzz_openai_request).
+    const std::string r = role->get_ref<const std::string&>();
     if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool")
       return invalid_request(
           fmt::format("'{}.role' is '{}'; expected system, developer, user, assistant or tool", param, r),
