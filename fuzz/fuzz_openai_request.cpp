@@ -2,8 +2,9 @@
 // parse_update_weights_request on the same bytes).
 // The first byte picks the endpoint (chat or completions); the rest is the body. Beyond "no
 // crash, no sanitizer report": an error has a 4xx status and serializes to JSON in OpenAI's
-// shape; an accepted request satisfies the invariants the engine relies on, and its strings
-// round-trip through the response builders.
+// shape; an accepted request satisfies the invariants the engine and the chat template rely on
+// (ranges, string contents, parsed tool-call arguments, bounded tools), and its strings round-trip
+// through the response builders.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -69,12 +70,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check(r.messages.is_array() && !r.messages.empty());
     for (const auto& m : r.messages) {
       check(m.is_object() && m.contains("role") && m.at("role").is_string());
-      // A string, or absent/null only on a turn that calls tools.
+      // Always a string, on a turn that only calls tools too (the template concatenates it).
       const auto c = m.find("content");
-      check((c != m.end() && c->is_string()) || ((c == m.end() || c->is_null()) && m.contains("tool_calls")));
+      check(c != m.end() && c->is_string());
+      // An assistant's calls: named functions whose arguments were parsed from their JSON string.
+      const auto calls = m.find("tool_calls");
+      if (m.at("role") == "assistant" && calls != m.end()) {
+        check(calls->is_array());
+        for (const auto& call : *calls) {
+          const auto& fn = call.at("function");
+          check(fn.at("name").is_string() && !fn.at("name").get<std::string>().empty());
+          check(fn.contains("arguments") && !fn.at("arguments").is_null());
+        }
+      }
     }
+    // Tools: null, or a bounded non-empty array of named functions; "auto" only with tools.
+    if (!r.tools.is_null()) {
+      check(r.tools.is_array() && !r.tools.empty() && static_cast<int>(r.tools.size()) <= limits.max_tools);
+      check(r.tools.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace).size() <=
+            limits.max_tools_bytes);
+      for (const auto& t : r.tools) {
+        const auto& name = t.at("function").at("name");
+        check(name.is_string() && !name.get<std::string>().empty());
+      }
+    }
+    check(r.tool_choice == ToolChoice::kNone || !r.tools.is_null());
   } else {
     check(r.prompt_is_ids ? !r.prompt_ids.empty() : !r.prompt.empty());
+    check(r.tools.is_null() && r.tool_choice == ToolChoice::kNone);
   }
   // Request text echoed into responses (stop strings as text, the model name) stays valid JSON.
   ChoiceDelta d;
@@ -83,5 +106,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const ResponseMeta meta{"id", r.model, 0};
   check(nlohmann::json::parse(completion_response(meta, d, Usage{1, 2}))["choices"][0]["text"] == d.text);
   check(nlohmann::json::parse(chat_chunk(meta, d, true, true).substr(6)).is_object());
+  // Tool names from the request echoed as calls, with the body as their arguments text.
+  if (!r.tools.is_null()) {
+    d.tool_calls.push_back(ToolCallOut{0, "call_x", r.tools[0]["function"]["name"].get<std::string>(), std::string(body)});
+    d.null_empty_content = true;
+    const nlohmann::json j = nlohmann::json::parse(chat_response(meta, d, Usage{1, 2}));
+    check(j["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == d.tool_calls[0].name);
+  }
   return 0;
 }

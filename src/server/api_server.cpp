@@ -18,6 +18,27 @@ void send_error(HttpResponse& res, const ApiError& e) { res.send(e.status, "appl
 
 const std::vector<std::string> kSseHeaders = {"Cache-Control: no-cache", "X-Accel-Buffering: no"};
 
+// OpenAI's form: "call_" and 24 letters and digits.
+std::string new_call_id() {
+  static constexpr std::string_view kChars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kChars[rng() % kChars.size()];
+  return id;
+}
+
+// Adds what the output parser released to a response or chunk. The calls get their ids and
+// indices here (the parser knows neither); with parallel_tool_calls false only the first call is
+// kept, as vLLM does. *calls counts the calls of the whole response so far.
+void add_parsed(ChatOutputDelta&& parsed, const GenerationRequest& req, int* calls, ChoiceDelta* d) {
+  d->text += parsed.content;
+  d->reasoning += parsed.reasoning;
+  for (ParsedToolCall& c : parsed.tool_calls) {
+    if (!req.parallel_tool_calls && *calls >= 1) continue;
+    d->tool_calls.push_back(ToolCallOut{(*calls)++, new_call_id(), std::move(c.name), std::move(c.arguments)});
+  }
+}
+
 }  // namespace
 
 ApiServer::ApiServer(Engine* engine, const tokenizer::BpeTokenizer* tokenizer, ChatRenderer chat,
@@ -103,15 +124,18 @@ void ApiServer::update_weights(const HttpRequest& http, HttpResponse& res) {
   }
 }
 
-std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vector<int32_t>* ids) const {
+std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vector<int32_t>* ids,
+                                            bool* prompt_opens_think) const {
   std::string text;
+  *prompt_opens_think = false;
   if (r.endpoint == Endpoint::kChat) {
     if (!chat_) return invalid_request("This model has no chat template (tokenizer_config.json's chat_template); use "
                                        "/v1/completions.");
-    Result<std::string> rendered = chat_(r.messages, r.enable_thinking);
+    Result<std::string> rendered = chat_(r.messages, r.tools, r.enable_thinking);
     if (!rendered.ok()) return invalid_request("The chat template failed on these messages: " +
                                                rendered.error().what(), "messages");
     text = std::move(rendered).value();
+    *prompt_opens_think = ChatOutputParser::prompt_ends_in_think(text);
   } else if (r.prompt_is_ids) {
     for (int32_t id : r.prompt_ids)
       if (id >= engine_->vocab_size())
@@ -166,6 +190,19 @@ std::vector<TokenLogprob> ApiServer::logprobs_text(const std::vector<GeneratedTo
   return out;
 }
 
+std::optional<ChatOutputOptions> ApiServer::output_parsing(const GenerationRequest& r, bool prompt_opens_think) const {
+  if (r.endpoint != Endpoint::kChat) return std::nullopt;
+  ChatOutputOptions o;
+  o.reasoning = options_.reasoning_parser == ReasoningParser::kQwen3;
+  o.prompt_opens_think = o.reasoning && prompt_opens_think;
+  // Calls are parsed only when the client offered tools and let the model choose (vLLM's rule):
+  // otherwise a <tool_call> the model writes is text the client asked for.
+  o.tool_calls = options_.tool_call_parser == ToolCallParser::kHermes && !r.tools.is_null() &&
+                 r.tool_choice == ToolChoice::kAuto;
+  if (!o.reasoning && !o.tool_calls) return std::nullopt;
+  return o;
+}
+
 ResponseMeta ApiServer::meta(Endpoint endpoint) {
   const uint64_t n = next_id_++;
   return ResponseMeta{fmt::format("{}-{:x}{:08x}", endpoint == Endpoint::kChat ? "chatcmpl" : "cmpl", created_, n),
@@ -175,8 +212,17 @@ ResponseMeta ApiServer::meta(Endpoint endpoint) {
 void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpResponse& res) {
   GenerationRequest req;
   if (auto e = parse_request(endpoint, http.body, limits_, &req)) return send_error(res, *e);
+  if (req.tool_choice == ToolChoice::kAuto && options_.tool_call_parser == ToolCallParser::kNone)
+    return send_error(res, invalid_request("tool_choice \"auto\" (the default with tools) needs a tool-call parser, and "
+                                           "this server has none (--tool-call-parser none, the default when the chat "
+                                           "template has no <tool_call> format). Send tool_choice \"none\" to render "
+                                           "the tools without parsing calls, or start the server with "
+                                           "--tool-call-parser hermes.",
+                                           "tool_choice"));
   std::vector<int32_t> ids;
-  if (auto e = tokenize(req, &ids)) return send_error(res, *e);
+  bool prompt_opens_think = false;
+  if (auto e = tokenize(req, &ids, &prompt_opens_think)) return send_error(res, *e);
+  const std::optional<ChatOutputOptions> parse = output_parsing(req, prompt_opens_think);
   const int64_t prompt = static_cast<int64_t>(ids.size()), context = engine_->max_context();
   if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
     return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
@@ -186,12 +232,12 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
     if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
     return send_error(res, invalid_request(sub.error));
   }
-  if (req.stream) stream(endpoint, req, prompt, sub.stream, res);
-  else whole(endpoint, req, prompt, sub.stream, res);
+  if (req.stream) stream(endpoint, req, prompt, parse, sub.stream, res);
+  else whole(endpoint, req, parse, sub.stream, res);
 }
 
-void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, int64_t, const std::shared_ptr<RequestStream>& s,
-                      HttpResponse& res) {
+void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
+                      const std::shared_ptr<RequestStream>& s, HttpResponse& res) {
   RequestUpdate u;
   while (!u.finished) {
     s->take(&u, kPollSlice);
@@ -202,10 +248,21 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, int64_t, 
   }
   if (!u.error.empty()) return send_error(res, server_error(u.error));
   ChoiceDelta c;
-  c.text = std::move(u.text);
   c.want_logprobs = req.top_logprobs >= 0;
   c.logprobs = logprobs_text(u.tokens);
   c.finish_reason = u.finish_reason;
+  if (parse) {
+    ChatOutputParser parser(*parse);
+    ChatOutputDelta parsed = parser.feed(u.text);
+    parsed.append(parser.finish());
+    int calls = 0;
+    add_parsed(std::move(parsed), req, &calls, &c);
+    c.reasoning_field = parse->reasoning;
+    c.null_empty_content = !c.tool_calls.empty() || !c.reasoning.empty();
+    if (calls > 0) c.finish_reason = "tool_calls";  // even after a length limit, as vLLM reports it
+  } else {
+    c.text = std::move(u.text);
+  }
   const Usage usage{u.prompt_tokens, u.completion_tokens, u.cached_tokens};
   const ResponseMeta m = meta(endpoint);
   res.send(200, "application/json",
@@ -213,7 +270,8 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, int64_t, 
 }
 
 void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
-                       const std::shared_ptr<RequestStream>& s, HttpResponse& res) {
+                       const std::optional<ChatOutputOptions>& parse, const std::shared_ptr<RequestStream>& s,
+                       HttpResponse& res) {
   const ResponseMeta m = meta(endpoint);
   const bool usage = req.include_usage;
   const auto chunk = [&](const ChoiceDelta& d, bool first) {
@@ -222,6 +280,9 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
   bool ok = res.begin_stream(200, "text/event-stream", kSseHeaders);
   // Chat streams open with the assistant role, as OpenAI's do.
   if (ok && endpoint == Endpoint::kChat) ok = res.write(chunk(ChoiceDelta{}, true));
+  std::optional<ChatOutputParser> parser;
+  if (parse) parser.emplace(*parse);
+  int calls = 0;  // tool calls sent so far
   RequestUpdate u;
   int64_t completion_tokens = 0, cached_tokens = 0;
   while (ok) {
@@ -237,12 +298,20 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
       break;
     }
     ChoiceDelta d;
-    d.text = std::move(part.text);
+    if (parser) {
+      ChatOutputDelta parsed = parser->feed(part.text);
+      if (part.finished) parsed.append(parser->finish());
+      add_parsed(std::move(parsed), req, &calls, &d);
+    } else {
+      d.text = std::move(part.text);
+    }
     d.want_logprobs = req.top_logprobs >= 0;
     d.logprobs = logprobs_text(part.tokens);
-    if (part.finished) d.finish_reason = part.finish_reason;
-    // A piece that is all held back (stop-string prefix, half a character) sends nothing yet.
-    if (!d.text.empty() || !d.logprobs.empty() || part.finished) ok = res.write(chunk(d, false));
+    if (part.finished) d.finish_reason = calls > 0 ? "tool_calls" : part.finish_reason;
+    // A piece that is all held back (stop-string prefix, half a character, a partial tag, an open
+    // tool call) sends nothing yet.
+    if (!d.text.empty() || !d.reasoning.empty() || !d.tool_calls.empty() || !d.logprobs.empty() || part.finished)
+      ok = res.write(chunk(d, false));
     if (part.finished) {
       if (ok && usage) ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion_tokens, cached_tokens}));
       u.finished = true;

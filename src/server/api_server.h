@@ -1,6 +1,7 @@
 // The OpenAI-compatible routes over the engine: what each HTTP request becomes.
 //
-//   POST /v1/chat/completions   messages -> chat template -> tokens -> engine (SSE or whole)
+//   POST /v1/chat/completions   messages (+ tools) -> chat template -> tokens -> engine -> output
+//                               parsers (reasoning_content, tool_calls) -> SSE or whole
 //   POST /v1/completions        prompt text or ids -> engine (SSE or whole)
 //   GET  /v1/models             the served model
 //   GET  /health                200 while the engine runs
@@ -28,6 +29,7 @@
 
 #include "core/error.h"
 #include "model/sampler.h"
+#include "server/chat_output_parser.h"
 #include "server/engine.h"
 #include "server/http_server.h"
 #include "server/openai_api.h"
@@ -35,10 +37,15 @@
 
 namespace moebius::server {
 
-// Renders chat messages to prompt text (the model's chat template); an Error is the client's
-// fault (e.g. the template raised on its messages).
-using ChatRenderer =
-    std::function<Result<std::string>(const nlohmann::ordered_json& messages, std::optional<bool> enable_thinking)>;
+// Renders chat messages and tool definitions (null: none) to prompt text (the model's chat
+// template); an Error is the client's fault (e.g. the template raised on its messages).
+using ChatRenderer = std::function<Result<std::string>(
+    const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools, std::optional<bool> enable_thinking)>;
+
+// What the chat output is parsed for (vLLM's --tool-call-parser and --reasoning-parser; the
+// formats are in server/chat_output_parser.h).
+enum class ToolCallParser { kNone, kHermes };
+enum class ReasoningParser { kNone, kQwen3 };
 
 struct SamplingDefaults {  // generation_config.json's, applied where a request sets nothing
   float temperature = 1.0f;
@@ -54,6 +61,10 @@ struct ApiServerOptions {
   std::string api_key;            // empty: no authentication
   size_t max_body_bytes = 4u << 20;
   SamplingDefaults sampling;
+  // kNone: a chat request with tools and tool_choice "auto" is a 400 (nothing would turn the
+  // model's calls into tool_calls); "none" is still served.
+  ToolCallParser tool_call_parser = ToolCallParser::kNone;
+  ReasoningParser reasoning_parser = ReasoningParser::kNone;
 };
 
 class ApiServer {
@@ -70,10 +81,15 @@ class ApiServer {
   void generate(Endpoint endpoint, const HttpRequest& request, HttpResponse& response);
   void update_weights(const HttpRequest& request, HttpResponse& response);
   void stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
-              const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
-  void whole(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+              const std::optional<ChatOutputOptions>& parse, const std::shared_ptr<RequestStream>& stream,
+              HttpResponse& response);
+  void whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
              const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
-  std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids) const;
+  // The prompt's token ids; *prompt_opens_think: a chat prompt that ends inside <think>.
+  std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids,
+                                   bool* prompt_opens_think) const;
+  // How a chat response is parsed (nullopt: its text is all content, as for completions).
+  std::optional<ChatOutputOptions> output_parsing(const GenerationRequest& req, bool prompt_opens_think) const;
   EngineRequest engine_request(const GenerationRequest& req, std::vector<int32_t> ids) const;
   std::vector<TokenLogprob> logprobs_text(const std::vector<GeneratedToken>& tokens) const;
   std::string token_text(int32_t id) const;

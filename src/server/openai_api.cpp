@@ -10,22 +10,7 @@
 
 namespace moebius::server {
 
-// Ordered throughout: requests keep their key order for the chat template (tojson), responses
-// list fields in the order OpenAI documents them.
-using json = nlohmann::ordered_json;
-
-namespace {
-
-// Our own text is valid UTF-8, but a token's bytes may end mid-character: replace rather than
-// throw (nlohmann's default) so a logprob entry never breaks a response.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-json null_if_empty(const std::string& s) { return s.empty() ? json(nullptr) : json(s); }
-
-// Nesting depth of arrays and objects, outside strings. nlohmann parses iteratively, but deep
-// documents still cost recursion when destroyed and dumped; a request never needs more than a few
-// levels.
-int json_depth(std::string_view s) {
+int json_nesting_depth(std::string_view s) {
   int depth = 0, deepest = 0;
   bool in_string = false, escaped = false;
   for (char c : s) {
@@ -41,6 +26,20 @@ int json_depth(std::string_view s) {
   }
   return deepest;
 }
+
+// Ordered throughout: requests keep their key order for the chat template (tojson), responses
+// list fields in the order OpenAI documents them.
+using json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr size_t kMaxToolNameBytes = 256;  // OpenAI allows 64 of [a-zA-Z0-9_-]; vLLM any string
+
+// Our own text is valid UTF-8, but a token's bytes may end mid-character: replace rather than
+// throw (nlohmann's default) so a logprob entry never breaks a response.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+json null_if_empty(const std::string& s) { return s.empty() ? json(nullptr) : json(s); }
 
 std::string type_name(const json& v) {
   switch (v.type()) {
@@ -141,9 +140,10 @@ std::optional<ApiError> normalize_content(json& message, size_t index) {
   const std::string param = fmt::format("messages[{}].content", index);
   auto it = message.find("content");
   if (it == message.end() || it->is_null()) {
-    // An assistant turn that only calls tools has no content; others get "" so templates that
-    // concatenate it work.
-    if (!message.contains("tool_calls")) message["content"] = "";
+    // "" so templates that concatenate it work. That includes an assistant turn that only calls
+    // tools (OpenAI sends null there): Qwen3's template runs string tests on every assistant
+    // content, and its reference rendering of such a turn (tests/data/chat) has "".
+    message["content"] = "";
     return std::nullopt;
   }
   if (it->is_string()) return std::nullopt;
@@ -166,7 +166,64 @@ std::optional<ApiError> normalize_content(json& message, size_t index) {
   return std::nullopt;
 }
 
-std::optional<ApiError> read_messages(const json& body, GenerationRequest* out) {
+// An optional string field of a message (tool_call_id, reasoning_content, name).
+std::optional<ApiError> check_string(const json& obj, const char* key, const std::string& param) {
+  const json* v = field(obj, key);
+  if (v != nullptr && !v->is_string()) return wrong_type(param + "." + key, "a string", *v);
+  return std::nullopt;
+}
+
+// An assistant turn's tool_calls: [{"id"?, "type"?: "function", "function": {"name", "arguments"}}].
+// arguments, a JSON string in OpenAI's API, becomes the object it encodes (vLLM does the same;
+// missing, null or "" is {}), so templates print it with tojson as in training.
+std::optional<ApiError> normalize_tool_calls(json& message, const std::string& param, const ApiLimits& limits) {
+  auto calls = message.find("tool_calls");
+  if (calls == message.end()) return std::nullopt;
+  if (calls->is_null()) {
+    message.erase(calls);
+    return std::nullopt;
+  }
+  if (!calls->is_array()) return wrong_type(param + ".tool_calls", "an array", *calls);
+  for (size_t j = 0; j < calls->size(); ++j) {
+    json& call = (*calls)[j];
+    const std::string p = fmt::format("{}.tool_calls[{}]", param, j);
+    if (!call.is_object()) return wrong_type(p, "an object", call);
+    if (auto e = check_string(call, "id", p)) return e;
+    if (const json* type = field(call, "type"); type != nullptr && *type != "function")
+      return invalid_request(fmt::format("'{}.type' must be \"function\"", p), p + ".type");
+    // {"name", "arguments"} without the "function" wrapper is not OpenAI's shape, but chat
+    // templates (Qwen3's) and transformers accept it, so it is read the same way.
+    const bool flat = !call.contains("function") && call.contains("name");
+    const std::string fp = flat ? p : p + ".function";
+    json* fn = &call;
+    if (!flat) {
+      const auto it = call.find("function");
+      if (it == call.end() || it->is_null()) return invalid_request(fmt::format("'{}.function' is required", p), fp);
+      if (!it->is_object()) return wrong_type(fp, "an object", *it);
+      fn = &*it;
+    }
+    const json* name = field(*fn, "name");
+    if (name == nullptr || !name->is_string() || name->get_ref<const std::string&>().empty())
+      return invalid_request(fmt::format("'{}.name' must be a non-empty string", fp), fp + ".name");
+    const std::string ap = fp + ".arguments";
+    auto args = fn->find("arguments");
+    if (args == fn->end() || args->is_null() || (args->is_string() && args->get_ref<const std::string&>().empty())) {
+      (*fn)["arguments"] = json::object();
+    } else if (args->is_string()) {
+      const std::string& text = args->get_ref<const std::string&>();
+      if (json_nesting_depth(text) > limits.max_json_depth)
+        return invalid_request(fmt::format("'{}' nests deeper than {} levels", ap, limits.max_json_depth), ap);
+      json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded()) return invalid_request(fmt::format("'{}' is not valid JSON", ap), ap);
+      *args = std::move(parsed);
+    } else if (!args->is_object()) {
+      return wrong_type(ap, "a JSON string", *args);
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_messages(const json& body, const ApiLimits& limits, GenerationRequest* out) {
   const json* v = field(body, "messages");
   if (v == nullptr) return invalid_request("'messages' is required", "messages");
   if (!v->is_array()) return wrong_type("messages", "an array", *v);
@@ -179,12 +236,20 @@ std::optional<ApiError> read_messages(const json& body, GenerationRequest* out) 
     const json* role = field(m, "role");
     if (role == nullptr) return invalid_request(fmt::format("'{}.role' is required", param), param + ".role");
     if (!role->is_string()) return wrong_type(param + ".role", "a string", *role);
-    const std::string& r = role->get_ref<const std::string&>();
+    // A copy: normalize_content may add "content" to the message, which moves its other values
+    // (ordered_json keeps an object's members in a vector; found by fuzz_openai_request).
+    const std::string r = role->get_ref<const std::string&>();
     if (r != "system" && r != "developer" && r != "user" && r != "assistant" && r != "tool")
       return invalid_request(
           fmt::format("'{}.role' is '{}'; expected system, developer, user, assistant or tool", param, r),
           param + ".role");
     if (auto e = normalize_content(m, i)) return e;
+    if (r == "assistant") {
+      if (auto e = normalize_tool_calls(m, param, limits)) return e;
+      if (auto e = check_string(m, "reasoning_content", param)) return e;
+    }
+    if (r == "tool")
+      if (auto e = check_string(m, "tool_call_id", param)) return e;
   }
   out->messages = std::move(messages);
   if (const json* kw = field(body, "chat_template_kwargs")) {
@@ -196,6 +261,78 @@ std::optional<ApiError> read_messages(const json& body, GenerationRequest* out) 
     }
     out->enable_thinking = thinking;
   }
+  return std::nullopt;
+}
+
+// One entry of `tools`: {"type"?: "function", "function": {"name", "description"?, "parameters"?,
+// "strict"?}}. The JSON Schema in parameters is the model's to read, not ours to check; "strict"
+// is accepted and has no effect (it needs guided decoding).
+std::optional<ApiError> check_tool(const json& tool, size_t index) {
+  const std::string p = fmt::format("tools[{}]", index);
+  if (!tool.is_object()) return wrong_type(p, "an object", tool);
+  if (const json* type = field(tool, "type"); type != nullptr && *type != "function")
+    return invalid_request(fmt::format("'{}.type' must be \"function\" (the only tool type supported)", p), p + ".type");
+  const json* fn = field(tool, "function");
+  if (fn == nullptr) return invalid_request(fmt::format("'{}.function' is required", p), p + ".function");
+  if (!fn->is_object()) return wrong_type(p + ".function", "an object", *fn);
+  const json* name = field(*fn, "name");
+  if (name == nullptr) return invalid_request(fmt::format("'{}.function.name' is required", p), p + ".function.name");
+  if (!name->is_string()) return wrong_type(p + ".function.name", "a string", *name);
+  const std::string& n = name->get_ref<const std::string&>();
+  if (n.empty() || n.size() > kMaxToolNameBytes)
+    return invalid_request(fmt::format("'{}.function.name' must have 1 to {} bytes, got {}", p, kMaxToolNameBytes, n.size()),
+                           p + ".function.name");
+  if (auto e = check_string(*fn, "description", p + ".function")) return e;
+  if (const json* params = field(*fn, "parameters"); params != nullptr && !params->is_object())
+    return wrong_type(p + ".function.parameters", "an object (a JSON Schema)", *params);
+  if (const json* strict = field(*fn, "strict"); strict != nullptr && !strict->is_boolean())
+    return wrong_type(p + ".function.strict", "a boolean", *strict);
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_tools(const json& body, const ApiLimits& limits, GenerationRequest* out) {
+  for (const char* legacy : {"functions", "function_call"})
+    if (field(body, legacy) != nullptr)
+      return invalid_request(fmt::format("'{}' is deprecated and not supported; use 'tools' and 'tool_choice'", legacy),
+                             legacy);
+  const json* tools = field(body, "tools");
+  if (tools != nullptr) {
+    if (!tools->is_array()) return wrong_type("tools", "an array", *tools);
+    if (tools->size() > static_cast<size_t>(limits.max_tools))
+      return invalid_request(fmt::format("'tools' has {} definitions; at most {}", tools->size(), limits.max_tools), "tools");
+    for (size_t i = 0; i < tools->size(); ++i)
+      if (auto e = check_tool((*tools)[i], i)) return e;
+    // Bounded by the body already; this bounds what the template copies into the prompt.
+    const size_t bytes = dump(*tools).size();
+    if (bytes > limits.max_tools_bytes)
+      return invalid_request(fmt::format("'tools' has {} bytes of JSON; at most {}", bytes, limits.max_tools_bytes),
+                             "tools");
+    if (!tools->empty()) out->tools = *tools;  // [] is no tools, as in transformers' templates
+  }
+  out->tool_choice = out->tools.is_null() ? ToolChoice::kNone : ToolChoice::kAuto;
+  if (const json* choice = field(body, "tool_choice")) {
+    if (choice->is_object())  // {"type": "function", "function": {"name": ...}}
+      return invalid_request("'tool_choice' naming a function is not supported: forcing a call needs guided decoding, "
+                             "which this server does not have. Use \"auto\" (or \"none\").",
+                             "tool_choice");
+    if (!choice->is_string()) return wrong_type("tool_choice", "a string or an object", *choice);
+    const std::string& c = choice->get_ref<const std::string&>();
+    if (c == "required")
+      return invalid_request("'tool_choice' \"required\" is not supported: forcing a call needs guided decoding, which "
+                             "this server does not have. Use \"auto\" (or \"none\").",
+                             "tool_choice");
+    if (c != "none" && c != "auto")
+      return invalid_request(fmt::format("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function, "
+                                         "got \"{}\"",
+                                         c.substr(0, 64)),
+                             "tool_choice");
+    if (c == "auto" && tools == nullptr)
+      return invalid_request("'tool_choice' \"auto\" needs 'tools'", "tool_choice");
+    if (c == "none") out->tool_choice = ToolChoice::kNone;
+  }
+  std::optional<bool> parallel;
+  if (auto e = read_bool(body, "parallel_tool_calls", &parallel)) return e;
+  out->parallel_tool_calls = parallel.value_or(true);
   return std::nullopt;
 }
 
@@ -360,7 +497,7 @@ namespace {
 std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limits, json* doc) {
   if (body.size() > limits.max_body_bytes) return body_too_large(body.size(), limits.max_body_bytes);
   if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
-  if (json_depth(body) > limits.max_json_depth)
+  if (json_nesting_depth(body) > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
   try {
     *doc = json::parse(body);
@@ -418,7 +555,8 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
     return model_not_found(r.model);
 
   if (endpoint == Endpoint::kChat) {
-    if (auto e = read_messages(doc, &r)) return e;
+    if (auto e = read_messages(doc, limits, &r)) return e;
+    if (auto e = read_tools(doc, limits, &r)) return e;
   } else {
     if (auto e = read_prompt(doc, &r)) return e;
   }
@@ -505,6 +643,21 @@ json completion_logprobs(const ChoiceDelta& c, size_t text_offset) {
           {"text_offset", std::move(offsets)}};
 }
 
+// [{"id", "type": "function", "function": {"name", "arguments"}}]; stream deltas lead with the
+// call's index (OpenAI's ChoiceDeltaToolCall), by which clients accumulate the calls.
+json tool_calls_json(const std::vector<ToolCallOut>& calls, bool with_index) {
+  json out = json::array();
+  for (const ToolCallOut& c : calls) {
+    json j = json::object();
+    if (with_index) j["index"] = c.index;
+    j["id"] = c.id;
+    j["type"] = "function";
+    j["function"] = {{"name", c.name}, {"arguments", c.arguments}};
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 json finish(const ChoiceDelta& c) { return c.finish_reason ? json(*c.finish_reason) : json(nullptr); }
 
 std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
@@ -512,7 +665,10 @@ std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
 }  // namespace
 
 std::string chat_response(const ResponseMeta& m, const ChoiceDelta& c, const Usage& usage) {
-  json message = {{"role", "assistant"}, {"content", c.text}};
+  json message = {{"role", "assistant"},
+                  {"content", c.null_empty_content && c.text.empty() ? json(nullptr) : json(c.text)}};
+  if (c.reasoning_field) message["reasoning_content"] = null_if_empty(c.reasoning);
+  if (!c.tool_calls.empty()) message["tool_calls"] = tool_calls_json(c.tool_calls, false);
   json choice = {{"index", 0}, {"message", std::move(message)}, {"logprobs", chat_logprobs(c)}, {"finish_reason", finish(c)}};
   return dump({{"id", m.id},
                {"object", "chat.completion"},
@@ -536,6 +692,8 @@ std::string chat_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool first, 
   json delta = json::object();
   if (first) delta["role"] = "assistant";
   if (first || !d.text.empty()) delta["content"] = d.text;
+  if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+  if (!d.tool_calls.empty()) delta["tool_calls"] = tool_calls_json(d.tool_calls, true);
   json choice = {{"index", 0}, {"delta", std::move(delta)}, {"logprobs", chat_logprobs(d)}, {"finish_reason", finish(d)}};
   json j = {{"id", m.id},
             {"object", "chat.completion.chunk"},

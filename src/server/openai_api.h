@@ -3,6 +3,16 @@
 // chunks). No model, tokenizer or socket here, so every error case is unit-tested and the parser
 // is fuzzed (fuzz/fuzz_openai_request.cpp) on its own.
 //
+// Tools (chat): `tools` is validated (shapes, at most ApiLimits::max_tools definitions and
+// max_tools_bytes of JSON) and kept as sent, for the chat template's `tools` variable, as
+// transformers' apply_chat_template takes them. `tool_choice` "auto" (the default with tools)
+// and "none" are supported; "none" still renders the tools, as vLLM does by default, and only
+// turns off the parsing of calls. "required" and a named function need guided decoding and are
+// refused with a 400, as are the deprecated `functions` and `function_call`. An assistant message's
+// `tool_calls[].function.arguments` arrives as a JSON string (OpenAI's type) and is parsed into
+// an object here, as vLLM does, so the template prints it the way the model was trained on
+// (`tojson`); the prompt is then the same whether a client echoes the arguments compactly or not.
+//
 // Errors are {"error": {"message", "type", "param", "code"}} with the HTTP status OpenAI uses:
 // 400 invalid_request_error (malformed JSON, wrong types, out-of-range values, invalid UTF-8,
 // a prompt plus max_tokens past the context), 401 (missing or wrong API key), 404 (unknown model
@@ -43,6 +53,10 @@ ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t con
 
 enum class Endpoint { kChat, kCompletion };
 
+// Nesting depth of arrays and objects in JSON text, outside strings (no parse needed). nlohmann
+// parses iteratively, but deep documents still cost recursion when destroyed and dumped.
+int json_nesting_depth(std::string_view json_text);
+
 // vLLM accepts any positive repetition_penalty; past 10 a seen token's logit is crushed to about
 // nothing, so a larger value is surely a mistake (e.g. a percentage).
 inline constexpr double kMaxRepetitionPenalty = 10.0;
@@ -54,6 +68,15 @@ struct ApiLimits {
   size_t max_stop_bytes = 256;           // per stop string: it bounds the streaming holdback
   int max_top_logprobs = 20;             // chat's top_logprobs (completions: logprobs <= 5)
   int max_json_depth = 64;               // nesting of arrays/objects in the body
+  int max_tools = 128;                   // tool definitions per request (OpenAI's limit)
+  size_t max_tools_bytes = 256u << 10;   // their JSON, all together (they go into the prompt)
+};
+
+// Chat's tool_choice. "required" and named functions are refused by the parser (no guided
+// decoding), so only these two remain.
+enum class ToolChoice {
+  kNone,  // the tools are rendered; the output is not parsed for calls
+  kAuto,  // the model decides; its calls are parsed (server flag --tool-call-parser)
 };
 
 struct GenerationRequest {
@@ -63,6 +86,11 @@ struct GenerationRequest {
   // a template's `tojson` prints keys in the request's order, as Python does.
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   std::optional<bool> enable_thinking;  // chat_template_kwargs.enable_thinking (vLLM/SGLang)
+  // Chat: the validated `tools` array as sent (null when absent, null or empty), the template's
+  // `tools`; tool_choice defaults to kAuto with tools, kNone without.
+  nlohmann::ordered_json tools = nullptr;
+  ToolChoice tool_choice = ToolChoice::kNone;
+  bool parallel_tool_calls = true;  // false: at most one call is returned
   // Completions: the prompt as text, or as token ids when prompt_is_ids.
   std::string prompt;
   std::vector<int32_t> prompt_ids;
@@ -125,12 +153,27 @@ struct TokenLogprob {
   std::vector<std::pair<std::string, float>> top;
 };
 
+// A tool call the model made, as a chat response reports it.
+struct ToolCallOut {
+  int index = 0;          // its position in the choice's calls (streams: deltas name it)
+  std::string id;         // "call_..."
+  std::string name;
+  std::string arguments;  // a JSON object, serialized (OpenAI's type)
+};
+
 // What one response (or one SSE chunk) carries.
 struct ChoiceDelta {
-  std::string text;
+  std::string text;  // chat: `content`
   std::vector<TokenLogprob> logprobs;
   bool want_logprobs = false;        // emit "logprobs" (else null)
-  std::optional<std::string> finish_reason;  // "stop", "length"
+  std::optional<std::string> finish_reason;  // "stop", "length", "tool_calls"
+  // Chat with the output parsers (server/chat_output_parser.h):
+  std::string reasoning;            // `reasoning_content`
+  bool reasoning_field = false;     // whole responses: emit reasoning_content (null when empty)
+  std::vector<ToolCallOut> tool_calls;
+  // Whole responses: an empty content is null (OpenAI's message of only calls, vLLM's message of
+  // only reasoning); otherwise content is always a string.
+  bool null_empty_content = false;
 };
 
 struct ResponseMeta {

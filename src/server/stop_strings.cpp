@@ -4,6 +4,13 @@
 
 namespace moebius::server {
 
+size_t partial_match_suffix(std::string_view text, std::string_view pattern) {
+  if (pattern.empty()) return 0;
+  for (size_t k = std::min(pattern.size() - 1, text.size()); k > 0; --k)
+    if (text.substr(text.size() - k) == pattern.substr(0, k)) return k;
+  return 0;
+}
+
 StopMatcher::StopMatcher(std::vector<std::string> stops) {
   for (std::string& s : stops)
     if (!s.empty()) stops_.push_back(std::move(s));
@@ -25,14 +32,7 @@ StopMatcher::Out StopMatcher::feed(std::string_view text) {
   }
   // Hold back the longest suffix that is a proper prefix of some stop string.
   size_t hold = 0;
-  for (const std::string& s : stops_) {
-    for (size_t k = std::min(s.size() - 1, pending_.size()); k > hold; --k) {
-      if (pending_.compare(pending_.size() - k, k, s, 0, k) == 0) {
-        hold = k;
-        break;
-      }
-    }
-  }
+  for (const std::string& s : stops_) hold = std::max(hold, partial_match_suffix(pending_, s));
   out.text = pending_.substr(0, pending_.size() - hold);
   pending_.erase(0, pending_.size() - hold);
   return out;

@@ -13,6 +13,11 @@
 
 namespace moebius::server {
 
+// The length of the longest suffix of `text` that is a proper prefix of `pattern`: how much of a
+// streamed text to hold back because `pattern` may still complete there. StopMatcher and the
+// chat output parser's tags (server/chat_output_parser.h) hold back with it. [TAG_STREAM_HOLDBACK]
+size_t partial_match_suffix(std::string_view text, std::string_view pattern);
+
 class StopMatcher {
  public:
   StopMatcher() = default;

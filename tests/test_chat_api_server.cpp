@@ -1,0 +1,287 @@
+// The chat route's output parsing, end to end over HTTP (server/api_server.h): a real ApiServer,
+// Engine and HttpServer, with a runner whose logits force a scripted answer, so the model "writes"
+// Qwen3's think blocks and Hermes tool calls (the random tiny model never would; the node tests
+// cover the real model and client). Whole and streamed responses must carry the same
+// reasoning_content, content and tool_calls, with finish_reason "tool_calls".
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "server/api_server.h"
+#include "server/http_client.h"
+#include "server/http_server.h"
+#include "test_util.h"
+#include "tiny_fixture.h"
+
+namespace moebius::server {
+namespace {
+
+using json = nlohmann::json;
+constexpr int32_t kImEnd = 322;  // tests/data/tiny-serve's <|im_end|>, the eos here
+
+const tokenizer::BpeTokenizer& tiny_tokenizer() {
+  static tokenizer::BpeTokenizer* tok = [] {
+    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
+    EXPECT_TRUE(t.ok()) << t.error().what();
+    return new tokenizer::BpeTokenizer(std::move(t).value());
+  }();
+  return *tok;
+}
+
+// Answers every sequence with the tokens of `script`, then eos: its logits are -1e9 except for
+// the next scripted token. The tiny CPU runner provides the config and limits; nothing is computed.
+class ScriptedRunner final : public StepRunner {
+ public:
+  explicit ScriptedRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
+  void set_script(const std::string& text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    script_.clear();
+    for (tokenizer::TokenId id : tiny_tokenizer().encode(text)) script_.push_back(static_cast<int32_t>(id));
+  }
+  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
+  const RunnerLimits& limits() const override { return inner_->limits(); }
+  std::string describe() const override { return "scripted"; }
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto vocab = static_cast<size_t>(config().vocab_size);
+    logits.assign(vocab * static_cast<size_t>(std::count_if(seqs.begin(), seqs.end(),
+                                                            [](const RunnerSeq& s) { return s.want_logits; })),
+                  -1e9f);
+    size_t row = 0;
+    for (const RunnerSeq& s : seqs) {
+      if (!s.want_logits) continue;
+      const size_t next = produced_[s.id]++;
+      logits[row++ * vocab + static_cast<size_t>(next < script_.size() ? script_[next] : kImEnd)] = 0.0f;
+    }
+    return Ok{};
+  }
+  void release(int64_t id) override { produced_.erase(id); }
+  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
+    return inner_->stage_weights(dir);
+  }
+  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
+
+ private:
+  std::unique_ptr<StepRunner> inner_;
+  std::mutex mu_;
+  std::vector<int32_t> script_;
+  std::unordered_map<int64_t, size_t> produced_;  // tokens answered per sequence
+};
+
+class ChatApiServer : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RunnerOptions o;
+    o.source.model_dir = testing::tiny_fixture_dir();
+    o.max_seqs = 2;
+    auto inner = load_runner(o);
+    ASSERT_TRUE(inner.ok()) << inner.error().what();
+    auto runner = std::make_unique<ScriptedRunner>(std::move(inner).value());
+    runner_ = runner.get();
+    engine_ = std::make_unique<Engine>(std::move(runner), &tiny_tokenizer(), EngineOptions{16, {kImEnd}});
+    // The prompt is the messages' contents and the tool names; what matters here is the output.
+    ChatRenderer render = [this](const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                                 std::optional<bool>) -> Result<std::string> {
+      rendered_tools_ = tools;
+      std::string text;
+      for (const auto& m : messages) text += m["content"].get<std::string>() + "\n";
+      if (tools.is_array())
+        for (const auto& t : tools) text += t["function"]["name"].get<std::string>() + "\n";
+      return text;
+    };
+    ApiServerOptions ao;
+    ao.served_model_name = "tiny";
+    ao.tool_call_parser = ToolCallParser::kHermes;
+    ao.reasoning_parser = ReasoningParser::kQwen3;
+    api_ = std::make_unique<ApiServer>(engine_.get(), &tiny_tokenizer(), render, ao);
+    HttpServerOptions ho;
+    ho.port = 0;
+    http_ = std::make_unique<HttpServer>(ho, [this](const HttpRequest& req, HttpResponse& res) { api_->handle(req, res); });
+    ASSERT_TRUE(http_->listen().ok());
+    serving_ = std::thread([this] { http_->serve(); });
+  }
+  void TearDown() override {
+    if (http_) http_->stop();
+    if (serving_.joinable()) serving_.join();
+    if (engine_) engine_->stop();
+  }
+
+  // POSTs a chat request whose answer is `script`: {status, the body (whole) or the SSE events}.
+  std::pair<int, std::vector<json>> chat(const std::string& script, json body) {
+    runner_->set_script(script);
+    body["model"] = "tiny";
+    if (!body.contains("messages")) body["messages"] = {{{"role", "user"}, {"content", "weather?"}}};
+    std::string text;
+    auto r = http_post(HttpUrl{"127.0.0.1", http_->port(), ""}, "/v1/chat/completions", body.dump(), {},
+                       [&](std::string_view part) {
+                         text.append(part);
+                         return true;
+                       },
+                       60);
+    EXPECT_TRUE(r.ok()) << r.error().what();
+    if (!r.ok()) return {0, {}};
+    if (r->status != 200) return {r->status, {json::parse(r->body)}};
+    if (!body.value("stream", false)) return {200, {json::parse(text)}};
+    std::vector<json> events;
+    for (size_t at = 0; (at = text.find("data: ", at)) != std::string::npos;) {
+      const size_t end = text.find("\n\n", at);
+      const std::string data = text.substr(at + 6, end - at - 6);
+      if (data != "[DONE]") events.push_back(json::parse(data));
+      at = end;
+    }
+    return {200, events};
+  }
+
+  // The streamed deltas put together as an OpenAI client does (tool calls by index). Unless the
+  // answer keeps a block as text, no content delta may hold a tool-call tag.
+  static json accumulate(const std::vector<json>& events, bool tags_are_text = false) {
+    json message = {{"content", ""}, {"reasoning_content", ""}, {"tool_calls", json::array()}};
+    json finish = nullptr;
+    for (const json& e : events) {
+      const json& choice = e["choices"][0];
+      const json& d = choice["delta"];
+      if (d.contains("content")) {
+        const std::string c = d["content"];
+        if (!tags_are_text) {
+          EXPECT_EQ(c.find("<tool_call"), std::string::npos) << "a tag reached the content: " << c;
+        }
+        message["content"] = message["content"].get<std::string>() + c;
+      }
+      if (d.contains("reasoning_content"))
+        message["reasoning_content"] = message["reasoning_content"].get<std::string>() + d["reasoning_content"].get<std::string>();
+      for (const json& t : d.value("tool_calls", json::array())) {
+        const size_t i = t["index"];
+        EXPECT_EQ(i, message["tool_calls"].size()) << "one delta per call, in order";
+        message["tool_calls"].push_back({{"id", t["id"]}, {"type", t["type"]}, {"function", t["function"]}});
+      }
+      if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+    }
+    return {{"message", message}, {"finish_reason", finish}};
+  }
+
+  ScriptedRunner* runner_ = nullptr;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ApiServer> api_;
+  std::unique_ptr<HttpServer> http_;
+  std::thread serving_;
+  nlohmann::ordered_json rendered_tools_;
+};
+
+const json kTools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "now"}}])");
+const std::string kAnswer =
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me look that up.\n<tool_call>\n{\"name\": \"get_weather\", "
+    "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
+
+TEST_F(ChatApiServer, ToolCallsWholeAndStreamed) {
+  auto [status, whole] = chat(kAnswer, {{"tools", kTools}});
+  ASSERT_EQ(status, 200) << whole[0].dump();
+  EXPECT_EQ(rendered_tools_.size(), 2u);  // the template got the tools
+  const json& choice = whole[0]["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  const json& msg = choice["message"];
+  EXPECT_EQ(msg["reasoning_content"], "The user wants the weather.");
+  EXPECT_EQ(msg["content"], "Let me look that up.");
+  ASSERT_EQ(msg["tool_calls"].size(), 2u);
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(msg["tool_calls"][0]["function"]["arguments"].get<std::string>()), json({{"city", "Paris"}}));
+  EXPECT_EQ(msg["tool_calls"][1]["function"]["arguments"], "{}");
+  EXPECT_EQ(msg["tool_calls"][0]["type"], "function");
+  const std::string id = msg["tool_calls"][0]["id"];
+  EXPECT_EQ(id.rfind("call_", 0), 0u);
+  EXPECT_EQ(id.size(), 29u);
+  EXPECT_NE(msg["tool_calls"][1]["id"], id);
+
+  auto [s2, events] = chat(kAnswer, {{"tools", kTools}, {"stream", true}});
+  ASSERT_EQ(s2, 200);
+  const json streamed = accumulate(events);
+  EXPECT_EQ(streamed["finish_reason"], "tool_calls");
+  EXPECT_EQ(streamed["message"]["reasoning_content"], msg["reasoning_content"]);
+  EXPECT_EQ(streamed["message"]["content"], msg["content"]);
+  ASSERT_EQ(streamed["message"]["tool_calls"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(streamed["message"]["tool_calls"][i]["function"], msg["tool_calls"][i]["function"]);
+    EXPECT_EQ(streamed["message"]["tool_calls"][i]["id"].get<std::string>().rfind("call_", 0), 0u);
+  }
+}
+
+// Without tools, or with tool_choice "none", a <tool_call> is text the client gets as content
+// (the reasoning is still split off).
+TEST_F(ChatApiServer, NoParsingWithoutToolsOrWithChoiceNone) {
+  const std::string content = kAnswer.substr(kAnswer.find("Let me"));
+  for (const json& extra : {json::object(), json{{"tools", kTools}, {"tool_choice", "none"}}}) {
+    SCOPED_TRACE(extra.dump());
+    auto [status, whole] = chat(kAnswer, extra);
+    ASSERT_EQ(status, 200);
+    const json& choice = whole[0]["choices"][0];
+    EXPECT_EQ(choice["finish_reason"], "stop");
+    EXPECT_EQ(choice["message"]["content"], content);
+    EXPECT_EQ(choice["message"]["reasoning_content"], "The user wants the weather.");
+    EXPECT_FALSE(choice["message"].contains("tool_calls"));
+    json streaming = extra;
+    streaming["stream"] = true;
+    auto [s2, events] = chat(kAnswer, streaming);
+    const json streamed = accumulate(events, true);
+    EXPECT_EQ(streamed["message"]["content"], content);
+    EXPECT_EQ(streamed["finish_reason"], "stop");
+  }
+  EXPECT_EQ(rendered_tools_.size(), 2u);  // "none" still renders the tools
+}
+
+TEST_F(ChatApiServer, ParallelToolCallsFalseKeepsTheFirst) {
+  auto [status, whole] = chat(kAnswer, {{"tools", kTools}, {"parallel_tool_calls", false}});
+  ASSERT_EQ(status, 200);
+  ASSERT_EQ(whole[0]["choices"][0]["message"]["tool_calls"].size(), 1u);
+  EXPECT_EQ(whole[0]["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+}
+
+// Malformed JSON in a block, and a block cut off by max_tokens, come back as content, whole.
+TEST_F(ChatApiServer, MalformedAndUnfinishedCallsStayContent) {
+  const std::string bad = "Checking.\n<tool_call>\n{\"name\": get_weather}\n</tool_call>";
+  auto [status, whole] = chat(bad, {{"tools", kTools}});
+  ASSERT_EQ(status, 200);
+  EXPECT_EQ(whole[0]["choices"][0]["message"]["content"], bad);
+  EXPECT_EQ(whole[0]["choices"][0]["finish_reason"], "stop");
+  // The script ends inside the block; then eos, ignored, until max_tokens: a length limit.
+  const std::string open = "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par";
+  const auto limit = static_cast<int>(tiny_tokenizer().encode(open).size()) + 2;
+  auto [s2, events] = chat(open, {{"tools", kTools}, {"stream", true}, {"max_tokens", limit}, {"ignore_eos", true}});
+  const json streamed = accumulate(events, true);
+  EXPECT_EQ(streamed["message"]["content"], open);
+  EXPECT_EQ(streamed["finish_reason"], "length");
+  EXPECT_TRUE(streamed["message"]["tool_calls"].empty());
+}
+
+// The server refuses tools it cannot parse: tool_choice "auto" without a tool-call parser.
+TEST_F(ChatApiServer, ToolsNeedAParser) {
+  ApiServerOptions ao;
+  ao.served_model_name = "tiny";
+  ApiServer plain(engine_.get(), &tiny_tokenizer(),
+                  [](const nlohmann::ordered_json&, const nlohmann::ordered_json&, std::optional<bool>)
+                      -> Result<std::string> { return std::string("x"); },
+                  ao);
+  HttpServerOptions ho;
+  ho.port = 0;
+  HttpServer http(ho, [&plain](const HttpRequest& req, HttpResponse& res) { plain.handle(req, res); });
+  ASSERT_TRUE(http.listen().ok());
+  std::thread serving([&http] { http.serve(); });
+  const json body = {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "x"}}}}, {"tools", kTools}};
+  auto r = http_post(HttpUrl{"127.0.0.1", http.port(), ""}, "/v1/chat/completions", body.dump(), {},
+                     [](std::string_view) { return true; }, 60);
+  http.stop();
+  serving.join();
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["param"], "tool_choice");
+}
+
+}  // namespace
+}  // namespace moebius::server
