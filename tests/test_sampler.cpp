@@ -237,7 +237,9 @@ TEST(SamplerPenalties, MatchTheNaiveReferenceOnRandomRows) {
       ASSERT_EQ(*c1, *c2);
       auto id = s.sample(row);
       ASSERT_TRUE(id.ok()) << id.error().what();
-      if (p.temperature == 0.0f) ASSERT_EQ(*id, argmax(want));
+      if (p.temperature == 0.0f) {
+        ASSERT_EQ(*id, argmax(want));
+      }
       output.push_back(*id);
       rows.push_back(std::move(row));
     }
