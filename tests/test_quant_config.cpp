@@ -262,6 +262,26 @@ TEST(QuantConfigModelOpt, MalformedHfQuantConfig) {
   }
 }
 
+TEST(QuantConfigMalformedJson, DeepNestingIsRefusedBeforeTheDom) {
+  // Found with fuzz_model_config (a crafted input): a value nested 30000 levels deep, followed by
+  // one more key, overflowed the stack inside the parse itself. An ordered_json object is a
+  // vector of pairs with a const key, whose move may throw, so growing it copies every value, and
+  // the copy recurses. The text is refused before any DOM is built.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string texts[] = {
+      R"({"quant_method": "gptq", "bits": )" + deep + R"(, "group_size": 128})",
+      R"({"quantization": {"quant_algo": )" + deep + R"(, "group_size": 16}, "producer": {}})",
+  };
+  for (const std::string& text : texts) {
+    for (auto* parse : {&parse_quantization_config_text, &parse_hf_quant_config_text}) {
+      auto r = parse(text, "deep.json");
+      ASSERT_FALSE(r.ok());
+      EXPECT_THAT(r.error().what(), HasSubstr("file 'deep.json'"));
+      EXPECT_THAT(r.error().what(), HasSubstr("nests deeper than 64 levels"));
+    }
+  }
+}
+
 // ---- wildcards ---------------------------------------------------------------------------------
 
 TEST(QuantConfigWildcard, FnmatchSemantics) {

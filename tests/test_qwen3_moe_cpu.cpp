@@ -160,6 +160,19 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
   EXPECT_EQ(missing.error().file(), "/nonexistent/dir/config.json");
 }
 
+TEST(Qwen3MoeConfig, DeepNestingIsRefusedBeforeTheDom) {
+  // Found with fuzz_model_config (a crafted input): errors print the offending value, and
+  // nlohmann's dump() recurses, so a value nested deeply enough overflowed the stack. The text is
+  // refused before any DOM is built.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  std::string text = fixture_config().dump();
+  text.replace(text.find("\"hidden_size\":64"), 16, "\"hidden_size\":" + deep);
+  auto r = parse_qwen3_moe_config(text, "some/config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().file(), "some/config.json");
+  EXPECT_NE(r.error().message().find("nests deeper than 64 levels"), std::string::npos) << r.error().what();
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV cache
 // ---------------------------------------------------------------------------------------------

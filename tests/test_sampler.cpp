@@ -150,5 +150,14 @@ TEST(GenerationConfig, MalformedIsAClearError) {
   EXPECT_FALSE(parse_generation_config(R"([1, 2])", "g").ok());
 }
 
+TEST(GenerationConfig, DeepNestingIsRefusedBeforeTheDom) {
+  // The same depth bound as config.json (see Qwen3MoeConfig.DeepNestingIsRefusedBeforeTheDom).
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  auto r = parse_generation_config(R"({"eos_token_id": )" + deep + "}", "generation_config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().file(), "generation_config.json");
+  EXPECT_NE(r.error().message().find("nests deeper than 64 levels"), std::string::npos) << r.error().what();
+}
+
 }  // namespace
 }  // namespace moebius::model

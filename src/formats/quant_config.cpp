@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
+
 namespace moebius {
 
 namespace {
@@ -366,6 +368,9 @@ Result<QuantConfig> parse_autoround_quant_config(const J& qc) {
 // Parsed into ordered_json: GPTQModel's "dynamic" and AutoRound's "extra_config" are applied in
 // the order the file lists them, which std::map-backed nlohmann::json would lose.
 Result<nlohmann::ordered_json> parse_json_text(std::string_view text, const std::string& source) {
+  // [TAG_JSON_DEPTH] An ordered_json object copies its values when it grows (its pairs have a const
+  // key, so they are not moved), and the copy recurses per level: refuse deep text first.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   auto j = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   return j;

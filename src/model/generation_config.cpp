@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
+
 namespace moebius::model {
 namespace {
 
@@ -61,6 +63,8 @@ Result<GenerationConfig> parse_json(const json& j) {
 }  // namespace
 
 Result<GenerationConfig> parse_generation_config(std::string_view text, const std::string& source) {
+  // [TAG_JSON_DEPTH] Errors quote values with dump(), which recurses per level.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   const json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   auto r = parse_json(j);

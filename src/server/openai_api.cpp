@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/json_depth.h"
 #include "tokenizer/unicode.h"
 
 namespace moebius::server {
@@ -21,26 +22,6 @@ namespace {
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 json null_if_empty(const std::string& s) { return s.empty() ? json(nullptr) : json(s); }
-
-// Nesting depth of arrays and objects, outside strings. nlohmann parses iteratively, but deep
-// documents still cost recursion when destroyed and dumped; a request never needs more than a few
-// levels.
-int json_depth(std::string_view s) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : s) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
-    else if (c == ']' || c == '}') --depth;
-  }
-  return deepest;
-}
 
 std::string type_name(const json& v) {
   switch (v.type()) {
@@ -325,7 +306,9 @@ namespace {
 std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limits, json* doc) {
   if (body.size() > limits.max_body_bytes) return body_too_large(body.size(), limits.max_body_bytes);
   if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
-  if (json_depth(body) > limits.max_json_depth)
+  // nlohmann parses iteratively, but deep documents still cost recursion when copied and dumped; a
+  // request never needs more than a few levels [TAG_JSON_DEPTH].
+  if (json_nesting_depth(body) > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
   try {
     *doc = json::parse(body);
