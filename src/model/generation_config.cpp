@@ -23,13 +23,20 @@ Result<int32_t> to_token_id(const json& v, const char* field) {
   return static_cast<int32_t>(v.get<int64_t>());
 }
 
-// null counts as absent: HF writes "temperature": null when unset.
-Result<std::optional<float>> read_float(const json& j, const char* key) {
+// null counts as absent: HF writes "temperature": null when unset. The value must lie in [lo, hi],
+// or (lo, hi] when lo_open: the range validate_sampler_params accepts. These become the sampler's
+// parameters when no flag overrides them, and an error there would name a flag nobody passed
+// instead of this file and field.
+Result<std::optional<float>> read_float(const json& j, const char* key, double lo, bool lo_open, double hi,
+                                        const char* range) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return std::optional<float>{};
-  if (!it->is_number() || !std::isfinite(it->get<double>()))
-    return Error::format("expected a number, got {}", it->dump()).in_field(key);
-  return std::optional<float>(static_cast<float>(it->get<double>()));
+  if (!it->is_number()) return Error::format("expected a number, got {}", it->dump()).in_field(key);
+  const double x = it->get<double>();
+  // hi <= FLT_MAX, so the cast is defined; the open bound is checked after it (1e-50 rounds to 0).
+  const bool in_range = x >= lo && x <= hi && (!lo_open || static_cast<float>(x) > lo);
+  if (!in_range) return Error::format("{} is outside {}", it->dump(), range).in_field(key);
+  return std::optional<float>(static_cast<float>(x));
 }
 
 Result<GenerationConfig> parse_json(const json& j) {
@@ -46,8 +53,10 @@ Result<GenerationConfig> parse_json(const json& j) {
       c.eos_token_ids.push_back(id);
     }
   }
-  MOEBIUS_ASSIGN_OR_RETURN(c.temperature, read_float(j, "temperature"));
-  MOEBIUS_ASSIGN_OR_RETURN(c.top_p, read_float(j, "top_p"));
+  // Temperatures above float's range would become infinite; 0 is greedy.
+  MOEBIUS_ASSIGN_OR_RETURN(c.temperature, read_float(j, "temperature", 0.0, false, std::numeric_limits<float>::max(),
+                                                     "[0, FLT_MAX] (0 = greedy)"));
+  MOEBIUS_ASSIGN_OR_RETURN(c.top_p, read_float(j, "top_p", 0.0, true, 1.0, "(0, 1] (1 = off)"));
   if (auto it = j.find("top_k"); it != j.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > std::numeric_limits<int>::max())
       return Error::format("expected an integer >= 0, got {}", it->dump()).in_field("top_k");
