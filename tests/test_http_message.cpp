@@ -98,6 +98,26 @@ TEST(HttpMessage, FindHeadEnd) {
   EXPECT_EQ(find_head_end("GET / HTTP/1.1\n\nbody"), 16u);
 }
 
+TEST(HttpMessage, FindHeadEndAgreesWithTheParserOnMixedLineEnds) {
+  // Found by fuzz_http_request. The parser ends a line at "\n" and drops one "\r" before it, so
+  // "\r\n" right after a bare "\n" is the blank line that ends the head. find_head_end used to look
+  // only for "\r\n\r\n" and "\n\n": it waited for more bytes instead, and when a later "\r\n\r\n"
+  // came, the parser stopped at the first blank line and silently dropped everything between.
+  const std::string head = "POST / HTTP/1.1\nContent-Length: 4\n\r\n";
+  EXPECT_EQ(find_head_end(head + "body"), head.size());
+  const std::string smuggled = "GET / HTTP/1.1\r\nA: b\n\r\nX-Late: 1\r\n\r\n";
+  const size_t end = find_head_end(smuggled);
+  EXPECT_EQ(end, smuggled.find("X-Late"));
+  HttpRequest r;
+  ASSERT_FALSE(parse(smuggled.substr(0, end), &r));
+  EXPECT_EQ(r.headers.size(), 1u);
+  // A leading empty line is the one the parser skips, not the end of the head.
+  EXPECT_EQ(find_head_end("\n\r\nGET"), 3u);  // two empty lines: the parser says 400
+  EXPECT_EQ(find_head_end("\r\nGET / HTTP/1.1\n\r\n"), 19u);
+  EXPECT_EQ(find_head_end("GET / HTTP/1.1\n\r"), std::string_view::npos);
+  EXPECT_EQ(find_head_end("GET / HTTP/1.1\r\r\n\r\n"), 19u);
+}
+
 TEST(HttpMessage, ResponseFraming) {
   EXPECT_EQ(response_head(200, "text/plain", 5, true),
             "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\n");

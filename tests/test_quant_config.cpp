@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -259,6 +260,65 @@ TEST(QuantConfigModelOpt, MalformedHfQuantConfig) {
     ASSERT_FALSE(r.ok()) << c.json;
     EXPECT_THAT(r.error().what(), HasSubstr("file 'hf_quant_config.json'")) << c.json;
     EXPECT_THAT(r.error().what(), HasSubstr(c.expect)) << c.json;
+  }
+}
+
+TEST(QuantConfigMalformedJson, DeepNestingIsRefusedBeforeTheDom) {
+  // Found with fuzz_model_config (a crafted input): a value nested 30000 levels deep, followed by
+  // one more key, overflowed the stack inside the parse itself. An ordered_json object is a
+  // vector of pairs with a const key, whose move may throw, so growing it copies every value, and
+  // the copy recurses. The text is refused before any DOM is built.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string texts[] = {
+      R"({"quant_method": "gptq", "bits": )" + deep + R"(, "group_size": 128})",
+      R"({"quantization": {"quant_algo": )" + deep + R"(, "group_size": 16}, "producer": {}})",
+  };
+  for (const std::string& text : texts) {
+    for (auto* parse : {&parse_quantization_config_text, &parse_hf_quant_config_text}) {
+      auto r = parse(text, "deep.json");
+      ASSERT_FALSE(r.ok());
+      EXPECT_THAT(r.error().what(), HasSubstr("file 'deep.json'"));
+      EXPECT_THAT(r.error().what(), HasSubstr("nests deeper than 64 levels"));
+    }
+  }
+}
+
+TEST(QuantConfigRegex, PathologicalPatternsAreRefusedOrRunInPolynomialTime) {
+  // Found with fuzz_model_config (crafted inputs): a GPTQModel "dynamic" key is a regex the
+  // loader runs against every module name. std::regex's default executor backtracks, so the
+  // 7-character "(.|.)*q" took exponential time in the name's length (never finished on a 45-byte
+  // name), and compiling 20000 nested groups, or matching 20000 "a*", overflowed the stack.
+  const std::string name = "model.layers.10.mlp.experts.100.gate_proj.weight";
+  for (const char* pattern : {"(.|.)*q", "(.*)*q", "(a|.)*(b|.)*(c|.)*q"}) {
+    const std::string text =
+        std::string(R"({"quant_method": "gptq", "bits": 4, "dynamic": {"+:)") + pattern + R"(": {"bits": 8}}})";
+    const QuantConfig c = parse_ok(text);
+    ASSERT_EQ(c.overrides.size(), 1u);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(c.overrides[0].matches(name)) << pattern;
+    EXPECT_TRUE(c.overrides[0].matches(name + "q")) << pattern;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << pattern;
+  }
+  const std::string long_patterns[] = {std::string(20000, '(') + "a" + std::string(20000, ')'),
+                                       [] {
+                                         std::string p;
+                                         for (int i = 0; i < 20000; ++i) p += "a*";
+                                         return p;
+                                       }()};
+  for (const std::string& p : long_patterns) {
+    auto r = parse_quantization_config_text(
+        R"({"quant_method": "auto-round", "bits": 4, "extra_config": {")" + p + R"(": {"bits": 8}}})", "config.json");
+    ASSERT_FALSE(r.ok());
+    EXPECT_THAT(r.error().what(), HasSubstr("field 'quantization_config.extra_config."));
+    EXPECT_THAT(r.error().what(), HasSubstr("longer than 1024 characters"));
+  }
+  // Found by fuzz_model_config: libstdc++ reads a back-reference's or a repeat count's digits into a
+  // long without an overflow check (undefined behaviour, reported by UBSan).
+  for (const char* p : {R"(model\\18446744073709551615\\.x)", "a{99999999999999999999}", "a{1,12345678901}"}) {
+    auto r = parse_quantization_config_text(
+        R"({"quant_method": "gptq", "bits": 4, "dynamic": {"+:)" + std::string(p) + R"(": {"bits": 8}}})", "config.json");
+    ASSERT_FALSE(r.ok()) << p;
+    EXPECT_THAT(r.error().what(), HasSubstr("more than 9 digits")) << p;
   }
 }
 

@@ -160,6 +160,71 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
   EXPECT_EQ(missing.error().file(), "/nonexistent/dir/config.json");
 }
 
+TEST(Qwen3MoeConfig, RefusesConfigsTheModelCodeCannotRun) {
+  // Found by fuzz_model_config: each of these parsed, and the model code would then divide by
+  // zero, overflow a float or an int64 product, or allocate from the value.
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      // The default H / nh was taken unchecked: 0 here (a zero-width head), 2^30 below.
+      {"head_dim defaults to 0", [](auto& j) { j.erase("head_dim"); j["hidden_size"] = 2; }, "head_dim"},
+      {"head_dim defaults past its bound",
+       [](auto& j) {
+         j.erase("head_dim");
+         j["hidden_size"] = 1 << 30;
+         j["num_attention_heads"] = 1;
+         j["num_key_value_heads"] = 1;
+       },
+       "head_dim"},
+      // static_cast<float> of a double outside float's range (undefined), or a flush to 0.
+      {"rms_norm_eps past float", [](auto& j) { j["rms_norm_eps"] = 1e300; }, "rms_norm_eps"},
+      {"rms_norm_eps rounds to 0 in float", [](auto& j) { j["rms_norm_eps"] = 1e-50; }, "rms_norm_eps"},
+      // theta^(-2i/d) grows past float for a base below 1 (rope_inv_freq).
+      {"rope_theta below 1", [](auto& j) { j["rope_theta"] = 1e-300; }, "rope_theta"},
+      // nh x hd x H rows x cols of q_proj past int64.
+      {"query width past 2^30",
+       [](auto& j) {
+         j["num_attention_heads"] = 100000;
+         j["num_key_value_heads"] = 1;
+         j["head_dim"] = 100000;
+         j["hidden_size"] = 1 << 30;
+       },
+       "head_dim"},
+  };
+  for (const Case& c : cases) {
+    auto j = fixture_config();
+    c.edit(j);
+    auto r = parse_qwen3_moe_config(j.dump(), "some/config.json");
+    ASSERT_FALSE(r.ok()) << c.what;
+    EXPECT_EQ(r.error().field(), c.field) << c.what << ": " << r.error().what();
+    EXPECT_EQ(r.error().file(), "some/config.json") << c.what;
+  }
+  // The bounds leave real models alone: Qwen3-235B-A22B's attention and a 5e6 RoPE base.
+  auto j = fixture_config();
+  j["num_attention_heads"] = 64;
+  j["num_key_value_heads"] = 4;
+  j["head_dim"] = 128;
+  j["rope_theta"] = 5e6;
+  j["rms_norm_eps"] = 1e-5;
+  EXPECT_TRUE(parse_qwen3_moe_config(j.dump(), "cfg.json").ok());
+}
+
+TEST(Qwen3MoeConfig, DeepNestingIsRefusedBeforeTheDom) {
+  // Found with fuzz_model_config (a crafted input): errors print the offending value, and
+  // nlohmann's dump() recurses, so a value nested deeply enough overflowed the stack. The text is
+  // refused before any DOM is built.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  std::string text = fixture_config().dump();
+  text.replace(text.find("\"hidden_size\":64"), 16, "\"hidden_size\":" + deep);
+  auto r = parse_qwen3_moe_config(text, "some/config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().file(), "some/config.json");
+  EXPECT_NE(r.error().message().find("nests deeper than 64 levels"), std::string::npos) << r.error().what();
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV cache
 // ---------------------------------------------------------------------------------------------

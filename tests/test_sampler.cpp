@@ -310,5 +310,39 @@ TEST(GenerationConfig, MalformedIsAClearError) {
   }
 }
 
+TEST(GenerationConfig, SamplingDefaultsOutOfRangeAreRefusedWithTheirField) {
+  // Found by fuzz_model_config: "top_p": 1.95 parsed, then failed validate_sampler_params as
+  // "field '--top-p'", a flag nobody passed (and a flag would silently hide it); "temperature":
+  // 1e300 became an infinite float. The file and its field are named at parse time now.
+  struct Case {
+    const char* json;
+    const char* field;
+  };
+  const Case cases[] = {
+      {R"({"top_p": 1.95})", "top_p"},        {R"({"top_p": 0})", "top_p"},
+      {R"({"top_p": -0.5})", "top_p"},        {R"({"temperature": -0.1})", "temperature"},
+      {R"({"temperature": 1e300})", "temperature"}, {R"({"top_k": -1})", "top_k"},
+  };
+  for (const Case& c : cases) {
+    auto r = parse_generation_config(c.json, "generation_config.json");
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_EQ(r.error().file(), "generation_config.json") << c.json;
+    EXPECT_EQ(r.error().field(), c.field) << c.json << ": " << r.error().what();
+  }
+  auto edge = parse_generation_config(R"({"temperature": 0, "top_p": 1, "top_k": 0})", "g");
+  ASSERT_TRUE(edge.ok()) << edge.error().what();
+  EXPECT_EQ(*edge->temperature, 0.0f);
+  EXPECT_EQ(*edge->top_p, 1.0f);
+}
+
+TEST(GenerationConfig, DeepNestingIsRefusedBeforeTheDom) {
+  // The same depth bound as config.json (see Qwen3MoeConfig.DeepNestingIsRefusedBeforeTheDom).
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  auto r = parse_generation_config(R"({"eos_token_id": )" + deep + "}", "generation_config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().file(), "generation_config.json");
+  EXPECT_NE(r.error().message().find("nests deeper than 64 levels"), std::string::npos) << r.error().what();
+}
+
 }  // namespace
 }  // namespace moebius::model

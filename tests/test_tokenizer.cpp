@@ -614,6 +614,31 @@ TEST_F(TokenizerLoad, FileErrorsNameTheFile) {
   EXPECT_THAT(bad.error().what(), HasSubstr("unsupported model type 'Unigram'"));
 }
 
+TEST_F(TokenizerLoad, DeepNestingIsRefusedBeforeTheDom) {
+  // Found with fuzz_tokenizer_json (a crafted input; the fuzzer's own inputs stay short): a value
+  // nested 30000 levels deep overflowed the stack when the loader copied it (root.value() copies;
+  // nlohmann's copy constructor recurses). It is refused before any DOM is built.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  for (const char* key : {"added_tokens", "pre_tokenizer", "decoder"}) {
+    json j = base_;
+    j[key] = "DEEP";
+    std::string text = j.dump();
+    text.replace(text.find("\"DEEP\""), 6, deep);
+    auto t = BpeTokenizer::from_json(text, "deep.json");
+    ASSERT_FALSE(t.ok()) << key;
+    EXPECT_THAT(t.error().what(), HasSubstr("deep.json")) << key;
+    EXPECT_THAT(t.error().what(), HasSubstr("nests deeper than 64 levels")) << key;
+  }
+  // 64 levels are fine as far as nesting goes (the error is about the value, not the depth).
+  json j = base_;
+  j["decoder"] = "DEEP";
+  std::string text = j.dump();
+  text.replace(text.find("\"DEEP\""), 6, std::string(63, '[') + std::string(63, ']'));
+  auto t = BpeTokenizer::from_json(text, "ok.json");
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.error().what(), ::testing::Not(HasSubstr("nests deeper")));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The real Qwen3 tokenizer
 // ---------------------------------------------------------------------------------------------

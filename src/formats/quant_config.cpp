@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
+
 namespace moebius {
 
 namespace {
@@ -72,9 +74,32 @@ Status check_group_size(int g, const std::string& path) {
   return Ok{};
 }
 
+// Real patterns are under 100 characters. std::regex compiles by recursive descent, and its
+// executors recurse per state: 20000 nested groups or "a*" repeated 20000 times overflow the stack.
+constexpr size_t kMaxRegexBytes = 1024;
+
+// libstdc++'s default executor backtracks: "(.|.)*q" takes time exponential in the module name's
+// length. Its __polynomial flag picks the Thompson-NFA executor instead (polynomial; it refuses
+// back-references, which no real pattern uses). We only ask whether a pattern matches, which both
+// executors answer alike.
+#if defined(__GLIBCXX__)
+constexpr auto kRegexFlags = std::regex::ECMAScript | std::regex_constants::__polynomial;
+#else
+constexpr auto kRegexFlags = std::regex::ECMAScript;
+#endif
+
 Result<std::shared_ptr<const std::regex>> compile_regex(const std::string& pattern, const std::string& path) {
+  if (pattern.size() > kMaxRegexBytes)
+    return Error::format("regex is longer than {} characters ({})", kMaxRegexBytes, pattern.size()).in_field(path);
+  // libstdc++ reads a back-reference's or a repeat count's digits into a long without an overflow
+  // check (_Compiler::_M_cur_int_value): refuse long numbers before it sees them.
+  size_t digits = 0;
+  for (char ch : pattern) {
+    digits = (ch >= '0' && ch <= '9') ? digits + 1 : 0;
+    if (digits > 9) return Error("regex has a number of more than 9 digits").in_field(path);
+  }
   try {
-    return std::make_shared<const std::regex>(pattern, std::regex::ECMAScript);
+    return std::make_shared<const std::regex>(pattern, kRegexFlags);
   } catch (const std::regex_error& e) {
     return Error::format("cannot compile regex '{}': {}", pattern, e.what()).in_field(path);
   }
@@ -366,6 +391,9 @@ Result<QuantConfig> parse_autoround_quant_config(const J& qc) {
 // Parsed into ordered_json: GPTQModel's "dynamic" and AutoRound's "extra_config" are applied in
 // the order the file lists them, which std::map-backed nlohmann::json would lose.
 Result<nlohmann::ordered_json> parse_json_text(std::string_view text, const std::string& source) {
+  // [TAG_JSON_DEPTH] An ordered_json object copies its values when it grows (its pairs have a const
+  // key, so they are not moved), and the copy recurses per level: refuse deep text first.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   auto j = nlohmann::ordered_json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   return j;

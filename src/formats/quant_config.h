@@ -31,7 +31,9 @@
 //     quantized (others only through an extra_config entry).
 //   - GPTQ "lm_head": false (the default) means lm_head is not quantized.
 // Regexes use std::regex's ECMAScript grammar, which agrees with Python's re for the patterns
-// these tools write (., *, +, ?, [], (), |, \d, \.); one it cannot compile is a parse error.
+// these tools write (., *, +, ?, [], (), |, \d, \.); one it cannot compile is a parse error, and
+// so is one longer than 1024 characters or with a back-reference: patterns run on libstdc++'s
+// Thompson-NFA executor, in time polynomial in the name, never by backtracking.
 #pragma once
 
 #include <memory>

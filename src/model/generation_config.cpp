@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
+
 namespace moebius::model {
 namespace {
 
@@ -21,13 +23,20 @@ Result<int32_t> to_token_id(const json& v, const char* field) {
   return static_cast<int32_t>(v.get<int64_t>());
 }
 
-// null counts as absent: HF writes "temperature": null when unset.
-Result<std::optional<float>> read_float(const json& j, const char* key) {
+// null counts as absent: HF writes "temperature": null when unset. The value must lie in [lo, hi],
+// or (lo, hi] when lo_open: the range validate_sampler_params accepts. These become the sampler's
+// parameters when no flag overrides them, and an error there would name a flag nobody passed
+// instead of this file and field.
+Result<std::optional<float>> read_float(const json& j, const char* key, double lo, bool lo_open, double hi,
+                                        const char* range) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return std::optional<float>{};
-  if (!it->is_number() || !std::isfinite(it->get<double>()))
-    return Error::format("expected a number, got {}", it->dump()).in_field(key);
-  return std::optional<float>(static_cast<float>(it->get<double>()));
+  if (!it->is_number()) return Error::format("expected a number, got {}", it->dump()).in_field(key);
+  const double x = it->get<double>();
+  // hi <= FLT_MAX, so the cast is defined; the open bound is checked after it (1e-50 rounds to 0).
+  const bool in_range = x >= lo && x <= hi && (!lo_open || static_cast<float>(x) > lo);
+  if (!in_range) return Error::format("{} is outside {}", it->dump(), range).in_field(key);
+  return std::optional<float>(static_cast<float>(x));
 }
 
 Result<GenerationConfig> parse_json(const json& j) {
@@ -44,20 +53,14 @@ Result<GenerationConfig> parse_json(const json& j) {
       c.eos_token_ids.push_back(id);
     }
   }
-  // The ranges are HF's (its logits processors refuse values outside them), so a default that
-  // would fail every request is an error here, naming the file.
-  MOEBIUS_ASSIGN_OR_RETURN(c.temperature, read_float(j, "temperature"));
-  if (c.temperature && *c.temperature < 0.0f)
-    return Error::format("must be >= 0, got {}", *c.temperature).in_field("temperature");
-  MOEBIUS_ASSIGN_OR_RETURN(c.top_p, read_float(j, "top_p"));
-  if (c.top_p && !(*c.top_p > 0.0f && *c.top_p <= 1.0f))
-    return Error::format("must be in (0, 1], got {}", *c.top_p).in_field("top_p");
-  MOEBIUS_ASSIGN_OR_RETURN(c.min_p, read_float(j, "min_p"));
-  if (c.min_p && !(*c.min_p >= 0.0f && *c.min_p < 1.0f))
-    return Error::format("must be in [0, 1), got {}", *c.min_p).in_field("min_p");
-  MOEBIUS_ASSIGN_OR_RETURN(c.repetition_penalty, read_float(j, "repetition_penalty"));
-  if (c.repetition_penalty && !(*c.repetition_penalty > 0.0f))
-    return Error::format("must be > 0 (1 = off), got {}", *c.repetition_penalty).in_field("repetition_penalty");
+  // Temperatures above float's range would become infinite; 0 is greedy.
+  MOEBIUS_ASSIGN_OR_RETURN(c.temperature, read_float(j, "temperature", 0.0, false, std::numeric_limits<float>::max(),
+                                                     "[0, FLT_MAX] (0 = greedy)"));
+  MOEBIUS_ASSIGN_OR_RETURN(c.top_p, read_float(j, "top_p", 0.0, true, 1.0, "(0, 1] (1 = off)"));
+  // min_p in [0, 1), as the sampler takes it: the closed bound is the largest float below 1.
+  MOEBIUS_ASSIGN_OR_RETURN(c.min_p, read_float(j, "min_p", 0.0, false, std::nextafter(1.0f, 0.0f), "[0, 1)"));
+  MOEBIUS_ASSIGN_OR_RETURN(c.repetition_penalty, read_float(j, "repetition_penalty", 0.0, true,
+                                                            std::numeric_limits<float>::max(), "(0, FLT_MAX] (1 = off)"));
   if (auto it = j.find("top_k"); it != j.end() && !it->is_null()) {
     if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > std::numeric_limits<int>::max())
       return Error::format("expected an integer >= 0, got {}", it->dump()).in_field("top_k");
@@ -73,6 +76,8 @@ Result<GenerationConfig> parse_json(const json& j) {
 }  // namespace
 
 Result<GenerationConfig> parse_generation_config(std::string_view text, const std::string& source) {
+  // [TAG_JSON_DEPTH] Errors quote values with dump(), which recurses per level.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   const json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   auto r = parse_json(j);

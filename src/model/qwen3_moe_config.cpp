@@ -4,12 +4,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+
+#include "core/json_depth.h"
 
 namespace moebius::model {
 namespace {
@@ -23,11 +26,14 @@ const json* find(const json& j, const char* key) {
   return it == j.end() ? nullptr : &*it;
 }
 
+// A default is range-checked too: head_dim's, hidden_size / num_attention_heads, can be 0.
 Result<int64_t> read_int(const json& j, const char* key, std::optional<int64_t> dflt, int64_t lo, int64_t hi) {
   const json* v = find(j, key);
   if (v == nullptr || (v->is_null() && dflt)) {
-    if (dflt) return *dflt;
-    return Error("missing").in_field(key);
+    if (!dflt) return Error("missing").in_field(key);
+    if (*dflt < lo || *dflt > hi)
+      return Error::format("absent, and its default {} is outside [{}, {}]", *dflt, lo, hi).in_field(key);
+    return *dflt;
   }
   if (!v->is_number_integer()) return Error::format("expected an integer, got {}", v->dump()).in_field(key);
   if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
@@ -86,8 +92,23 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
     return Error::format("{} query heads are not a multiple of {} KV heads", heads, kv_heads)
         .in_field("num_key_value_heads");
   if (c.head_dim % 2 != 0) return Error::format("head_dim {} is odd; RoPE needs it even", head_dim).in_field("head_dim");
+  // Every weight is at most kMaxInt x kMaxInt, so rows x cols (and its fp32 bytes) stay in int64;
+  // q_proj's rows are nh x hd, which the per-field bounds alone let reach 10^10.
+  if (heads * head_dim > kMaxInt)
+    return Error::format("num_attention_heads {} x head_dim {} = {} is more than 2^30", heads, head_dim,
+                         heads * head_dim)
+        .in_field("head_dim");
   MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(j, "rope_theta", {}));
+  // rope_inv_freq computes theta^(-2i/hd) in double and stores floats: below 1 the frequencies grow
+  // instead of decaying, past float's range for a tiny base (real models use 1e4 to 1e7).
+  if (c.rope_theta < 1.0) return Error::format("{} is below 1", c.rope_theta).in_field("rope_theta");
   MOEBIUS_ASSIGN_OR_RETURN(double eps, read_float(j, "rms_norm_eps", {}));
+  // Stored as a float: past float's range the conversion is undefined; below its normal range it
+  // rounds towards 0, and RMSNorm of a zero row then divides by 0.
+  if (eps > std::numeric_limits<float>::max() || eps < std::numeric_limits<float>::min())
+    return Error::format("{} does not fit a float32 in [{}, {}]", eps, std::numeric_limits<float>::min(),
+                         std::numeric_limits<float>::max())
+        .in_field("rms_norm_eps");
   c.rms_norm_eps = static_cast<float>(eps);
 
   // rope_scaling: null/absent, or the explicit no-op {"rope_type": "default"}. Everything else
@@ -172,6 +193,8 @@ Status check_same_config(const Qwen3MoeConfig& a, const Qwen3MoeConfig& b) {
 }
 
 Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::string& source) {
+  // [TAG_JSON_DEPTH] Errors quote values with dump(), which recurses per level.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   const json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   auto r = parse_json(j);

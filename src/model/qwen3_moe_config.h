@@ -6,7 +6,10 @@
 // (head_dim, num_key_value_heads, norm_topk_prob, decoder_sparse_step, mlp_only_layers,
 // tie_word_embeddings, max_position_embeddings, rope_scaling) may be absent and take that default.
 // Features this engine does not implement (rope scaling, sliding-window attention, attention
-// biases, activations other than silu) are refused rather than silently ignored.
+// biases, activations other than silu) are refused rather than silently ignored. Values the model
+// code would divide by, overflow on or allocate from are bounded here, defaults included: every
+// size and nh x hd at most 2^30 (so every weight's rows x cols stays in int64), rope_theta >= 1,
+// rms_norm_eps inside float's normal range.
 #pragma once
 
 #include <cstdint>

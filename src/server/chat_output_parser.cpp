@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
 #include "server/openai_api.h"
 #include "server/stop_strings.h"
 

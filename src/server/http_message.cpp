@@ -60,11 +60,14 @@ bool HttpRequest::keep_alive() const {
 }
 
 size_t find_head_end(std::string_view b) {
-  const size_t crlf = b.find("\r\n\r\n");
-  const size_t lf = b.find("\n\n");
-  if (crlf == std::string_view::npos && lf == std::string_view::npos) return std::string_view::npos;
-  if (lf == std::string_view::npos || (crlf != std::string_view::npos && crlf < lf)) return crlf + 4;
-  return lf + 2;
+  // The blank line as next_line() sees it: "\n" or "\r\n" right after a "\n", whatever ended the
+  // line before ("\n\r\n" too, not only "\r\n\r\n" and "\n\n"). Anything else would let the
+  // parser stop at a blank line this search skipped, dropping the lines between.
+  for (size_t nl = b.find('\n'); nl != std::string_view::npos; nl = b.find('\n', nl + 1)) {
+    if (nl + 1 < b.size() && b[nl + 1] == '\n') return nl + 2;
+    if (nl + 2 < b.size() && b[nl + 1] == '\r' && b[nl + 2] == '\n') return nl + 3;
+  }
+  return std::string_view::npos;
 }
 
 std::optional<HttpError> parse_request_head(std::string_view head, const HttpLimits& limits, HttpRequest* out) {

@@ -53,7 +53,8 @@ std::optional<HttpError> parse_request_head(std::string_view head, const HttpLim
 // Content-Length, 413 past limits.max_body_bytes.
 std::optional<HttpError> request_body_length(const HttpRequest& request, const HttpLimits& limits, size_t* length);
 
-// The end of the head in `buffer` (one past the blank line), or npos while incomplete.
+// The end of the head in `buffer` (one past the first blank line, "\r\n" or "\n" after a "\n";
+// a first line that is empty is the one parse_request_head skips), or npos while incomplete.
 size_t find_head_end(std::string_view buffer);
 
 std::string_view status_reason(int status);

@@ -6,26 +6,10 @@
 
 #include <fmt/format.h>
 
+#include "core/json_depth.h"
 #include "tokenizer/unicode.h"
 
 namespace moebius::server {
-
-int json_nesting_depth(std::string_view s) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : s) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
-    else if (c == ']' || c == '}') --depth;
-  }
-  return deepest;
-}
 
 // Ordered throughout: requests keep their key order for the chat template (tojson), responses
 // list fields in the order OpenAI documents them.
@@ -497,6 +481,8 @@ namespace {
 std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limits, json* doc) {
   if (body.size() > limits.max_body_bytes) return body_too_large(body.size(), limits.max_body_bytes);
   if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
+  // nlohmann parses iteratively, but deep documents still cost recursion when copied and dumped; a
+  // request never needs more than a few levels [TAG_JSON_DEPTH].
   if (json_nesting_depth(body) > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
   try {

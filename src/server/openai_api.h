@@ -53,10 +53,6 @@ ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t con
 
 enum class Endpoint { kChat, kCompletion };
 
-// Nesting depth of arrays and objects in JSON text, outside strings (no parse needed). nlohmann
-// parses iteratively, but deep documents still cost recursion when destroyed and dumped.
-int json_nesting_depth(std::string_view json_text);
-
 // vLLM accepts any positive repetition_penalty; past 10 a seen token's logit is crushed to about
 // nothing, so a larger value is surely a mistake (e.g. a percentage).
 inline constexpr double kMaxRepetitionPenalty = 10.0;

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
 #include "core/memory.h"
 #include "tokenizer/pretokenizer.h"
 #include "tokenizer/unicode.h"
@@ -706,6 +707,8 @@ Result<BpeTokenizer> BpeTokenizer::load(const std::string& path) {
 }
 
 Result<BpeTokenizer> BpeTokenizer::from_json(std::string_view json_text, const std::string& source) {
+  // [TAG_JSON_DEPTH] The loader copies components (root.value()), which recurses per level.
+  if (Status depth = check_json_depth(json_text); !depth.ok()) return std::move(depth).error().in_file(source);
   json root = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return Error("not valid JSON").in_file(source);
   if (!root.is_object()) return Error("top level is not a JSON object").in_file(source);

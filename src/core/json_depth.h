@@ -1,0 +1,51 @@
+// How deeply JSON text nests, measured on the text before a parser builds anything from it.
+//
+// nlohmann's parser itself is iterative, but much of what follows a parse recurses once per level:
+// copying a value (json::value() copies), dump() (every error that quotes a value), and growing an
+// ordered_json object, whose pairs have a const key and so are copied, not moved, when its vector
+// reallocates. A file nested tens of thousands of levels deep overflows the stack in one of those.
+// Every parser of JSON files checks the depth first [TAG_JSON_DEPTH]; real config.json,
+// generation_config.json, quantization configs and tokenizer.json files nest fewer than 10 levels.
+// (safetensors.cpp has its own stricter precheck; the server bounds request bodies with
+// ApiLimits::max_json_depth.)
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "core/error.h"
+
+namespace moebius {
+
+inline constexpr int64_t kMaxJsonFileDepth = 64;
+
+// The deepest nesting of arrays and objects in `text`; brackets inside strings do not count. Not a
+// validator: malformed text gets some number, and the parser refuses it afterwards.
+inline int64_t json_nesting_depth(std::string_view text) {
+  int64_t depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// An Error when `text` nests deeper than `max_depth`; the caller adds the file.
+inline Status check_json_depth(std::string_view text, int64_t max_depth = kMaxJsonFileDepth) {
+  if (json_nesting_depth(text) > max_depth) return Error::format("JSON nests deeper than {} levels", max_depth);
+  return Ok{};
+}
+
+}  // namespace moebius
