@@ -3,6 +3,7 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
+#include <limits>
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
@@ -156,7 +157,15 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   if (o.block_size < 1 || o.block_size > 256)
     return Error::format("must be in [1, 256], got {}", o.block_size).in_field("block_size");
   max_blocks_per_seq_ = (o.max_context + o.block_size - 1) / o.block_size;
-  if (o.num_blocks <= 0) o.num_blocks = o.max_seqs * max_blocks_per_seq_;
+  if (o.num_blocks <= 0) {
+    // max_context may be up to 2^30 tokens (config.json's max_position_embeddings).
+    const int64_t blocks = int64_t{o.max_seqs} * max_blocks_per_seq_;
+    if (blocks > std::numeric_limits<int32_t>::max())
+      return Error::format("{} sequences of {} tokens need {} KV blocks, more than a pool holds", o.max_seqs,
+                           o.max_context, blocks)
+          .in_field("max_context");
+    o.num_blocks = static_cast<int32_t>(blocks);
+  }
   std::sort(o.graph_batches.begin(), o.graph_batches.end());
   o.graph_batches.erase(std::unique(o.graph_batches.begin(), o.graph_batches.end()), o.graph_batches.end());
   for (int b : o.graph_batches)

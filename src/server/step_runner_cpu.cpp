@@ -319,8 +319,14 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   l.block_size = o.block_size;
   l.max_seqs = o.max_seqs;
   l.max_step_tokens = o.max_step_tokens;
-  const int32_t per_seq = (l.max_context + l.block_size - 1) / l.block_size;
-  l.num_blocks = o.num_blocks > 0 ? o.num_blocks : per_seq * l.max_seqs;
+  // --max-running full contexts by default; a context of up to 2^30 tokens (what config.json may
+  // say) times the sequences can pass a block id's int32.
+  const int64_t blocks = (int64_t{l.max_context} + l.block_size - 1) / l.block_size * l.max_seqs;
+  if (o.num_blocks == 0 && blocks > std::numeric_limits<int32_t>::max())
+    return Error::format("{} sequences of {} tokens need {} KV blocks, more than a pool holds; lower --max-context",
+                         l.max_seqs, l.max_context, blocks)
+        .in_field("--max-context");
+  l.num_blocks = o.num_blocks > 0 ? o.num_blocks : static_cast<int32_t>(blocks);
   return std::unique_ptr<StepRunner>(new CpuRunner(std::move(m), l));
 }
 
