@@ -17,6 +17,7 @@
 #include "server/api_server.h"
 #include "server/http_client.h"
 #include "server/http_server.h"
+#include "serve_test_util.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
 
@@ -26,27 +27,18 @@ namespace {
 using json = nlohmann::json;
 constexpr int32_t kImEnd = 322;  // tests/data/tiny-serve's <|im_end|>, the eos here
 
-const tokenizer::BpeTokenizer& tiny_tokenizer() {
-  static tokenizer::BpeTokenizer* tok = [] {
-    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
-    EXPECT_TRUE(t.ok()) << t.error().what();
-    return new tokenizer::BpeTokenizer(std::move(t).value());
-  }();
-  return *tok;
-}
+const tokenizer::BpeTokenizer& tiny_tokenizer() { return testing::tiny_serve_tokenizer(); }
 
 // Answers every sequence with the tokens of `script`, then eos: its logits are -1e9 except for
 // the next scripted token. The tiny CPU runner provides the config and limits; nothing is computed.
-class ScriptedRunner final : public StepRunner {
+class ScriptedRunner final : public testing::ForwardingRunner {
  public:
-  explicit ScriptedRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
+  using ForwardingRunner::ForwardingRunner;
   void set_script(const std::string& text) {
     std::lock_guard<std::mutex> lock(mu_);
     script_.clear();
     for (tokenizer::TokenId id : tiny_tokenizer().encode(text)) script_.push_back(static_cast<int32_t>(id));
   }
-  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
-  const RunnerLimits& limits() const override { return inner_->limits(); }
   std::string describe() const override { return "scripted"; }
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -63,13 +55,10 @@ class ScriptedRunner final : public StepRunner {
     return Ok{};
   }
   void release(int64_t id) override { produced_.erase(id); }
-  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
-    return inner_->stage_weights(dir);
-  }
-  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
+  // It keeps a count per sequence, not KV: no prefix caching (a cached start would not change it).
+  bool shares_kv_blocks() const override { return false; }
 
  private:
-  std::unique_ptr<StepRunner> inner_;
   std::mutex mu_;
   std::vector<int32_t> script_;
   std::unordered_map<int64_t, size_t> produced_;  // tokens answered per sequence

@@ -12,6 +12,7 @@
 
 #include "model/generate.h"
 #include "server/engine.h"
+#include "serve_test_util.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
 #include "fixture_copy.h"
@@ -21,14 +22,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-const tokenizer::BpeTokenizer& tiny_tokenizer() {
-  static tokenizer::BpeTokenizer* tok = [] {
-    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
-    EXPECT_TRUE(t.ok()) << t.error().what();
-    return new tokenizer::BpeTokenizer(std::move(t).value());
-  }();
-  return *tok;
-}
+const tokenizer::BpeTokenizer& tiny_tokenizer() { return testing::tiny_serve_tokenizer(); }
 
 // The one-sequence reference: model::generate, greedy unless `params` say otherwise, no eos.
 std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_tokens,
@@ -176,29 +170,20 @@ TEST(Engine, DataParallelRequestsMatchSolo) {
 // A runner that fails its third step and then reports that it cannot step again: the engine
 // fails that step's requests and every queued one, stops (alive() false: /health answers 503) and
 // refuses new requests.
-class FailingRunner final : public StepRunner {
+class FailingRunner final : public testing::ForwardingRunner {
  public:
-  explicit FailingRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
-  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
-  const RunnerLimits& limits() const override { return inner_->limits(); }
+  using ForwardingRunner::ForwardingRunner;
   std::string describe() const override { return "failing"; }
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
     if (++steps_ >= 3) {
       broken_ = true;
       return Error("the ranks stopped");
     }
-    return inner_->step(seqs, logits);
+    return ForwardingRunner::step(seqs, logits);
   }
-  void release(int64_t id) override { inner_->release(id); }
-  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
   bool failed() const override { return broken_; }
-  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
-    return inner_->stage_weights(dir);
-  }
-  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
 
  private:
-  std::unique_ptr<StepRunner> inner_;
   int steps_ = 0;
   bool broken_ = false;
 };

@@ -17,6 +17,7 @@
 #include "model/generate.h"
 #include "model/kv_cache.h"
 #include "server/engine.h"
+#include "serve_test_util.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
 
@@ -238,14 +239,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-const tokenizer::BpeTokenizer& tokenizer_for_tests() {
-  static tokenizer::BpeTokenizer* tok = [] {
-    auto t = tokenizer::BpeTokenizer::load(testing::test_data_dir() + "/tiny-serve/tokenizer.json");
-    EXPECT_TRUE(t.ok()) << t.error().what();
-    return new tokenizer::BpeTokenizer(std::move(t).value());
-  }();
-  return *tok;
-}
+using testing::tiny_serve_tokenizer;
 
 // What the one-sequence loop generates (greedy, no eos), computing every token.
 std::vector<int32_t> reference(const std::vector<int32_t>& prompt, int max_tokens) {
@@ -261,12 +255,9 @@ std::vector<int32_t> reference(const std::vector<int32_t>& prompt, int max_token
 }
 
 // Forwards to the CPU runner and records where the engine put each sequence of each step.
-class RecordingRunner final : public StepRunner {
+class RecordingRunner final : public testing::ForwardingRunner {
  public:
-  explicit RecordingRunner(std::unique_ptr<StepRunner> inner) : inner_(std::move(inner)) {}
-  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
-  const RunnerLimits& limits() const override { return inner_->limits(); }
-  std::string describe() const override { return inner_->describe(); }
+  using ForwardingRunner::ForwardingRunner;
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
     std::vector<int> per_pool(static_cast<size_t>(limits().kv_pools), 0);
     for (const RunnerSeq& s : seqs) {
@@ -275,22 +266,13 @@ class RecordingRunner final : public StepRunner {
       used_pools.insert(s.pool);
     }
     for (int n : per_pool) most_in_a_pool = std::max(most_in_a_pool, n);
-    return inner_->step(seqs, logits);
+    return ForwardingRunner::step(seqs, logits);
   }
-  void release(int64_t id) override { inner_->release(id); }
-  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
-  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
-    return inner_->stage_weights(dir);
-  }
-  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
 
   // Written by the engine thread; read by the test once the requests are done.
   std::map<int64_t, std::set<int>> pools_of;
   std::set<int> used_pools;
   int most_in_a_pool = 0;
-
- private:
-  std::unique_ptr<StepRunner> inner_;
 };
 
 // ep > 1: data parallel over `ep` ranks, each with `num_blocks` blocks and `max_seqs` sequences.
@@ -309,7 +291,7 @@ std::unique_ptr<Engine> engine(int max_seqs, int max_step_tokens, int32_t num_bl
   if (recorder != nullptr) *recorder = rec.get();
   EngineOptions eo;
   eo.prefix_caching = prefix_caching;
-  return std::make_unique<Engine>(std::move(rec), &tokenizer_for_tests(), eo);
+  return std::make_unique<Engine>(std::move(rec), &tiny_serve_tokenizer(), eo);
 }
 
 struct Done {
@@ -478,32 +460,24 @@ TEST_P(EnginePrefixCacheEp, RandomRequestsWithCancelsMatchTheReference) {
 
 // A runner whose sequence cap does not divide over its pools: the remainder goes to the first
 // pools (7 over 4: 2, 2, 2, 1), so every slot can be used and no pool exceeds its share.
-class CappedRunner final : public StepRunner {
+class CappedRunner final : public testing::ForwardingRunner {
  public:
-  CappedRunner(std::unique_ptr<StepRunner> inner, int max_seqs) : inner_(std::move(inner)), limits_(inner_->limits()) {
+  CappedRunner(std::unique_ptr<StepRunner> inner, int max_seqs)
+      : ForwardingRunner(std::move(inner)), limits_(ForwardingRunner::limits()) {
     limits_.max_seqs = max_seqs;
   }
-  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
   const RunnerLimits& limits() const override { return limits_; }
-  std::string describe() const override { return inner_->describe(); }
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
     std::vector<int> per(static_cast<size_t>(limits_.kv_pools), 0);
     for (const RunnerSeq& s : seqs) ++per[static_cast<size_t>(s.pool)];
     for (size_t p = 0; p < per.size(); ++p) most_in_pool[p] = std::max(most_in_pool[p], per[p]);
     most_in_step = std::max(most_in_step, static_cast<int>(seqs.size()));
-    return inner_->step(seqs, logits);
+    return ForwardingRunner::step(seqs, logits);
   }
-  void release(int64_t id) override { inner_->release(id); }
-  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
-  Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const override {
-    return inner_->stage_weights(dir);
-  }
-  void commit_weights(StagedWeights& staged) override { inner_->commit_weights(staged); }
   std::vector<int> most_in_pool = std::vector<int>(4, 0);
   int most_in_step = 0;
 
  private:
-  std::unique_ptr<StepRunner> inner_;
   RunnerLimits limits_;
 };
 
@@ -518,7 +492,7 @@ TEST(EnginePrefixCache, ASequenceCapThatDoesNotDivideIsSpreadOverThePools) {
   ASSERT_TRUE(runner.ok()) << runner.error().what();
   auto capped = std::make_unique<CappedRunner>(std::move(runner).value(), 7);
   CappedRunner* c = capped.get();
-  Engine e(std::move(capped), &tokenizer_for_tests(), EngineOptions{});
+  Engine e(std::move(capped), &tiny_serve_tokenizer(), EngineOptions{});
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::shared_ptr<RequestStream>> streams;
   for (int i = 0; i < 10; ++i) {

@@ -1,0 +1,51 @@
+// Shared by the serving tests (engine, prefix cache, chat API): the tiny fixture's serving
+// tokenizer (tests/data/tiny-serve), and a StepRunner that forwards every call to another, for
+// test runners that record, script or change one part of what the engine sees.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "server/step_runner.h"
+#include "test_util.h"
+#include "tokenizer/bpe_tokenizer.h"
+
+namespace moebius::testing {
+
+inline const tokenizer::BpeTokenizer& tiny_serve_tokenizer() {
+  static tokenizer::BpeTokenizer* tok = [] {
+    auto t = tokenizer::BpeTokenizer::load(test_data_dir() + "/tiny-serve/tokenizer.json");
+    EXPECT_TRUE(t.ok()) << t.error().what();
+    return new tokenizer::BpeTokenizer(std::move(t).value());
+  }();
+  return *tok;
+}
+
+class ForwardingRunner : public server::StepRunner {
+ public:
+  explicit ForwardingRunner(std::unique_ptr<server::StepRunner> inner) : inner_(std::move(inner)) {}
+  const model::Qwen3MoeConfig& config() const override { return inner_->config(); }
+  const server::RunnerLimits& limits() const override { return inner_->limits(); }
+  std::string describe() const override { return inner_->describe(); }
+  Status step(std::span<const server::RunnerSeq> seqs, std::vector<float>& logits) override {
+    return inner_->step(seqs, logits);
+  }
+  void release(int64_t id) override { inner_->release(id); }
+  bool shares_kv_blocks() const override { return inner_->shares_kv_blocks(); }
+  bool failed() const override { return inner_->failed(); }
+  std::optional<offload::ModelCacheStats> expert_cache_stats() const override { return inner_->expert_cache_stats(); }
+  Result<std::unique_ptr<server::StagedWeights>> stage_weights(const std::string& dir) const override {
+    return inner_->stage_weights(dir);
+  }
+  void commit_weights(server::StagedWeights& staged) override { inner_->commit_weights(staged); }
+
+ private:
+  std::unique_ptr<server::StepRunner> inner_;
+};
+
+}  // namespace moebius::testing
