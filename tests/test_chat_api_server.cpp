@@ -128,12 +128,14 @@ class ChatApiServer : public ::testing::Test {
     return {200, events};
   }
 
-  // The streamed deltas put together as an OpenAI client does (tool calls by index). Unless the
-  // answer keeps a block as text, no content delta may hold a tool-call tag.
-  static json accumulate(const std::vector<json>& events, bool tags_are_text = false) {
+  // The streamed deltas of choice `index` put together as an OpenAI client does (tool calls by
+  // index). Unless the answer keeps a block as text, no content delta may hold a tool-call tag.
+  static json accumulate(const std::vector<json>& events, bool tags_are_text = false, int index = 0) {
     json message = {{"content", ""}, {"reasoning_content", ""}, {"tool_calls", json::array()}};
     json finish = nullptr;
     for (const json& e : events) {
+      if (e["choices"].empty() || e["choices"][0]["index"] != index) continue;
+      EXPECT_EQ(e["choices"].size(), 1u) << "a chunk carries one choice";
       const json& choice = e["choices"][0];
       const json& d = choice["delta"];
       if (d.contains("content")) {
@@ -247,6 +249,49 @@ TEST_F(ChatApiServer, MalformedAndUnfinishedCallsStayContent) {
   EXPECT_EQ(streamed["message"]["content"], open);
   EXPECT_EQ(streamed["finish_reason"], "length");
   EXPECT_TRUE(streamed["message"]["tool_calls"].empty());
+}
+
+// n choices: each its own sequence (3 here over a runner of 2 slots, so one waits), each parsed on
+// its own; whole responses list them by index, streams interleave chunks that name theirs, and
+// the usage counts the prompt once and every choice's tokens.
+TEST_F(ChatApiServer, NChoicesWholeAndStreamed) {
+  auto [status, whole] = chat(kAnswer, {{"tools", kTools}, {"n", 3}});
+  ASSERT_EQ(status, 200) << whole[0].dump();
+  const json& choices = whole[0]["choices"];
+  ASSERT_EQ(choices.size(), 3u);
+  auto [s1, single] = chat(kAnswer, {{"tools", kTools}});
+  ASSERT_EQ(s1, 200);
+  const json& one = single[0]["choices"][0];
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(choices[i]["index"], i);
+    EXPECT_EQ(choices[i]["finish_reason"], "tool_calls");
+    EXPECT_EQ(choices[i]["message"]["content"], one["message"]["content"]);
+    EXPECT_EQ(choices[i]["message"]["reasoning_content"], one["message"]["reasoning_content"]);
+    ASSERT_EQ(choices[i]["message"]["tool_calls"].size(), 2u);
+    EXPECT_EQ(choices[i]["message"]["tool_calls"][1]["function"], one["message"]["tool_calls"][1]["function"]);
+  }
+  const json& u1 = single[0]["usage"];
+  EXPECT_EQ(whole[0]["usage"]["prompt_tokens"], u1["prompt_tokens"]);
+  EXPECT_EQ(whole[0]["usage"]["completion_tokens"], 3 * u1["completion_tokens"].get<int>());
+
+  auto [s2, events] = chat(kAnswer, {{"tools", kTools}, {"n", 3}, {"stream", true},
+                                     {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(s2, 200);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    int roles = 0;
+    for (const json& e : events)
+      if (!e["choices"].empty() && e["choices"][0]["index"] == i && e["choices"][0]["delta"].contains("role")) ++roles;
+    EXPECT_EQ(roles, 1);
+    const json streamed = accumulate(events, false, i);
+    EXPECT_EQ(streamed["finish_reason"], "tool_calls");
+    EXPECT_EQ(streamed["message"]["content"], one["message"]["content"]);
+    EXPECT_EQ(streamed["message"]["tool_calls"].size(), 2u);
+  }
+  ASSERT_FALSE(events.empty());
+  EXPECT_TRUE(events.back()["choices"].empty());  // the usage chunk comes last, once
+  EXPECT_EQ(events.back()["usage"]["completion_tokens"], 3 * u1["completion_tokens"].get<int>());
 }
 
 // The server refuses tools it cannot parse: tool_choice "auto" without a tool-call parser.

@@ -250,7 +250,8 @@ TEST(OpenAiApi, WrongTypes) {
 TEST(OpenAiApi, OutOfRange) {
   const std::vector<std::pair<const char*, json>> cases = {
       {"max_tokens", 0},   {"max_tokens", -5}, {"temperature", -0.1}, {"temperature", 2.5}, {"top_p", 0},
-      {"top_p", 1.01},     {"top_k", -2},      {"min_p", 1.0},        {"min_p", -0.5},     {"n", 2},
+      {"top_p", 1.01},     {"top_k", -2},      {"min_p", 1.0},        {"min_p", -0.5},     {"n", 0},
+      {"n", 129},
       {"logprobs", 6},
   };
   for (const auto& [key, value] : cases) {
@@ -376,6 +377,41 @@ TEST(OpenAiApi, ResponseShapes) {
   // A token's bytes may end mid-character: replaced, never thrown.
   c.logprobs[0].token = "\xE4\xB8";
   EXPECT_NO_THROW(json::parse(chat_response(m, c, Usage{})));
+}
+
+// n > 1: every choice under its index, in both response kinds and in chunks; a completion
+// stream's logprobs continue the choice's text_offset.
+TEST(OpenAiApi, SeveralChoices) {
+  ResponseMeta m{"cmpl-1", "tiny", 1700000000};
+  std::vector<ChoiceDelta> cs(3);
+  for (int i = 0; i < 3; ++i) {
+    cs[i].index = i;
+    cs[i].text = "t" + std::to_string(i);
+    cs[i].finish_reason = i == 1 ? "length" : "stop";
+  }
+  for (const json& r : {json::parse(chat_response(m, cs, Usage{5, 9})), json::parse(completion_response(m, cs, Usage{5, 9}))}) {
+    ASSERT_EQ(r["choices"].size(), 3u);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(r["choices"][i]["index"], i);
+    EXPECT_EQ(r["choices"][1]["finish_reason"], "length");
+    EXPECT_EQ(r["usage"]["total_tokens"], 14);
+  }
+  ChoiceDelta d;
+  d.index = 2;
+  d.want_logprobs = true;
+  d.text_offset = 7;
+  d.logprobs = {TokenLogprob{"ab", -0.1f, {}}, TokenLogprob{"c", -0.2f, {}}};
+  const json cj = json::parse(completion_chunk(m, d, false).substr(6));
+  EXPECT_EQ(cj["choices"][0]["index"], 2);
+  EXPECT_EQ(cj["choices"][0]["logprobs"]["text_offset"], json({7, 9}));
+  EXPECT_EQ(json::parse(chat_chunk(m, d, true, false).substr(6))["choices"][0]["index"], 2);
+
+  GenerationRequest r;
+  json b = completion_body();
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.n, 1);
+  b["n"] = 128;
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.n, 128);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -151,6 +151,25 @@ std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vec
   return std::nullopt;
 }
 
+void ApiServer::Choices::cancel() const {
+  for (const auto& s : streams) s->cancel();
+}
+
+std::vector<int> ApiServer::Choices::take(std::vector<RequestUpdate>& updates, const std::vector<bool>& finished) const {
+  std::vector<int> got;
+  if (streams.size() == 1) {
+    if (!finished[0] && streams[0]->take(&updates[0], kPollSlice)) got.push_back(0);
+    return got;
+  }
+  // Read the count before draining: a publish after this read changes it, so the wait below
+  // cannot sleep through output that arrived while the streams were being drained.
+  const uint64_t seen = listener->events();
+  for (size_t i = 0; i < streams.size(); ++i)
+    if (!finished[i] && streams[i]->take(&updates[i], std::chrono::milliseconds(0))) got.push_back(static_cast<int>(i));
+  if (got.empty()) listener->wait_for_change(seen, kPollSlice);
+  return got;
+}
+
 EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<int32_t> ids) const {
   EngineRequest e;
   const int64_t prompt = static_cast<int64_t>(ids.size());
@@ -226,100 +245,152 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
   const int64_t prompt = static_cast<int64_t>(ids.size()), context = engine_->max_context();
   if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
     return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
-  Submitted sub = engine_->submit(engine_request(req, std::move(ids)));
-  if (sub.queue_full) return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
-  if (!sub.stream) {
-    if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
-    return send_error(res, invalid_request(sub.error));
+  // n > 1: n sequences of the one prompt (the prefix cache shares its blocks once one of them has
+  // computed them); if any is refused, those submitted are cancelled.
+  Choices choices;
+  if (req.n > 1) choices.listener = std::make_shared<StreamListener>();
+  for (int i = 0; i < req.n; ++i) {
+    EngineRequest e = engine_request(req, ids);
+    if (req.seed) e.sampling.seed = *req.seed + static_cast<uint64_t>(i);
+    e.listener = choices.listener;
+    Submitted sub = engine_->submit(std::move(e));
+    if (!sub.stream) {
+      choices.cancel();
+      if (sub.queue_full)
+        return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
+      if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
+      return send_error(res, invalid_request(sub.error));
+    }
+    choices.streams.push_back(std::move(sub.stream));
   }
-  if (req.stream) stream(endpoint, req, prompt, parse, sub.stream, res);
-  else whole(endpoint, req, parse, sub.stream, res);
+  if (req.stream) stream(endpoint, req, prompt, parse, choices, res);
+  else whole(endpoint, req, parse, choices, res);
 }
 
 void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
-                      const std::shared_ptr<RequestStream>& s, HttpResponse& res) {
-  RequestUpdate u;
-  while (!u.finished) {
-    s->take(&u, kPollSlice);
-    if (!u.finished && res.client_gone()) {
-      s->cancel();
+                      const Choices& choices, HttpResponse& res) {
+  const size_t n = choices.streams.size();
+  std::vector<RequestUpdate> u(n);
+  std::vector<bool> finished(n, false);
+  for (size_t done = 0; done < n;) {
+    for (int i : choices.take(u, finished))
+      if (u[static_cast<size_t>(i)].finished && !finished[static_cast<size_t>(i)]) {
+        finished[static_cast<size_t>(i)] = true;
+        ++done;
+      }
+    if (done < n && res.client_gone()) {
+      choices.cancel();
       return;  // nobody to answer; the HTTP layer closes the connection
     }
   }
-  if (!u.error.empty()) return send_error(res, server_error(u.error));
-  ChoiceDelta c;
-  c.want_logprobs = req.top_logprobs >= 0;
-  c.logprobs = logprobs_text(u.tokens);
-  c.finish_reason = u.finish_reason;
-  if (parse) {
-    ChatOutputParser parser(*parse);
-    ChatOutputDelta parsed = parser.feed(u.text);
-    parsed.append(parser.finish());
-    int calls = 0;
-    add_parsed(std::move(parsed), req, &calls, &c);
-    c.reasoning_field = parse->reasoning;
-    c.null_empty_content = !c.tool_calls.empty() || !c.reasoning.empty();
-    if (calls > 0) c.finish_reason = "tool_calls";  // even after a length limit, as vLLM reports it
-  } else {
-    c.text = std::move(u.text);
+  for (const RequestUpdate& x : u)
+    if (!x.error.empty()) {
+      choices.cancel();
+      return send_error(res, server_error(x.error));
+    }
+  std::vector<ChoiceDelta> out(n);
+  Usage usage{u[0].prompt_tokens, 0, u[0].cached_tokens};  // the prompt counts once
+  for (size_t i = 0; i < n; ++i) {
+    ChoiceDelta& c = out[i];
+    c.index = static_cast<int>(i);
+    c.want_logprobs = req.top_logprobs >= 0;
+    c.logprobs = logprobs_text(u[i].tokens);
+    c.finish_reason = u[i].finish_reason;
+    usage.completion_tokens += u[i].completion_tokens;
+    if (parse) {
+      ChatOutputParser parser(*parse);
+      ChatOutputDelta parsed = parser.feed(u[i].text);
+      parsed.append(parser.finish());
+      int calls = 0;
+      add_parsed(std::move(parsed), req, &calls, &c);
+      c.reasoning_field = parse->reasoning;
+      c.null_empty_content = !c.tool_calls.empty() || !c.reasoning.empty();
+      if (calls > 0) c.finish_reason = "tool_calls";  // even after a length limit, as vLLM reports it
+    } else {
+      c.text = std::move(u[i].text);
+    }
   }
-  const Usage usage{u.prompt_tokens, u.completion_tokens, u.cached_tokens};
   const ResponseMeta m = meta(endpoint);
   res.send(200, "application/json",
-           endpoint == Endpoint::kChat ? chat_response(m, c, usage) : completion_response(m, c, usage));
+           endpoint == Endpoint::kChat ? chat_response(m, out, usage) : completion_response(m, out, usage));
 }
 
 void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
-                       const std::optional<ChatOutputOptions>& parse, const std::shared_ptr<RequestStream>& s,
-                       HttpResponse& res) {
+                       const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& res) {
+  const size_t n = choices.streams.size();
   const ResponseMeta m = meta(endpoint);
   const bool usage = req.include_usage;
   const auto chunk = [&](const ChoiceDelta& d, bool first) {
     return endpoint == Endpoint::kChat ? chat_chunk(m, d, first, usage) : completion_chunk(m, d, usage);
   };
   bool ok = res.begin_stream(200, "text/event-stream", kSseHeaders);
-  // Chat streams open with the assistant role, as OpenAI's do.
-  if (ok && endpoint == Endpoint::kChat) ok = res.write(chunk(ChoiceDelta{}, true));
-  std::optional<ChatOutputParser> parser;
-  if (parse) parser.emplace(*parse);
-  int calls = 0;  // tool calls sent so far
-  RequestUpdate u;
-  int64_t completion_tokens = 0, cached_tokens = 0;
-  while (ok) {
-    RequestUpdate part;
-    if (!s->take(&part, kPollSlice)) {
+  // Chat streams open with the assistant role, per choice, as OpenAI's do.
+  for (size_t i = 0; ok && endpoint == Endpoint::kChat && i < n; ++i) {
+    ChoiceDelta first;
+    first.index = static_cast<int>(i);
+    ok = res.write(chunk(first, true));
+  }
+  // Per choice: its output parser, the tool calls it has sent, its text's bytes so far (the
+  // completions logprobs' text_offset), its tokens.
+  std::vector<std::optional<ChatOutputParser>> parsers(n);
+  if (parse)
+    for (auto& p : parsers) p.emplace(*parse);
+  std::vector<int> calls(n, 0);
+  std::vector<size_t> text_bytes(n, 0);
+  std::vector<int64_t> completion_tokens(n, 0);
+  int64_t cached_tokens = 0;
+  std::vector<bool> finished(n, false);
+  size_t done = 0;
+  bool failed = false;  // an engine error was sent as an error chunk
+  while (ok && !failed && done < n) {
+    std::vector<RequestUpdate> parts(n);
+    const std::vector<int> got = choices.take(parts, finished);
+    if (got.empty()) {
       if (res.client_gone()) break;
       continue;
     }
-    completion_tokens = part.completion_tokens;
-    cached_tokens = part.cached_tokens;
-    if (!part.error.empty()) {
-      ok = res.write(error_chunk(server_error(part.error)));
-      break;
-    }
-    ChoiceDelta d;
-    if (parser) {
-      ChatOutputDelta parsed = parser->feed(part.text);
-      if (part.finished) parsed.append(parser->finish());
-      add_parsed(std::move(parsed), req, &calls, &d);
-    } else {
-      d.text = std::move(part.text);
-    }
-    d.want_logprobs = req.top_logprobs >= 0;
-    d.logprobs = logprobs_text(part.tokens);
-    if (part.finished) d.finish_reason = calls > 0 ? "tool_calls" : part.finish_reason;
-    // A piece that is all held back (stop-string prefix, half a character, a partial tag, an open
-    // tool call) sends nothing yet.
-    if (!d.text.empty() || !d.reasoning.empty() || !d.tool_calls.empty() || !d.logprobs.empty() || part.finished)
-      ok = res.write(chunk(d, false));
-    if (part.finished) {
-      if (ok && usage) ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion_tokens, cached_tokens}));
-      u.finished = true;
-      break;
+    for (int gi : got) {
+      const size_t i = static_cast<size_t>(gi);
+      RequestUpdate& part = parts[i];
+      completion_tokens[i] = part.completion_tokens;
+      if (i == 0) cached_tokens = part.cached_tokens;
+      if (!part.error.empty()) {
+        ok = res.write(error_chunk(server_error(part.error)));
+        failed = true;
+        break;
+      }
+      ChoiceDelta d;
+      d.index = static_cast<int>(i);
+      if (parsers[i]) {
+        ChatOutputDelta parsed = parsers[i]->feed(part.text);
+        if (part.finished) parsed.append(parsers[i]->finish());
+        add_parsed(std::move(parsed), req, &calls[i], &d);
+      } else {
+        d.text = std::move(part.text);
+      }
+      d.want_logprobs = req.top_logprobs >= 0;
+      d.logprobs = logprobs_text(part.tokens);
+      d.text_offset = text_bytes[i];
+      for (const TokenLogprob& t : d.logprobs) text_bytes[i] += t.token.size();
+      if (part.finished) d.finish_reason = calls[i] > 0 ? "tool_calls" : part.finish_reason;
+      // A piece that is all held back (stop-string prefix, half a character, a partial tag, an
+      // open tool call) sends nothing yet.
+      if (!d.text.empty() || !d.reasoning.empty() || !d.tool_calls.empty() || !d.logprobs.empty() || part.finished)
+        ok = res.write(chunk(d, false));
+      if (part.finished) {
+        finished[i] = true;
+        ++done;
+      }
+      if (!ok) break;
     }
   }
-  if (!u.finished) {
-    s->cancel();  // client gone (or the write failed): free the KV now
+  if (ok && done == n && usage) {
+    int64_t completion = 0;
+    for (int64_t c : completion_tokens) completion += c;
+    ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion, cached_tokens}));
+  }
+  if (done < n) {
+    choices.cancel();  // client gone, a write failed, or an engine error: free the KV now
     if (!ok || res.client_gone()) return;
   }
   if (ok) ok = res.write(kSseDone);

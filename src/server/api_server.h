@@ -80,11 +80,20 @@ class ApiServer {
  private:
   void generate(Endpoint endpoint, const HttpRequest& request, HttpResponse& response);
   void update_weights(const HttpRequest& request, HttpResponse& response);
+  // A request's n choices: their engine streams (choice i is streams[i]), and the listener they
+  // all notify when n > 1 (null for one choice, whose stream's own wait serves).
+  struct Choices {
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    std::shared_ptr<StreamListener> listener;
+    void cancel() const;
+    // Takes what any unfinished choice produced into updates[i] (finished[i] marks those done);
+    // waits up to one poll slice when none had anything. Returns the choices that gave output.
+    std::vector<int> take(std::vector<RequestUpdate>& updates, const std::vector<bool>& finished) const;
+  };
   void stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
-              const std::optional<ChatOutputOptions>& parse, const std::shared_ptr<RequestStream>& stream,
-              HttpResponse& response);
+              const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& response);
   void whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
-             const std::shared_ptr<RequestStream>& stream, HttpResponse& response);
+             const Choices& choices, HttpResponse& response);
   // The prompt's token ids; *prompt_opens_think: a chat prompt that ends inside <think>.
   std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids,
                                    bool* prompt_opens_think) const;

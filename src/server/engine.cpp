@@ -56,6 +56,25 @@ struct Engine::Commit {
 // RequestStream
 // ---------------------------------------------------------------------------------------------
 
+uint64_t StreamListener::events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_;
+}
+
+uint64_t StreamListener::wait_for_change(uint64_t seen, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return events_ != seen; });
+  return events_;
+}
+
+void StreamListener::notify() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++events_;
+  }
+  cv_.notify_all();
+}
+
 bool RequestStream::take(RequestUpdate* out, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   const auto ready = [&] {
@@ -103,6 +122,7 @@ void RequestStream::publish(const std::string& text, GeneratedToken* token, bool
     }
   }
   cv_.notify_all();
+  if (listener_) listener_->notify();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -172,7 +192,7 @@ Submitted Engine::submit(EngineRequest r) {
   seq->prompt_len = static_cast<int64_t>(r.prompt.size());
   seq->req = std::move(r);
   seq->arrival = Clock::now();
-  seq->stream.reset(new RequestStream(wake_));
+  seq->stream.reset(new RequestStream(wake_, seq->req.listener));
   out.stream = seq->stream;
   {
     std::lock_guard<std::mutex> lock(wake_->mu);

@@ -66,6 +66,22 @@
 
 namespace moebius::server {
 
+// Wakes one waiter on any of several requests' streams (an API request with n > 1 choices): each
+// stream's publish bumps `events` and notifies. A waiter reads events(), drains its streams, and
+// waits for a change only if they gave nothing, so no publish between is missed.
+class StreamListener {
+ public:
+  uint64_t events() const;
+  // Waits until events() differs from `seen` or `timeout` passes; returns the current count.
+  uint64_t wait_for_change(uint64_t seen, std::chrono::milliseconds timeout);
+  void notify();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t events_ = 0;
+};
+
 struct EngineRequest {
   std::vector<int32_t> prompt;  // non-empty, ids in [0, vocab)
   int64_t max_tokens = 16;      // >= 1; prompt + max_tokens <= Engine::max_context()
@@ -73,6 +89,7 @@ struct EngineRequest {
   std::vector<std::string> stop;
   int top_logprobs = -1;  // -1: none; k >= 0: the chosen token's logprob and the k best
   bool ignore_eos = false;
+  std::shared_ptr<StreamListener> listener;  // optional: notified with the request's stream
 };
 
 struct GeneratedToken {
@@ -105,11 +122,13 @@ class RequestStream {
  private:
   friend class Engine;
   struct Wake;
-  RequestStream(std::shared_ptr<Wake> wake) : wake_(std::move(wake)) {}
+  RequestStream(std::shared_ptr<Wake> wake, std::shared_ptr<StreamListener> listener)
+      : wake_(std::move(wake)), listener_(std::move(listener)) {}
   void publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
                const std::string& error, int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
 
   std::shared_ptr<Wake> wake_;  // the engine's condition, to wake it on cancel()
+  std::shared_ptr<StreamListener> listener_;  // EngineRequest::listener, or null
   std::mutex mu_;
   std::condition_variable cv_;
   RequestUpdate pending_;

@@ -554,8 +554,8 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
   if (auto e = read_stop(doc, limits, &r.stop)) return e;
   std::optional<int64_t> n;
-  if (auto e = read_int(doc, "n", 1, std::numeric_limits<int32_t>::max(), &n)) return e;
-  if (n && *n != 1) return invalid_request("only n = 1 is supported", "n");
+  if (auto e = read_int(doc, "n", 1, limits.max_choices, &n)) return e;
+  r.n = static_cast<int>(n.value_or(1));
   if (auto e = read_sampling(doc, &r)) return e;
   if (auto e = read_logprobs(doc, limits, &r)) return e;
   std::optional<bool> stream, ignore_eos;
@@ -650,27 +650,36 @@ std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
 
 }  // namespace
 
-std::string chat_response(const ResponseMeta& m, const ChoiceDelta& c, const Usage& usage) {
-  json message = {{"role", "assistant"},
-                  {"content", c.null_empty_content && c.text.empty() ? json(nullptr) : json(c.text)}};
-  if (c.reasoning_field) message["reasoning_content"] = null_if_empty(c.reasoning);
-  if (!c.tool_calls.empty()) message["tool_calls"] = tool_calls_json(c.tool_calls, false);
-  json choice = {{"index", 0}, {"message", std::move(message)}, {"logprobs", chat_logprobs(c)}, {"finish_reason", finish(c)}};
+std::string chat_response(const ResponseMeta& m, std::span<const ChoiceDelta> choices, const Usage& usage) {
+  json out = json::array();
+  for (const ChoiceDelta& c : choices) {
+    json message = {{"role", "assistant"},
+                    {"content", c.null_empty_content && c.text.empty() ? json(nullptr) : json(c.text)}};
+    if (c.reasoning_field) message["reasoning_content"] = null_if_empty(c.reasoning);
+    if (!c.tool_calls.empty()) message["tool_calls"] = tool_calls_json(c.tool_calls, false);
+    out.push_back(
+        {{"index", c.index}, {"message", std::move(message)}, {"logprobs", chat_logprobs(c)}, {"finish_reason", finish(c)}});
+  }
   return dump({{"id", m.id},
                {"object", "chat.completion"},
                {"created", m.created},
                {"model", m.model},
-               {"choices", json::array({std::move(choice)})},
+               {"choices", std::move(out)},
                {"usage", usage_json(usage)}});
 }
 
-std::string completion_response(const ResponseMeta& m, const ChoiceDelta& c, const Usage& usage) {
-  json choice = {{"index", 0}, {"text", c.text}, {"logprobs", completion_logprobs(c, 0)}, {"finish_reason", finish(c)}};
+std::string completion_response(const ResponseMeta& m, std::span<const ChoiceDelta> choices, const Usage& usage) {
+  json out = json::array();
+  for (const ChoiceDelta& c : choices)
+    out.push_back({{"index", c.index},
+                   {"text", c.text},
+                   {"logprobs", completion_logprobs(c, c.text_offset)},
+                   {"finish_reason", finish(c)}});
   return dump({{"id", m.id},
                {"object", "text_completion"},
                {"created", m.created},
                {"model", m.model},
-               {"choices", json::array({std::move(choice)})},
+               {"choices", std::move(out)},
                {"usage", usage_json(usage)}});
 }
 
@@ -680,7 +689,7 @@ std::string chat_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool first, 
   if (first || !d.text.empty()) delta["content"] = d.text;
   if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
   if (!d.tool_calls.empty()) delta["tool_calls"] = tool_calls_json(d.tool_calls, true);
-  json choice = {{"index", 0}, {"delta", std::move(delta)}, {"logprobs", chat_logprobs(d)}, {"finish_reason", finish(d)}};
+  json choice = {{"index", d.index}, {"delta", std::move(delta)}, {"logprobs", chat_logprobs(d)}, {"finish_reason", finish(d)}};
   json j = {{"id", m.id},
             {"object", "chat.completion.chunk"},
             {"created", m.created},
@@ -691,7 +700,10 @@ std::string chat_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool first, 
 }
 
 std::string completion_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool include_usage) {
-  json choice = {{"index", 0}, {"text", d.text}, {"logprobs", completion_logprobs(d, 0)}, {"finish_reason", finish(d)}};
+  json choice = {{"index", d.index},
+                 {"text", d.text},
+                 {"logprobs", completion_logprobs(d, d.text_offset)},
+                 {"finish_reason", finish(d)}};
   json j = {{"id", m.id},
             {"object", "text_completion"},
             {"created", m.created},

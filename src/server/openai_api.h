@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -66,6 +67,7 @@ struct ApiLimits {
   int max_json_depth = 64;               // nesting of arrays/objects in the body
   int max_tools = 128;                   // tool definitions per request (OpenAI's limit)
   size_t max_tools_bytes = 256u << 10;   // their JSON, all together (they go into the prompt)
+  int max_choices = 128;                 // n: each choice is a sequence of its own (OpenAI's limit)
 };
 
 // Chat's tool_choice. "required" and named functions are refused by the parser (no guided
@@ -111,6 +113,9 @@ struct GenerationRequest {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool ignore_eos = false;     // vLLM extension: generate max_tokens even past eos (benchmarks)
+  // n: choices sampled for the one prompt, each its own sequence; with a seed, choice i samples
+  // with seed + i (vLLM's rule), so choices differ and a request replays.
+  int n = 1;
 };
 
 // Parses and validates a request body. On success fills *out and returns nullopt.
@@ -170,6 +175,10 @@ struct ChoiceDelta {
   // Whole responses: an empty content is null (OpenAI's message of only calls, vLLM's message of
   // only reasoning); otherwise content is always a string.
   bool null_empty_content = false;
+  int index = 0;  // the choice (n > 1)
+  // Completion streams: bytes of this choice's tokens sent before this chunk, where its logprobs'
+  // text_offset continues.
+  size_t text_offset = 0;
 };
 
 struct ResponseMeta {
@@ -179,8 +188,14 @@ struct ResponseMeta {
 };
 
 // Whole (non-streaming) response bodies.
-std::string chat_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage);
-std::string completion_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage);
+std::string chat_response(const ResponseMeta& meta, std::span<const ChoiceDelta> choices, const Usage& usage);
+std::string completion_response(const ResponseMeta& meta, std::span<const ChoiceDelta> choices, const Usage& usage);
+inline std::string chat_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage) {
+  return chat_response(meta, std::span<const ChoiceDelta>(&choice, 1), usage);
+}
+inline std::string completion_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage) {
+  return completion_response(meta, std::span<const ChoiceDelta>(&choice, 1), usage);
+}
 
 // One SSE event ("data: {...}\n\n"). Chat: `first` adds the assistant role to the delta.
 // include_usage: every chunk carries "usage": null, as OpenAI sends it.

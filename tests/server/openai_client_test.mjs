@@ -231,6 +231,37 @@ test('penalties and logit_bias', async ({ url, client }) => {
   assert.equal(r.json.error.param, 'logit_bias');
 });
 
+test('n choices: choice i samples with seed + i; whole and streamed agree', async ({ client }) => {
+  const base = { model: MODEL, prompt: PROMPT, max_tokens: 10, temperature: 1, ignore_eos: true };
+  const r = await client.completions.create({ ...base, n: 3, seed: 20 });
+  assert.equal(r.choices.length, 3);
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+  assert.equal(r.usage.completion_tokens, 30);
+  for (let i = 0; i < 3; ++i) {
+    const single = await client.completions.create({ ...base, seed: 20 + i });
+    assert.equal(r.choices[i].text, single.choices[0].text, `choice ${i} is the request with seed ${20 + i}`);
+    assert.equal(r.usage.prompt_tokens, single.usage.prompt_tokens, 'the prompt counts once');
+  }
+  assert.ok(new Set(r.choices.map((c) => c.text)).size > 1, 'sampled choices differ');
+  const texts = ['', '', ''];
+  const finish = [null, null, null];
+  let usage = null;
+  const stream = await client.completions.create({ ...base, n: 3, seed: 20, stream: true, stream_options: { include_usage: true } });
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      texts[c.index] += c.text;
+      if (c.finish_reason) finish[c.index] = c.finish_reason;
+    }
+  }
+  assert.deepEqual(texts, r.choices.map((c) => c.text));
+  assert.deepEqual(finish, ['length', 'length', 'length']);
+  assert.equal(usage.completion_tokens, 30);
+  const chat = await client.chat.completions.create({
+    model: MODEL, messages: [{ role: 'user', content: 'hi' }], max_tokens: 4, n: 2, temperature: 1, seed: 5 });
+  assert.deepEqual(chat.choices.map((c) => c.index), [0, 1]);
+});
+
 test('prefix caching: a repeated long prompt is served from the cache, with the same text', async ({ url, client }) => {
   const long = Array.from({ length: 4 }, (_, i) => `line ${i}: the quick brown fox jumps over the lazy dog`).join('\n');
   const base = { model: MODEL, prompt: long, max_tokens: 8, temperature: 0, ignore_eos: true };
@@ -249,7 +280,8 @@ test('bad requests get the right 4xx', async ({ url, client }) => {
   await expectStatus(client.completions.create({ model: 'no-such-model', prompt: 'a' }), 404);
   await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', max_tokens: 100000 }), 400);
   await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', temperature: 'hot' }), 400);
-  await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', n: 2 }), 400);
+  await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', n: 0 }), 400);
+  await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', n: 129 }), 400);
   await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', top_p: 0 }), 400);
   await expectStatus(client.chat.completions.create({ model: MODEL, messages: [] }), 400);
   await expectStatus(client.chat.completions.create({ model: MODEL, messages: [{ role: 'wizard', content: 'x' }] }), 400);
