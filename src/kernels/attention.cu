@@ -1124,6 +1124,22 @@ bool cluster_merge_pays(int context, int c, int w) {
   return (at_c.partition - at_w.partition) * kDecodeUsPerSplitKey < kClusterMergeSavingUs;
 }
 
+// [TAG_ATTN_PORTABLE_CLUSTER] A cluster of more than 8 blocks (the non-portable sizes, up to 16 on
+// sm_90) is placed only on a GPC whose SMs are all free at once. Alone, in a chain of attention
+// kernels, 16 splits won (run O4); inside the model, where the qkv GEMV's blocks still hold SMs when
+// attention launches, 8 splits of 128 keys beat 16 of 64 at 1k context by ~1 us a layer (run V1:
+// decode 418.1 against 409.7-410.2 tok/s; 4 splits lost, 393.3), although alone they stream 0.9 us
+// longer: so a non-portable cluster pays ~1.9 us a launch for its placement. The cluster drops to 8
+// blocks while its longer splits cost less than that.
+constexpr int kPortableClusterSplits = 8;
+constexpr double kNonPortableClusterUs = 1.9;
+bool portable_cluster_pays(int context, int c) {
+  if (c <= kPortableClusterSplits) return false;
+  const AttentionDecodeSplit at_p = attention_decode_split(context, kPortableClusterSplits),
+                             at_c = attention_decode_split(context, c);
+  return (at_p.partition - at_c.partition) * kDecodeUsPerSplitKey < kNonPortableClusterUs;
+}
+
 }  // namespace
 
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms) {
@@ -1147,7 +1163,7 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
   } else if (cluster_enabled() && p.max_splits > 1 && base <= 65535) {
     const int c = decode_cluster_splits(dims, max_num_seqs, p.max_splits);
     if (c > 1 && cluster_merge_pays(max_context, c, p.max_splits)) {
-      p.max_splits = c;
+      p.max_splits = portable_cluster_pays(max_context, c) ? kPortableClusterSplits : c;
       p.cluster_merge = true;
     }
   }
@@ -1172,6 +1188,21 @@ int attention_decode_cluster_context(const AttentionDims& dims, int max_num_seqs
   while (ctx < (1 << 20) &&
          cluster_merge_pays(ctx + 16, c, static_cast<int>(std::min<int64_t>(wave, attention_decode_split(ctx + 16, kDecodeMaxSplits).splits))))
     ctx += 16;
+  return ctx;
+}
+
+int attention_decode_portable_cluster_context(const AttentionDims& dims, int max_num_seqs, int num_sms) {
+  MOEBIUS_LAUNCH_ASSERT(max_num_seqs > 0 && num_sms > 0 && dims.num_kv_heads > 0,
+                        "attention_decode_portable_cluster_context: bad sizes");
+  const int64_t base = static_cast<int64_t>(max_num_seqs) * dims.num_kv_heads;
+  if (!cluster_enabled() || base > 65535) return 0;
+  const int wave = static_cast<int>(std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, num_sms / base)));
+  const int c = decode_cluster_splits(dims, max_num_seqs, wave);
+  if (c <= kPortableClusterSplits) return 0;
+  // Both conditions only turn false as the context grows: walk up in 16-key steps.
+  const int cluster_ctx = attention_decode_cluster_context(dims, max_num_seqs, num_sms);
+  int ctx = 0;
+  while (ctx + 16 <= cluster_ctx && portable_cluster_pays(ctx + 16, c)) ctx += 16;
   return ctx;
 }
 

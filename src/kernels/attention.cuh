@@ -113,10 +113,11 @@ __host__ __device__ inline AttentionDecodeSplit attention_decode_split(int ctx, 
 // and never more than max_context's splits. Then the cluster merge, with as many splits as let
 // clusters of up to attention_decode_cluster_cap splits, one per (sequence, kv head), all fit the
 // GPU at once (cudaOccupancyMaxActiveClusters on the current device), when a cost model says its
-// cheaper merge outweighs its fewer, longer splits at max_context (attention.cu); else the
-// workspace merge. MOEBIUS_ATTN_CLUSTER_MERGE=0 never picks the cluster merge. Two ring stages
-// when a warp's share of a split at max_context is at most kDecodeShortSplitTiles 16-key tiles,
-// else four; MOEBIUS_ATTN_DECODE_STAGES=2|4 forces one.
+// cheaper merge outweighs its fewer, longer splits at max_context (attention.cu), taking 8 of them
+// instead of more while that costs less than a non-portable cluster's placement
+// ([TAG_ATTN_PORTABLE_CLUSTER]); else the workspace merge. MOEBIUS_ATTN_CLUSTER_MERGE=0 never picks
+// the cluster merge. Two ring stages when a warp's share of a split at max_context is at most
+// kDecodeShortSplitTiles 16-key tiles, else four; MOEBIUS_ATTN_DECODE_STAGES=2|4 forces one.
 inline constexpr int kDecodeShortSplitTiles = 8;
 AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num_seqs, int max_context, int num_sms);
 
@@ -125,6 +126,11 @@ AttentionDecodePlan plan_attention_decode(const AttentionDims& dims, int max_num
 // workspace can keep a second decode graph planned at this context for steps whose sequences are
 // all this short.
 int attention_decode_cluster_context(const AttentionDims& dims, int max_num_seqs, int num_sms);
+
+// [TAG_ATTN_PORTABLE_CLUSTER] The longest context for which that cluster plan takes clusters of 8
+// (portable) where a longer context takes clusters of more (0: never; at most
+// attention_decode_cluster_context). A runner can keep a third decode graph planned at it.
+int attention_decode_portable_cluster_context(const AttentionDims& dims, int max_num_seqs, int num_sms);
 
 // Split partials and merge counters: [max_num_seqs, nkv] int32 counters, then per (sequence, kv
 // head, split) the G = nh / nkv rows' (max, sum) and fp32 partial outputs. 0 when max_splits == 1

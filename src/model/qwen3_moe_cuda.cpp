@@ -294,25 +294,33 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
 
   // Decode plans, one per graph batch size, each with its own workspace: the counters must stay
   // zero between launches, and another plan's layout would put its partials over them.
-  // [TAG_ATTN_CLUSTER_MERGE] When the plan for max_context merges through the workspace but a
-  // shorter context would take the cluster merge, the batch size gets a second graph planned for
-  // that context, listed first: steps whose sequences are all that short replay it (run O5: decode
-  // at 1k context +6%, at 10k -3.6% with the cluster plan alone).
+  // [TAG_ATTN_CLUSTER_MERGE] When a shorter context than max_context takes another plan (the
+  // cluster merge where max_context's merges through the workspace, run O5: decode at 1k context
+  // +6%, at 10k -3.6% with the cluster plan alone; [TAG_ATTN_PORTABLE_CLUSTER] clusters of 8 where
+  // a longer context's take 16, run V1: +2% at 1k), the batch size gets a graph planned for that
+  // context, shortest first: steps whose sequences are all that short replay it.
   kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
   for (int b : opt_.graph_batches) {
     Graph g;
     g.batch = b;
     g.plan = kernels::plan_attention_decode(dims, b, opt_.max_context, num_sms_);
-    if (!g.plan.cluster_merge && g.plan.max_splits > 1) {
-      const int short_ctx = std::min(kernels::attention_decode_cluster_context(dims, b, num_sms_), opt_.max_context);
-      if (short_ctx > 256) {  // 256 keys and fewer never split
-        Graph s = g;
-        s.plan = kernels::plan_attention_decode(dims, b, short_ctx, num_sms_);
-        if (s.plan.cluster_merge) {
-          graphs_.push_back(s);
-          graph_slots_.push_back(DecodeGraphSlot{s.batch, s.plan.max_context});
-        }
+    std::vector<Graph> shorter;  // longest first while collected; `longer` points into it
+    shorter.reserve(2);
+    const Graph* longer = &g;
+    for (int ctx : {kernels::attention_decode_cluster_context(dims, b, num_sms_),
+                    kernels::attention_decode_portable_cluster_context(dims, b, num_sms_)}) {
+      if (ctx <= 256 || ctx >= longer->plan.max_context) continue;  // 256 keys and fewer never split
+      Graph s = g;
+      s.plan = kernels::plan_attention_decode(dims, b, ctx, num_sms_);
+      if (s.plan.cluster_merge &&
+          (!longer->plan.cluster_merge || s.plan.max_splits != longer->plan.max_splits)) {
+        shorter.push_back(s);
+        longer = &shorter.back();
       }
+    }
+    for (auto s = shorter.rbegin(); s != shorter.rend(); ++s) {
+      graphs_.push_back(*s);
+      graph_slots_.push_back(DecodeGraphSlot{s->batch, s->plan.max_context});
     }
     if (const size_t ws = kernels::attention_decode_workspace_bytes(dims, g.plan); ws > 0) {
       MOEBIUS_ASSIGN_OR_RETURN(g.attn_workspace, device_alloc(ws, &plan_.workspace));

@@ -517,6 +517,20 @@ TEST(AttentionGpuDecode, PlannerPicksClustersThatFitOneWave) {
   EXPECT_LT(limit, 10240);
   EXPECT_TRUE(kernels::plan_attention_decode(d, 1, limit, num_sms()).cluster_merge);
   EXPECT_FALSE(kernels::plan_attention_decode(d, 1, limit + 16, num_sms()).cluster_merge);
+  // [TAG_ATTN_PORTABLE_CLUSTER] 4 clusters of 16 fit the H100/H200, but at 1k the plan takes 8 (run
+  // V1) up to the portable boundary, and 16 past it, up to the cluster boundary.
+  const int portable = kernels::attention_decode_portable_cluster_context(d, 1, num_sms());
+  EXPECT_EQ(at1k.max_splits, 8);
+  EXPECT_GT(portable, 1024);
+  EXPECT_LT(portable, limit);
+  const AttentionDecodePlan at_portable = kernels::plan_attention_decode(d, 1, portable, num_sms());
+  const AttentionDecodePlan past_portable = kernels::plan_attention_decode(d, 1, portable + 16, num_sms());
+  EXPECT_TRUE(at_portable.cluster_merge);
+  EXPECT_EQ(at_portable.max_splits, 8);
+  EXPECT_TRUE(past_portable.cluster_merge);
+  EXPECT_EQ(past_portable.max_splits, 16);
+  // Qwen3-235B-A22B's clusters are capped at 8 (G = 16): no portable boundary of their own.
+  EXPECT_EQ(kernels::attention_decode_portable_cluster_context(AttentionDims{64, 4, 128, 16, 4096}, 1, num_sms()), 0);
   for (int seqs : {2, 4, 8, 64}) {
     for (int ctx : {1024, 10240}) {
       const AttentionDecodePlan p = kernels::plan_attention_decode(d, seqs, ctx, num_sms());
