@@ -273,21 +273,22 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
   std::vector<RequestUpdate> u(n);
   std::vector<bool> finished(n, false);
   for (size_t done = 0; done < n;) {
-    for (int i : choices.take(u, finished))
-      if (u[static_cast<size_t>(i)].finished && !finished[static_cast<size_t>(i)]) {
-        finished[static_cast<size_t>(i)] = true;
+    for (int gi : choices.take(u, finished)) {
+      const size_t i = static_cast<size_t>(gi);
+      if (!u[i].error.empty()) {
+        choices.cancel();  // the others' output would go unanswered
+        return send_error(res, server_error(u[i].error));
+      }
+      if (u[i].finished && !finished[i]) {
+        finished[i] = true;
         ++done;
       }
+    }
     if (done < n && res.client_gone()) {
       choices.cancel();
       return;  // nobody to answer; the HTTP layer closes the connection
     }
   }
-  for (const RequestUpdate& x : u)
-    if (!x.error.empty()) {
-      choices.cancel();
-      return send_error(res, server_error(x.error));
-    }
   std::vector<ChoiceDelta> out(n);
   Usage usage{u[0].prompt_tokens, 0, u[0].cached_tokens};  // the prompt counts once
   for (size_t i = 0; i < n; ++i) {
