@@ -384,6 +384,34 @@ TEST(EnginePrefixCache, TheNextTurnReusesTheAnswer) {
   EXPECT_EQ(b.ids, reference(p2, 5));
 }
 
+// [TAG_PREFIX_CACHE_INFLIGHT] Requests with one prompt submitted together (n choices, or one system
+// prompt arriving at once): the first computes the prefix, the others wait for its blocks instead
+// of computing them too, and every one still gets the one-sequence loop's tokens.
+TEST(EnginePrefixCache, RequestsArrivingTogetherWaitForTheFirstsPrefix) {
+  for (const int ep : {1, 2}) {
+    SCOPED_TRACE(ep);
+    auto e = engine(4, 256, 64, true, ep);  // one step could compute all four prompts
+    const auto system = tokens_from(70, 8);
+    const std::vector<std::vector<int32_t>> prompts = {system, system, concat(system, tokens_from(5, 9)), system};
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const auto& p : prompts) streams.push_back(submit(*e, p, 5));
+    std::vector<Done> done;
+    for (auto& s : streams) done.push_back(drain(*s));
+    int64_t cached = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SCOPED_TRACE(i);
+      EXPECT_EQ(done[i].error, "");
+      EXPECT_EQ(done[i].ids, reference(prompts[i], 5));
+      cached += done[i].cached;
+    }
+    // The three that waited found the 4 whole blocks of the 70 tokens (64; the fifth block holds
+    // the last token of the equal prompts, and the longer prompt's fifth differs from it).
+    EXPECT_EQ(done[0].cached, 0);
+    EXPECT_EQ(cached, 3 * 64);
+    EXPECT_GT(e->metrics().prefix_cache_waits_total.load(), 0);
+  }
+}
+
 TEST(EnginePrefixCache, OffComputesEverything) {
   auto e = engine(2, 64, 32, false);
   EXPECT_FALSE(e->prefix_caching());

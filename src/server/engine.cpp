@@ -42,6 +42,10 @@ struct Engine::Seq {
   int64_t generated = 0;
   Clock::time_point arrival, last_token;
   bool admitted_once = false;
+  // [TAG_PREFIX_CACHE_INFLIGHT] token_chains(): the chain hash after each whole block of `tokens`,
+  // under weights version chains_version.
+  std::vector<uint64_t> chains;
+  uint64_t chains_version = 0;
 
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - computed; }
 };
@@ -420,12 +424,29 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
     budget -= n;
     ++i;
   }
-  // Admission, in arrival order (preempted sequences went back to the front), while the chunk's
-  // blocks can be had without preempting anyone, on the first pool in admission_order() where
-  // they can.
-  while (!waiting_.empty() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
-         static_cast<int>(running_.size()) < l.max_seqs) {
-    Seq& s = *waiting_.front();
+  // [TAG_PREFIX_CACHE_INFLIGHT] The blocks running sequences are computing and will publish: a
+  // waiting sequence whose next uncached block is among them waits for it rather than computing
+  // it again (n choices of one prompt, requests arriving together with one system prompt).
+  // Sequences admitted in this step count too: they compute their blocks in it.
+  std::unordered_set<uint64_t> inflight;
+  const auto computing = [&](Seq& r) {
+    if (!prefix_caching_ || !r.publishing) return;
+    const std::vector<uint64_t>& chains = token_chains(r);
+    for (size_t j = static_cast<size_t>(r.chained); j < chains.size(); ++j) inflight.insert(chains[j]);
+  };
+  if (!waiting_.empty())
+    for (const auto& r : running_) computing(*r);
+  // Admission, in arrival order (preempted sequences went back to the front) except for those
+  // waiting on an in-flight prefix, while the chunk's blocks can be had without preempting
+  // anyone, on the first pool in admission_order() where they can.
+  for (size_t w = 0; w < waiting_.size() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
+                     static_cast<int>(running_.size()) < l.max_seqs;) {
+    Seq& s = *waiting_[w];
+    if (!inflight.empty() && prefix_in_flight(s, inflight)) {
+      ++metrics_.prefix_cache_waits_total;
+      ++w;
+      continue;
+    }
     const int64_t budget_left = budget;
     bool placed = false;
     int64_t n = 0;
@@ -448,13 +469,38 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
       s.cached_tokens = s.computed;
       metrics_.prompt_tokens_total += s.prompt_len;
     }
-    running_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    computing(s);
+    running_.push_back(std::move(waiting_[w]));
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
     --queued_;
     batch.push_back(&s);
     chunk.push_back(static_cast<int>(n));
     budget -= n;
   }
+}
+
+const std::vector<uint64_t>& Engine::token_chains(Seq& s) const {
+  if (s.chains_version != weights_version_) {
+    s.chains.clear();
+    s.chains_version = weights_version_;
+  }
+  const size_t bs = static_cast<size_t>(runner_->limits().block_size);
+  for (size_t j = s.chains.size(); j < s.tokens.size() / bs; ++j)
+    s.chains.push_back(model::BlockAllocator::chain_hash(
+        j == 0 ? model::BlockAllocator::root_chain(weights_version_) : s.chains[j - 1],
+        std::span<const int32_t>(s.tokens).subspan(j * bs, bs)));
+  return s.chains;
+}
+
+bool Engine::prefix_in_flight(Seq& s, const std::unordered_set<uint64_t>& inflight) const {
+  const int bs = runner_->limits().block_size;
+  const int64_t lookup_blocks = (static_cast<int64_t>(s.tokens.size()) - 1) / bs;  // short of the last token
+  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
+  const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
+  int64_t cached = 0;
+  for (const auto& p : pools_) cached = std::max(cached, p->cached_prefix_blocks(root, lookup, bs));
+  if (cached >= lookup_blocks) return false;
+  return inflight.count(token_chains(s)[static_cast<size_t>(cached)]) > 0;
 }
 
 int Engine::running_on(int pool) const {

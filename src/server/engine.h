@@ -54,6 +54,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -204,6 +205,12 @@ class Engine {
   void release_kv(Seq& seq);
   void start_from_prefix_cache(Seq& seq, int pool);
   std::vector<int> admission_order(const Seq& seq) const;
+  // [TAG_PREFIX_CACHE_INFLIGHT] The chain hashes of seq's whole token blocks under the current
+  // weights (kept on the sequence, extended as it grows).
+  const std::vector<uint64_t>& token_chains(Seq& seq) const;
+  // Whether a waiting sequence should wait a step: the block after its longest cached prefix is
+  // one a running sequence is computing now (in `inflight`), so it will be cached soon.
+  bool prefix_in_flight(Seq& seq, const std::unordered_set<uint64_t>& inflight) const;
   int running_on(int pool) const;
   void publish_computed_blocks(Seq& seq);
   void update_gauges();

@@ -71,6 +71,9 @@ std::string EngineMetrics::render() const {
          double(prefix_cache_queries_total.load()));
   metric(out, "prefix_cache_hits_total", "counter", "Of those, tokens whose KV was found cached and not computed.",
          double(prefix_cache_hits_total.load()));
+  metric(out, "prefix_cache_waits_total", "counter",
+         "Steps a waiting request was held back while a running one computed its next prefix block.",
+         double(prefix_cache_waits_total.load()));
   metric(out, "kv_blocks_cached", "gauge", "KV cache blocks published in the prefix cache (held or evictable).",
          double(kv_blocks_cached.load()));
   metric(out, "engine_steps_total", "counter", "Forward steps run.", double(steps_total.load()));

@@ -45,6 +45,9 @@ struct EngineMetrics {
   // tokens found cached (not computed); published blocks, held or not.
   std::atomic<int64_t> prefix_cache_queries_total{0};
   std::atomic<int64_t> prefix_cache_hits_total{0};
+  // [TAG_PREFIX_CACHE_INFLIGHT] Steps a waiting sequence was held back because a running one was
+  // computing its next prefix block.
+  std::atomic<int64_t> prefix_cache_waits_total{0};
   std::atomic<int64_t> kv_blocks_cached{0};
   // The dynamic expert cache (--expert-cache), copied from the runner after every step; rendered
   // only when expert_cache_on. Pairs are routed (token, expert) pairs summed over the MoE layers.
