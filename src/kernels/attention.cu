@@ -1127,17 +1127,19 @@ bool cluster_merge_pays(int context, int c, int w) {
 // [TAG_ATTN_PORTABLE_CLUSTER] A cluster of more than 8 blocks (the non-portable sizes, up to 16 on
 // sm_90) is placed only on a GPC whose SMs are all free at once. Alone, in a chain of attention
 // kernels, 16 splits won (run O4); inside the model, where the qkv GEMV's blocks still hold SMs when
-// attention launches, 8 splits of 128 keys beat 16 of 64 at 1k context by ~1 us a layer (run V1:
-// decode 418.1 against 409.7-410.2 tok/s; 4 splits lost, 393.3), although alone they stream 0.9 us
-// longer: so a non-portable cluster pays ~1.9 us a launch for its placement. The cluster drops to 8
-// blocks while its longer splits cost less than that.
+// attention launches, 8 splits beat 16 at 1k context by 0.9-1.0 us a layer (runs V1b, W1: decode
+// 416.7-418.1 against 409.0-410.2 tok/s; 4 splits lost, 393.3) and lost at 2k by 1.6 us (W1: 388.0
+// against 400.2). Fitted to those two points, a split streams ~0.037 us a key inside the model
+// (against 0.0137 alone) and the wider cluster pays ~3.3 us for its placement: the cluster drops
+// to 8 blocks while its longer splits cost less than that (contexts up to ~1.4k at batch 1).
 constexpr int kPortableClusterSplits = 8;
-constexpr double kNonPortableClusterUs = 1.9;
+constexpr double kInModelUsPerSplitKey = 0.037;
+constexpr double kNonPortableClusterUs = 3.3;
 bool portable_cluster_pays(int context, int c) {
   if (c <= kPortableClusterSplits) return false;
   const AttentionDecodeSplit at_p = attention_decode_split(context, kPortableClusterSplits),
                              at_c = attention_decode_split(context, c);
-  return (at_p.partition - at_c.partition) * kDecodeUsPerSplitKey < kNonPortableClusterUs;
+  return (at_p.partition - at_c.partition) * kInModelUsPerSplitKey < kNonPortableClusterUs;
 }
 
 }  // namespace

@@ -297,7 +297,7 @@ Status Qwen3MoeCuda::allocate_runtime(int) {
   // [TAG_ATTN_CLUSTER_MERGE] When a shorter context than max_context takes another plan (the
   // cluster merge where max_context's merges through the workspace, run O5: decode at 1k context
   // +6%, at 10k -3.6% with the cluster plan alone; [TAG_ATTN_PORTABLE_CLUSTER] clusters of 8 where
-  // a longer context's take 16, run V1: +2% at 1k), the batch size gets a graph planned for that
+  // a longer context's take 16, runs V1b, W1: +2% at 1k), the batch size gets a graph planned for that
   // context, shortest first: steps whose sequences are all that short replay it.
   kernels::AttentionDims dims{c.num_attention_heads, nkv, hd, opt_.block_size, max_blocks_per_seq_};
   for (int b : opt_.graph_batches) {
