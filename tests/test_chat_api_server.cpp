@@ -294,6 +294,48 @@ TEST_F(ChatApiServer, NChoicesWholeAndStreamed) {
   EXPECT_EQ(events.back()["usage"]["completion_tokens"], 3 * u1["completion_tokens"].get<int>());
 }
 
+// vLLM's stop_token_ids end the answer at that id (not returned, finish_reason "stop"); min_tokens
+// holds off eos, those ids and the stop strings until that many tokens came.
+TEST_F(ChatApiServer, StopTokenIdsAndMinTokens) {
+  const std::string script = "one two three";
+  const std::vector<tokenizer::TokenId> ids = tiny_tokenizer().encode(script);
+  // A token of the script (not its first) that occurs once in it.
+  size_t p = 1;
+  while (p < ids.size() && std::count(ids.begin(), ids.end(), ids[p]) != 1) ++p;
+  ASSERT_LT(p, ids.size());
+  const auto stop_id = static_cast<int32_t>(ids[p]);
+  auto [s0, plain] = chat(script, json::object());
+  ASSERT_EQ(s0, 200);
+  const int64_t full = plain[0]["usage"]["completion_tokens"];
+  EXPECT_EQ(full, static_cast<int64_t>(ids.size()));
+  auto [s1, stopped] = chat(script, {{"stop_token_ids", {stop_id}}});
+  ASSERT_EQ(s1, 200);
+  EXPECT_EQ(stopped[0]["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(stopped[0]["usage"]["completion_tokens"], static_cast<int64_t>(p));
+  EXPECT_EQ(stopped[0]["choices"][0]["message"]["content"],
+            tiny_tokenizer().decode(std::vector<tokenizer::TokenId>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(p))));
+  // min_tokens past the script: eos cannot be sampled, so the answer runs on to min_tokens and
+  // then stops at the first eos the runner offers.
+  const int64_t min = full + 3;
+  auto [s2, longer] = chat(script, {{"min_tokens", min}, {"max_tokens", min + 5}, {"temperature", 0}});
+  ASSERT_EQ(s2, 200);
+  EXPECT_EQ(longer[0]["usage"]["completion_tokens"], min);
+  EXPECT_EQ(longer[0]["choices"][0]["finish_reason"], "stop");
+  // The stop id inside the first min_tokens does not end it, nor does a stop string there.
+  auto [s3, held] = chat(script, {{"min_tokens", p + 1}, {"stop_token_ids", {stop_id}}, {"stop", "one"},
+                                  {"temperature", 0}});
+  ASSERT_EQ(s3, 200);
+  EXPECT_EQ(held[0]["usage"]["completion_tokens"], full);
+  // Bad values are 400s.
+  for (const json& bad : {json{{"stop_token_ids", "7"}}, json{{"stop_token_ids", {-1}}},
+                          json{{"stop_token_ids", {100000}}}, json{{"min_tokens", -1}},
+                          json{{"min_tokens", 5}, {"max_tokens", 4}}}) {
+    SCOPED_TRACE(bad.dump());
+    auto [st, body] = chat(script, bad);
+    EXPECT_EQ(st, 400);
+  }
+}
+
 // The server refuses tools it cannot parse: tool_choice "auto" without a tool-call parser.
 TEST_F(ChatApiServer, ToolsNeedAParser) {
   ApiServerOptions ao;

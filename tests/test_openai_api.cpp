@@ -414,6 +414,27 @@ TEST(OpenAiApi, SeveralChoices) {
   EXPECT_EQ(r.n, 128);
 }
 
+TEST(OpenAiApi, StopTokenIdsAndMinTokens) {
+  GenerationRequest r;
+  json b = completion_body();
+  b["stop_token_ids"] = {7, 3};
+  b["min_tokens"] = 2;
+  b["max_tokens"] = 2;
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{7, 3}));
+  EXPECT_EQ(r.min_tokens, 2);
+  b["min_tokens"] = 3;
+  expect_400(completion(b), "min_tokens");
+  b = completion_body();
+  b["stop_token_ids"] = json::array();
+  for (int i = 0; i < 65; ++i) b["stop_token_ids"].push_back(i);
+  expect_400(completion(b), "stop_token_ids");
+  for (const json& v : {json("7"), json({1.5}), json({-1}), json({json::array()}), json({int64_t{1} << 40})}) {
+    b["stop_token_ids"] = v;
+    expect_400(completion(b), "stop_token_ids");
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tools
 // ---------------------------------------------------------------------------------------------

@@ -190,6 +190,8 @@ EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<
     e.sampling.seed = rng();
   }
   e.stop = r.stop;
+  e.stop_token_ids = r.stop_token_ids;
+  e.min_tokens = r.min_tokens;
   e.top_logprobs = r.top_logprobs;
   e.ignore_eos = r.ignore_eos;
   return e;

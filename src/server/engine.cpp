@@ -182,6 +182,15 @@ Submitted Engine::submit(EngineRequest r) {
       out.error = fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size());
       return out;
     }
+  for (int32_t id : r.stop_token_ids)
+    if (id < 0 || id >= vocab_size()) {
+      out.error = fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size());
+      return out;
+    }
+  if (r.min_tokens < 0 || r.min_tokens > r.max_tokens) {
+    out.error = fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens);
+    return out;
+  }
   auto sampler = model::Sampler::create(r.sampling);
   if (!sampler.ok()) {
     out.error = sampler.error().what();
@@ -622,7 +631,21 @@ void Engine::emit(Seq& s, const std::string& text, GeneratedToken* token) {
 
 void Engine::on_token(Seq& s, const float* logits) {
   const size_t V = static_cast<size_t>(vocab_size());
-  auto sampled = s.sampler->sample(std::span<const float>(logits, V));
+  const std::vector<int32_t>& eos = options_.eos_ids;
+  const std::vector<int32_t>& stop_ids = s.req.stop_token_ids;
+  // Before min_tokens the ids that would end the sequence cannot be sampled (vLLM's min_tokens);
+  // the logprobs stay the model's.
+  const bool early = s.generated < s.req.min_tokens;
+  std::span<const float> row(logits, V);
+  if (early && ((!s.req.ignore_eos && !eos.empty()) || !stop_ids.empty())) {
+    masked_logits_.assign(logits, logits + V);
+    if (!s.req.ignore_eos)
+      for (int32_t id : eos)
+        if (id >= 0 && static_cast<size_t>(id) < V) masked_logits_[static_cast<size_t>(id)] = -INFINITY;
+    for (int32_t id : stop_ids) masked_logits_[static_cast<size_t>(id)] = -INFINITY;
+    row = masked_logits_;
+  }
+  auto sampled = s.sampler->sample(row);
   if (!sampled.ok()) {
     finish(s, "", "sampling failed: " + sampled.error().what());
     return;
@@ -632,8 +655,8 @@ void Engine::on_token(Seq& s, const float* logits) {
   const double since = std::chrono::duration<double>(now - (s.generated == 0 ? s.arrival : s.last_token)).count();
   (s.generated == 0 ? metrics_.ttft : metrics_.itl).observe(since);
   s.last_token = now;
-  const std::vector<int32_t>& eos = options_.eos_ids;
-  if (!s.req.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) {
+  if ((!s.req.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) ||
+      std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end()) {
     finish(s, "stop", "");
     return;
   }
@@ -642,7 +665,10 @@ void Engine::on_token(Seq& s, const float* logits) {
   ++metrics_.generation_tokens_total;
   std::optional<GeneratedToken> lp;
   if (s.req.top_logprobs >= 0) lp = token_logprobs(logits, V, id, s.req.top_logprobs);
-  StopMatcher::Out out = s.stop.feed(s.decoder->feed(static_cast<tokenizer::TokenId>(id)));
+  std::string text = s.decoder->feed(static_cast<tokenizer::TokenId>(id));
+  // Stop strings apply from the min_tokens-th token on (vLLM's rule); earlier text passes by.
+  StopMatcher::Out out = s.generated < s.req.min_tokens ? StopMatcher::Out{std::move(text), false}
+                                                        : s.stop.feed(text);
   emit(s, out.text, lp ? &*lp : nullptr);
   if (out.stopped) finish(s, "stop", "");
   else if (s.generated >= s.req.max_tokens || static_cast<int64_t>(s.tokens.size()) >= max_context_)

@@ -90,6 +90,10 @@ struct EngineRequest {
   std::vector<std::string> stop;
   int top_logprobs = -1;  // -1: none; k >= 0: the chosen token's logprob and the k best
   bool ignore_eos = false;
+  // Generation also stops at these ids (as at eos: the id is not part of the output). Before
+  // min_tokens tokens neither eos nor these ids can be sampled, and stop strings do not apply.
+  std::vector<int32_t> stop_token_ids;
+  int64_t min_tokens = 0;  // <= max_tokens
   std::shared_ptr<StreamListener> listener;  // optional: notified with the request's stream
 };
 
@@ -220,6 +224,7 @@ class Engine {
   EngineOptions options_;
   int64_t max_context_ = 0;
   EngineMetrics metrics_;
+  std::vector<float> masked_logits_;  // on_token's row with the ending ids masked (min_tokens)
 
   // Shared with submit() and RequestStream::cancel().
   std::shared_ptr<RequestStream::Wake> wake_;

@@ -369,6 +369,23 @@ std::optional<ApiError> read_logprobs(const json& body, const ApiLimits& limits,
 }
 
 // {"<id>": bias}: OpenAI's keys are token ids written as decimal strings.
+// vLLM's stop_token_ids: a list of token ids (checked against the vocabulary by the engine).
+std::optional<ApiError> read_stop_token_ids(const json& body, const ApiLimits& limits, std::vector<int32_t>* out) {
+  const json* v = field(body, "stop_token_ids");
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_array()) return wrong_type("stop_token_ids", "an array of token ids", *v);
+  if (v->size() > static_cast<size_t>(limits.max_stop_token_ids))
+    return invalid_request(fmt::format("'stop_token_ids' has {} ids; at most {} are allowed", v->size(),
+                                       limits.max_stop_token_ids),
+                           "stop_token_ids");
+  for (const json& id : *v) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      return invalid_request("'stop_token_ids' must hold non-negative integer token ids", "stop_token_ids");
+    out->push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_logit_bias(const json& body, GenerationRequest* out) {
   const json* v = field(body, "logit_bias");
   if (v == nullptr) return std::nullopt;
@@ -553,6 +570,13 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
     return e;
   r.max_tokens = max_completion_tokens ? max_completion_tokens : max_tokens;
   if (auto e = read_stop(doc, limits, &r.stop)) return e;
+  if (auto e = read_stop_token_ids(doc, limits, &r.stop_token_ids)) return e;
+  std::optional<int64_t> min_tokens;
+  if (auto e = read_int(doc, "min_tokens", 0, std::numeric_limits<int32_t>::max(), &min_tokens)) return e;
+  r.min_tokens = min_tokens.value_or(0);
+  if (r.max_tokens && r.min_tokens > *r.max_tokens)
+    return invalid_request(fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", r.min_tokens, *r.max_tokens),
+                           "min_tokens");
   std::optional<int64_t> n;
   if (auto e = read_int(doc, "n", 1, limits.max_choices, &n)) return e;
   r.n = static_cast<int>(n.value_or(1));

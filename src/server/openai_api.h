@@ -68,6 +68,7 @@ struct ApiLimits {
   int max_tools = 128;                   // tool definitions per request (OpenAI's limit)
   size_t max_tools_bytes = 256u << 10;   // their JSON, all together (they go into the prompt)
   int max_choices = 128;                 // n: each choice is a sequence of its own (OpenAI's limit)
+  int max_stop_token_ids = 64;           // vLLM's stop_token_ids
 };
 
 // Chat's tool_choice. "required" and named functions are refused by the parser (no guided
@@ -95,6 +96,10 @@ struct GenerationRequest {
   bool prompt_is_ids = false;
   std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens; unset: up to the context
   std::vector<std::string> stop;
+  // vLLM's extensions: generation also stops at these ids (like eos: the id is not returned), and
+  // neither eos, these ids nor the stop strings end it before min_tokens tokens.
+  std::vector<int32_t> stop_token_ids;
+  int64_t min_tokens = 0;
   std::optional<float> temperature;
   std::optional<float> top_p;
   std::optional<int> top_k;  // -1 (vLLM's "off") becomes 0
