@@ -1135,8 +1135,16 @@ bool cluster_merge_pays(int context, int c, int w) {
 constexpr int kPortableClusterSplits = 8;
 constexpr double kInModelUsPerSplitKey = 0.037;
 constexpr double kNonPortableClusterUs = 3.3;
+// MOEBIUS_ATTN_PORTABLE_CLUSTER=0 turns the rule off (the widest resident cluster, as before it).
+bool portable_cluster_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("MOEBIUS_ATTN_PORTABLE_CLUSTER");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
 bool portable_cluster_pays(int context, int c) {
-  if (c <= kPortableClusterSplits) return false;
+  if (c <= kPortableClusterSplits || !portable_cluster_enabled()) return false;
   const AttentionDecodeSplit at_p = attention_decode_split(context, kPortableClusterSplits),
                              at_c = attention_decode_split(context, c);
   return (at_p.partition - at_c.partition) * kInModelUsPerSplitKey < kNonPortableClusterUs;
