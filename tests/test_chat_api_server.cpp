@@ -289,6 +289,10 @@ TEST_F(ChatApiServer, NChoicesWholeAndStreamed) {
     EXPECT_EQ(streamed["message"]["content"], one["message"]["content"]);
     EXPECT_EQ(streamed["message"]["tool_calls"].size(), 2u);
   }
+  // More choices than the queue holds (16 here) could never all wait: a 400, not a 429 to retry.
+  auto [s3, refused] = chat(kAnswer, {{"n", 17}});
+  EXPECT_EQ(s3, 400);
+  EXPECT_EQ(refused[0]["error"]["param"], "n");
   ASSERT_FALSE(events.empty());
   EXPECT_TRUE(events.back()["choices"].empty());  // the usage chunk comes last, once
   EXPECT_EQ(events.back()["usage"]["completion_tokens"], 3 * u1["completion_tokens"].get<int>());

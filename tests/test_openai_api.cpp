@@ -423,6 +423,9 @@ TEST(OpenAiApi, StopTokenIdsAndMinTokens) {
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
   EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{7, 3}));
   EXPECT_EQ(r.min_tokens, 2);
+  b["stop_token_ids"] = {5.0};  // an integral float is an integer, as for the other integer fields
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{5}));
   b["min_tokens"] = 3;
   expect_400(completion(b), "min_tokens");
   b = completion_body();

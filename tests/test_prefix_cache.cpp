@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <thread>
@@ -384,17 +386,62 @@ TEST(EnginePrefixCache, TheNextTurnReusesTheAnswer) {
   EXPECT_EQ(b.ids, reference(p2, 5));
 }
 
-// [TAG_PREFIX_CACHE_INFLIGHT] Requests with one prompt submitted together (n choices, or one system
-// prompt arriving at once): the first computes the prefix, the others wait for its blocks instead
-// of computing them too, and every one still gets the one-sequence loop's tokens.
+// Holds its first step until open(): requests submitted meanwhile reach the engine together.
+class GatedRunner final : public testing::ForwardingRunner {
+ public:
+  using ForwardingRunner::ForwardingRunner;
+  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      entered_ = true;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+    }
+    return ForwardingRunner::step(seqs, logits);
+  }
+  void wait_entered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return entered_; });
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, open_ = false;
+};
+
+// [TAG_PREFIX_CACHE_INFLIGHT] Requests with one prompt that reach the engine together (n choices,
+// or one system prompt arriving at once): the first computes the prefix, the others wait for its
+// blocks instead of computing them too, and every one still gets the one-sequence loop's tokens.
 TEST(EnginePrefixCache, RequestsArrivingTogetherWaitForTheFirstsPrefix) {
   for (const int ep : {1, 2}) {
     SCOPED_TRACE(ep);
-    auto e = engine(4, 256, 64, true, ep);  // one step could compute all four prompts
+    RunnerOptions o;
+    o.source.model_dir = testing::tiny_fixture_dir();
+    o.max_seqs = 4;
+    o.max_step_tokens = 256;  // one step could compute all four prompts
+    o.num_blocks = 64;
+    o.block_size = 16;
+    o.ep = ep;
+    auto inner = load_runner(o);
+    ASSERT_TRUE(inner.ok()) << inner.error().what();
+    auto gated = std::make_unique<GatedRunner>(std::move(inner).value());
+    GatedRunner* gate = gated.get();
+    Engine e(std::move(gated), &tiny_serve_tokenizer(), EngineOptions{});
+    // A request of its own holds the engine in its first step while the four arrive.
+    auto blocker = submit(e, tokens_from(5, 7), 1);
+    gate->wait_entered();
     const auto system = tokens_from(70, 8);
     const std::vector<std::vector<int32_t>> prompts = {system, system, concat(system, tokens_from(5, 9)), system};
     std::vector<std::shared_ptr<RequestStream>> streams;
-    for (const auto& p : prompts) streams.push_back(submit(*e, p, 5));
+    for (const auto& p : prompts) streams.push_back(submit(e, p, 5));
+    gate->open();
+    drain(*blocker);
     std::vector<Done> done;
     for (auto& s : streams) done.push_back(drain(*s));
     int64_t cached = 0;
@@ -408,7 +455,8 @@ TEST(EnginePrefixCache, RequestsArrivingTogetherWaitForTheFirstsPrefix) {
     // the last token of the equal prompts, and the longer prompt's fifth differs from it).
     EXPECT_EQ(done[0].cached, 0);
     EXPECT_EQ(cached, 3 * 64);
-    EXPECT_GT(e->metrics().prefix_cache_waits_total.load(), 0);
+    EXPECT_GT(e.metrics().prefix_cache_waits_total.load(), 0);
+    e.stop();
   }
 }
 

@@ -1,5 +1,6 @@
 #include "server/api_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <random>
@@ -249,6 +250,11 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
     return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
   // n > 1: n sequences of the one prompt (the prefix cache shares its blocks once one of them has
   // computed them); if any is refused, those submitted are cancelled.
+  if (req.n > engine_->max_queue())
+    return send_error(res, invalid_request(fmt::format("n = {} exceeds this server's queue of {} requests "
+                                                       "(--max-queue)",
+                                                       req.n, engine_->max_queue()),
+                                           "n"));
   Choices choices;
   if (req.n > 1) choices.listener = std::make_shared<StreamListener>();
   for (int i = 0; i < req.n; ++i) {
@@ -292,7 +298,8 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     }
   }
   std::vector<ChoiceDelta> out(n);
-  Usage usage{u[0].prompt_tokens, 0, u[0].cached_tokens};  // the prompt counts once
+  Usage usage{u[0].prompt_tokens, 0, 0};  // the prompt counts once, its cached part at its best
+  for (const RequestUpdate& x : u) usage.cached_tokens = std::max(usage.cached_tokens, x.cached_tokens);
   for (size_t i = 0; i < n; ++i) {
     ChoiceDelta& c = out[i];
     c.index = static_cast<int>(i);
@@ -356,7 +363,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
       const size_t i = static_cast<size_t>(gi);
       RequestUpdate& part = parts[i];
       completion_tokens[i] = part.completion_tokens;
-      if (i == 0) cached_tokens = part.cached_tokens;
+      cached_tokens = std::max(cached_tokens, part.cached_tokens);
       if (!part.error.empty()) {
         ok = res.write(error_chunk(server_error(part.error)));
         failed = true;

@@ -85,6 +85,12 @@ class ApiServer {
   struct Choices {
     std::vector<std::shared_ptr<RequestStream>> streams;
     std::shared_ptr<StreamListener> listener;
+    Choices() = default;
+    Choices(const Choices&) = delete;
+    Choices& operator=(const Choices&) = delete;
+    // Every way out of a handler (an exception too) frees the KV of unfinished choices; a finished
+    // stream's cancel is a no-op for the engine.
+    ~Choices() { cancel(); }
     void cancel() const;
     // Takes what any unfinished choice produced into updates[i] (finished[i] marks those done);
     // waits up to one poll slice when none had anything. Returns the choices that gave output.

@@ -186,6 +186,7 @@ class Engine {
 
   // Prompt plus completion tokens a request may use: the runner's context, capped by the KV pool.
   int64_t max_context() const { return max_context_; }
+  int max_queue() const { return options_.max_queue; }  // waiting requests before submit() refuses
   int vocab_size() const;
   const RunnerLimits& limits() const { return runner_->limits(); }
   const StepRunner& runner() const { return *runner_; }

@@ -379,9 +379,11 @@ std::optional<ApiError> read_stop_token_ids(const json& body, const ApiLimits& l
                                        limits.max_stop_token_ids),
                            "stop_token_ids");
   for (const json& id : *v) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+    // Integral floats (5.0) count as integers, as read_int takes them.
+    const double d = id.is_number() ? id.get<double>() : -1.0;
+    if (!id.is_number() || !(d >= 0.0 && d <= std::numeric_limits<int32_t>::max()) || d != std::floor(d))
       return invalid_request("'stop_token_ids' must hold non-negative integer token ids", "stop_token_ids");
-    out->push_back(static_cast<int32_t>(id.get<int64_t>()));
+    out->push_back(static_cast<int32_t>(d));
   }
   return std::nullopt;
 }
