@@ -436,12 +436,14 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   // [TAG_PREFIX_CACHE_INFLIGHT] The blocks running sequences are computing and will publish: a
   // waiting sequence whose next uncached block is among them waits for it rather than computing
   // it again (n choices of one prompt, requests arriving together with one system prompt).
-  // Sequences admitted in this step count too: they compute their blocks in it.
+  // Sequences admitted in this step count too: they compute their blocks in it. Keyed by pool:
+  // a block computed on one data-parallel rank serves only sequences placed on that rank.
   std::unordered_set<uint64_t> inflight;
   const auto computing = [&](Seq& r) {
     if (!prefix_caching_ || !r.publishing) return;
     const std::vector<uint64_t>& chains = token_chains(r);
-    for (size_t j = static_cast<size_t>(r.chained); j < chains.size(); ++j) inflight.insert(chains[j]);
+    for (size_t j = static_cast<size_t>(r.chained); j < chains.size(); ++j)
+      inflight.insert(inflight_key(r.pool, chains[j]));
   };
   if (!waiting_.empty())
     for (const auto& r : running_) computing(*r);
@@ -501,15 +503,34 @@ const std::vector<uint64_t>& Engine::token_chains(Seq& s) const {
   return s.chains;
 }
 
+uint64_t Engine::inflight_key(int pool, uint64_t chain) { return chain ^ (0x9E3779B97F4A7C15ull * (pool + 1u)); }
+
+// Only pools with room count (admission_order's): the sequence waits when the best cached prefix
+// it could be placed behind is followed by a block in flight on that same pool.
 bool Engine::prefix_in_flight(Seq& s, const std::unordered_set<uint64_t>& inflight) const {
   const int bs = runner_->limits().block_size;
   const int64_t lookup_blocks = (static_cast<int64_t>(s.tokens.size()) - 1) / bs;  // short of the last token
+  if (lookup_blocks <= 0) return false;
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
   const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
-  int64_t cached = 0;
-  for (const auto& p : pools_) cached = std::max(cached, p->cached_prefix_blocks(root, lookup, bs));
-  if (cached >= lookup_blocks) return false;
-  return inflight.count(token_chains(s)[static_cast<size_t>(cached)]) > 0;
+  std::vector<std::pair<int, int64_t>> cached;  // (pool, cached blocks) of the pools with room
+  int64_t best = -1;
+  for (int p = 0; p < static_cast<int>(pools_.size()); ++p) {
+    if (!pool_has_room(p)) continue;
+    const int64_t c = pools_[static_cast<size_t>(p)]->cached_prefix_blocks(root, lookup, bs);
+    cached.emplace_back(p, c);
+    best = std::max(best, c);
+  }
+  if (best < 0 || best >= lookup_blocks) return false;
+  const uint64_t next = token_chains(s)[static_cast<size_t>(best)];
+  for (const auto& [p, c] : cached)
+    if (c == best && inflight.count(inflight_key(p, next)) > 0) return true;
+  return false;
+}
+
+bool Engine::pool_has_room(int pool) const {
+  const RunnerLimits& l = runner_->limits();
+  return running_on(pool) < l.max_seqs / l.kv_pools + (pool < l.max_seqs % l.kv_pools ? 1 : 0);
 }
 
 int Engine::running_on(int pool) const {
@@ -535,8 +556,8 @@ std::vector<int> Engine::admission_order(const Seq& s) const {
   const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
   for (int p = 0; p < l.kv_pools; ++p) {
+    if (!pool_has_room(p)) continue;
     const int running = running_on(p);
-    if (running >= l.max_seqs / l.kv_pools + (p < l.max_seqs % l.kv_pools ? 1 : 0)) continue;
     const model::BlockAllocator& a = *pools_[static_cast<size_t>(p)];
     options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size) : 0, running,
                        a.num_free()});

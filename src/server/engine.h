@@ -216,6 +216,10 @@ class Engine {
   // Whether a waiting sequence should wait a step: the block after its longest cached prefix is
   // one a running sequence is computing now (in `inflight`), so it will be cached soon.
   bool prefix_in_flight(Seq& seq, const std::unordered_set<uint64_t>& inflight) const;
+  static uint64_t inflight_key(int pool, uint64_t chain);
+  // [TAG_SERVE_DP] Whether `pool` runs fewer sequences than its share of max_seqs (max_seqs /
+  // kv_pools, the remainder spread over the first pools).
+  bool pool_has_room(int pool) const;
   int running_on(int pool) const;
   void publish_computed_blocks(Seq& seq);
   void update_gauges();
