@@ -10,18 +10,13 @@
 #include <string>
 #include <string_view>
 
+#include "fuzz_check.h"
 #include "server/chat_output_parser.h"
 #include "tokenizer/unicode.h"
 
 using namespace moebius::server;
 
-namespace {
-
-void check(bool ok) {
-  if (!ok) std::abort();
-}
-
-}  // namespace
+using moebius::fuzz::check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;

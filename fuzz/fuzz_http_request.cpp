@@ -18,15 +18,14 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "fuzz_check.h"
 #include "server/http_message.h"
 
 using namespace moebius::server;
 
 namespace {
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using moebius::fuzz::check;
 
 bool is_tchar(char c) {
   if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return true;

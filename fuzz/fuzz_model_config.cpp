@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fuzz_check.h"
 #include "core/json_depth.h"
 #include "cpu/rope.h"
 #include "formats/quant_config.h"
@@ -32,9 +33,7 @@ using namespace moebius;
 
 namespace {
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using moebius::fuzz::check;
 
 template <class T>
 void check_error(const Result<T>& r) {

@@ -13,17 +13,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fuzz_check.h"
 #include "server/openai_api.h"
 
 using namespace moebius::server;
 
-namespace {
-
-void check(bool ok) {
-  if (!ok) std::abort();
-}
-
-}  // namespace
+using moebius::fuzz::check;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fuzz_check.h"
 #include "tokenizer/bpe_tokenizer.h"
 #include "tokenizer/streaming_decoder.h"
 #include "tokenizer/unicode.h"
@@ -29,9 +30,7 @@ namespace unicode = moebius::unicode;
 
 namespace {
 
-void check(bool ok) {
-  if (!ok) std::abort();
-}
+using moebius::fuzz::check;
 
 constexpr size_t kMaxInput = 64 * 1024;
 

@@ -115,13 +115,26 @@ TEST(Qwen3MoeConfig, DefaultsAndSparseStep) {
   EXPECT_TRUE(parse_qwen3_moe_config(j.dump(), "cfg.json").ok());
 }
 
+// A fixture config.json with one edit, and the field its refusal must name.
+struct ConfigEdit {
+  const char* what;
+  std::function<void(nlohmann::json&)> edit;
+  const char* field;
+};
+
+void expect_refused(const std::vector<ConfigEdit>& cases) {
+  for (const ConfigEdit& c : cases) {
+    auto j = fixture_config();
+    c.edit(j);
+    auto r = parse_qwen3_moe_config(j.dump(), "some/config.json");
+    ASSERT_FALSE(r.ok()) << c.what;
+    EXPECT_EQ(r.error().field(), c.field) << c.what << ": " << r.error().what();
+    EXPECT_EQ(r.error().file(), "some/config.json") << c.what;
+  }
+}
+
 TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
-  struct Case {
-    const char* what;
-    std::function<void(nlohmann::json&)> edit;
-    const char* field;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<ConfigEdit> cases = {
       {"missing hidden_size", [](auto& j) { j.erase("hidden_size"); }, "hidden_size"},
       {"hidden_size as a string", [](auto& j) { j["hidden_size"] = "64"; }, "hidden_size"},
       {"float layer count", [](auto& j) { j["num_hidden_layers"] = 3.5; }, "num_hidden_layers"},
@@ -144,14 +157,7 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
       {"sliding window", [](auto& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
       {"gelu", [](auto& j) { j["hidden_act"] = "gelu"; }, "hidden_act"},
   };
-  for (const Case& c : cases) {
-    auto j = fixture_config();
-    c.edit(j);
-    auto r = parse_qwen3_moe_config(j.dump(), "some/config.json");
-    ASSERT_FALSE(r.ok()) << c.what;
-    EXPECT_EQ(r.error().field(), c.field) << c.what << ": " << r.error().what();
-    EXPECT_EQ(r.error().file(), "some/config.json") << c.what;
-  }
+  expect_refused(cases);
   auto bad = parse_qwen3_moe_config("{\"hidden_size\": ", "x.json");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.error().file(), "x.json");
@@ -163,12 +169,7 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
 TEST(Qwen3MoeConfig, RefusesConfigsTheModelCodeCannotRun) {
   // Found by fuzz_model_config: each of these parsed, and the model code would then divide by
   // zero, overflow a float or an int64 product, or allocate from the value.
-  struct Case {
-    const char* what;
-    std::function<void(nlohmann::json&)> edit;
-    const char* field;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<ConfigEdit> cases = {
       // The default H / nh was taken unchecked: 0 here (a zero-width head), 2^30 below.
       {"head_dim defaults to 0", [](auto& j) { j.erase("head_dim"); j["hidden_size"] = 2; }, "head_dim"},
       {"head_dim defaults past its bound",
@@ -194,14 +195,7 @@ TEST(Qwen3MoeConfig, RefusesConfigsTheModelCodeCannotRun) {
        },
        "head_dim"},
   };
-  for (const Case& c : cases) {
-    auto j = fixture_config();
-    c.edit(j);
-    auto r = parse_qwen3_moe_config(j.dump(), "some/config.json");
-    ASSERT_FALSE(r.ok()) << c.what;
-    EXPECT_EQ(r.error().field(), c.field) << c.what << ": " << r.error().what();
-    EXPECT_EQ(r.error().file(), "some/config.json") << c.what;
-  }
+  expect_refused(cases);
   // The bounds leave real models alone: Qwen3-235B-A22B's attention and a 5e6 RoPE base.
   auto j = fixture_config();
   j["num_attention_heads"] = 64;

@@ -158,10 +158,6 @@ void ApiServer::Choices::cancel() const {
 
 std::vector<int> ApiServer::Choices::take(std::vector<RequestUpdate>& updates, const std::vector<bool>& finished) const {
   std::vector<int> got;
-  if (streams.size() == 1) {
-    if (!finished[0] && streams[0]->take(&updates[0], kPollSlice)) got.push_back(0);
-    return got;
-  }
   // Read the count before draining: a publish after this read changes it, so the wait below
   // cannot sleep through output that arrived while the streams were being drained.
   const uint64_t seen = listener->events();
@@ -256,7 +252,7 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
                                                        req.n, engine_->max_queue()),
                                            "n"));
   Choices choices;
-  if (req.n > 1) choices.listener = std::make_shared<StreamListener>();
+  choices.listener = std::make_shared<StreamListener>();
   for (int i = 0; i < req.n; ++i) {
     EngineRequest e = engine_request(req, ids);
     if (req.seed) e.sampling.seed = *req.seed + static_cast<uint64_t>(i);

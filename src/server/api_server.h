@@ -81,7 +81,7 @@ class ApiServer {
   void generate(Endpoint endpoint, const HttpRequest& request, HttpResponse& response);
   void update_weights(const HttpRequest& request, HttpResponse& response);
   // A request's n choices: their engine streams (choice i is streams[i]), and the listener they
-  // all notify when n > 1 (null for one choice, whose stream's own wait serves).
+  // all notify, on which the handler waits.
   struct Choices {
     std::vector<std::shared_ptr<RequestStream>> streams;
     std::shared_ptr<StreamListener> listener;
