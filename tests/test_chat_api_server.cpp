@@ -330,6 +330,39 @@ TEST_F(ChatApiServer, StopTokenIdsAndMinTokens) {
                                   {"temperature", 0}});
   ASSERT_EQ(s3, 200);
   EXPECT_EQ(held[0]["usage"]["completion_tokens"], full);
+  // vLLM's boundary: with min_tokens k, a stop string counts when it completes in the text of a
+  // token after the k-th, even when it began earlier; one wholly inside the first k tokens' text
+  // does not. At a token m (1-based) with text on both sides: "across" runs from the last byte
+  // before token m through the first byte after it, "inside" is token m's own text; min_tokens m.
+  const auto text_of = [&](size_t n) {
+    return tiny_tokenizer().decode(std::vector<tokenizer::TokenId>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n)));
+  };
+  const auto once = [&](const std::string& t) {
+    const size_t at = script.find(t);
+    return at != std::string::npos && script.find(t, at + 1) == std::string::npos;
+  };
+  std::string across, inside, kept;
+  size_t m = 2;
+  for (; m + 1 < ids.size(); ++m) {
+    const std::string a = text_of(m - 1), b = text_of(m), c = text_of(m + 1);
+    if (a.empty() || b.size() == a.size() || c.size() == b.size()) continue;
+    across = c.substr(a.size() - 1, b.size() - a.size() + 2);
+    inside = b.substr(a.size());
+    kept = a.substr(0, a.size() - 1);
+    if (once(across) && once(inside)) break;
+  }
+  ASSERT_LT(m + 1, ids.size()) << "the script has no token whose text occurs once";
+  for (bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed" : "whole");
+    auto [s4, r4] = chat(script, {{"min_tokens", m}, {"stop", across}, {"temperature", 0}, {"stream", streamed}});
+    ASSERT_EQ(s4, 200);
+    const json got = streamed ? accumulate(r4) : r4[0]["choices"][0];
+    EXPECT_EQ(got["finish_reason"], "stop");
+    EXPECT_EQ(got["message"]["content"], kept);
+  }
+  auto [s5, r5] = chat(script, {{"min_tokens", m}, {"stop", inside}, {"temperature", 0}});
+  ASSERT_EQ(s5, 200);
+  EXPECT_EQ(r5[0]["usage"]["completion_tokens"], full);
   // Bad values are 400s.
   for (const json& bad : {json{{"stop_token_ids", "7"}}, json{{"stop_token_ids", {-1}}},
                           json{{"stop_token_ids", {100000}}}, json{{"min_tokens", -1}},

@@ -83,5 +83,65 @@ TEST(StopStrings, EmptyStopStringsAreIgnored) {
   EXPECT_EQ(run({"", "z"}, {"abc"}), std::make_pair(std::string("abc"), false));
 }
 
+// min_tokens (vLLM's rule): a stop string wholly inside the unchecked text is not a stop; one that
+// begins there and completes in checked text is, and the text before it is all that is emitted.
+TEST(StopStrings, UncheckedTextCannotStopButCanBeginAStop) {
+  {
+    StopMatcher m({"ab"});
+    EXPECT_EQ(m.feed_unchecked("xab").text, "xab");  // wholly unchecked: released, no stop
+    EXPECT_FALSE(m.stopped());
+    StopMatcher::Out o = m.feed("cab");
+    EXPECT_EQ(o.text, "c");
+    EXPECT_TRUE(o.stopped);
+  }
+  {
+    StopMatcher m({"<|end|>"});
+    EXPECT_EQ(m.feed_unchecked("hi <|e").text, "hi ");  // could begin the stop: held
+    StopMatcher::Out o = m.feed("nd|> more");           // completes after the boundary
+    EXPECT_EQ(o.text, "");
+    EXPECT_TRUE(o.stopped);
+  }
+  {
+    // "b" lies wholly inside held unchecked text (held as a prefix of "abc"): not a stop, even when
+    // a checked piece arrives while it is still held; "abc" completing later is.
+    StopMatcher m({"abc", "b"});
+    EXPECT_EQ(m.feed_unchecked("xab").text, "x");
+    StopMatcher::Out o = m.feed("");
+    EXPECT_FALSE(o.stopped);
+    o = m.feed("c");
+    EXPECT_EQ(o.text, "");
+    EXPECT_TRUE(o.stopped);
+  }
+  {
+    StopMatcher m({"abc", "b"});
+    EXPECT_EQ(m.feed_unchecked("xab").text, "x");
+    StopMatcher::Out o = m.feed("b");  // "abb": the checked "b" stops; the unchecked one did not
+    EXPECT_EQ(o.text, "ab");
+    EXPECT_TRUE(o.stopped);
+  }
+  {
+    StopMatcher m({"STOP"});
+    EXPECT_EQ(m.feed_unchecked("aSTO").text, "a");
+    EXPECT_EQ(m.flush(), "STO");  // the end without a stop: the held tail is released
+  }
+}
+
+// feed_unchecked followed by feed emits the same bytes as one feed when no stop is involved, for
+// every split point.
+TEST(StopStrings, UncheckedSplitsLoseNothing) {
+  const std::string text = "a<b<|en<|end abab STO";
+  for (size_t cut = 0; cut <= text.size(); ++cut)
+    for (size_t cut2 = cut; cut2 <= text.size(); ++cut2) {
+      StopMatcher m({"<|end|>", "STOP", "abc"});
+      std::string out = m.feed_unchecked(text.substr(0, cut)).text;
+      out += m.feed_unchecked(text.substr(cut, cut2 - cut)).text;
+      StopMatcher::Out o = m.feed(text.substr(cut2));
+      out += o.text;
+      ASSERT_FALSE(o.stopped);
+      out += m.flush();
+      EXPECT_EQ(out, text) << cut << " " << cut2;
+    }
+}
+
 }  // namespace
 }  // namespace moebius::server

@@ -687,13 +687,18 @@ void Engine::on_token(Seq& s, const float* logits) {
   std::optional<GeneratedToken> lp;
   if (s.req.top_logprobs >= 0) lp = token_logprobs(logits, V, id, s.req.top_logprobs);
   std::string text = s.decoder->feed(static_cast<tokenizer::TokenId>(id));
-  // Stop strings apply from the min_tokens-th token on (vLLM's rule); earlier text passes by.
-  StopMatcher::Out out = s.generated < s.req.min_tokens ? StopMatcher::Out{std::move(text), false}
-                                                        : s.stop.feed(text);
+  StopMatcher::Out out = match_stops(s, text);
   emit(s, out.text, lp ? &*lp : nullptr);
   if (out.stopped) finish(s, "stop", "");
   else if (s.generated >= s.req.max_tokens || static_cast<int64_t>(s.tokens.size()) >= max_context_)
     finish(s, "length", "");
+}
+
+// Stop strings apply to the text of the tokens after the first min_tokens (vLLM's rule: a stop
+// string wholly inside the first min_tokens tokens' text is not a stop, one that completes after
+// them is, even when it began inside them).
+StopMatcher::Out Engine::match_stops(Seq& s, std::string_view text) {
+  return s.generated <= s.req.min_tokens ? s.stop.feed_unchecked(text) : s.stop.feed(text);
 }
 
 // Ends `s`: flushes held-back text (unless an error ended it), frees its KV, tells the client.
@@ -703,7 +708,7 @@ void Engine::finish(Seq& s, const std::string& reason, const std::string& error)
   std::string tail;
   std::string why = reason;
   if (error.empty() && !s.stop.stopped()) {
-    StopMatcher::Out out = s.stop.feed(s.decoder->flush());
+    StopMatcher::Out out = match_stops(s, s.decoder->flush());
     tail = out.text;
     if (out.stopped) why = "stop";
     else tail += s.stop.flush();

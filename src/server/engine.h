@@ -91,7 +91,8 @@ struct EngineRequest {
   int top_logprobs = -1;  // -1: none; k >= 0: the chosen token's logprob and the k best
   bool ignore_eos = false;
   // Generation also stops at these ids (as at eos: the id is not part of the output). Before
-  // min_tokens tokens neither eos nor these ids can be sampled, and stop strings do not apply.
+  // min_tokens tokens neither eos nor these ids can be sampled, and stop strings complete only in
+  // the text of later tokens.
   std::vector<int32_t> stop_token_ids;
   int64_t min_tokens = 0;  // <= max_tokens
   std::shared_ptr<StreamListener> listener;  // optional: notified with the request's stream
@@ -207,6 +208,7 @@ class Engine {
   void on_token(Seq& seq, const float* logits);
   void finish(Seq& seq, const std::string& reason, const std::string& error);
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
+  static StopMatcher::Out match_stops(Seq& seq, std::string_view text);
   void release_kv(Seq& seq);
   void start_from_prefix_cache(Seq& seq, int pool);
   std::vector<int> admission_order(const Seq& seq) const;

@@ -97,7 +97,8 @@ struct GenerationRequest {
   std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens; unset: up to the context
   std::vector<std::string> stop;
   // vLLM's extensions: generation also stops at these ids (like eos: the id is not returned), and
-  // neither eos, these ids nor the stop strings end it before min_tokens tokens.
+  // neither eos, these ids nor the stop strings end it before min_tokens tokens (a stop string
+  // completing after them ends it even when it began inside them).
   std::vector<int32_t> stop_token_ids;
   int64_t min_tokens = 0;
   std::optional<float> temperature;

@@ -21,26 +21,48 @@ StopMatcher::Out StopMatcher::feed(std::string_view text) {
   if (stopped_) return out;
   pending_.append(text);
   // The earliest complete stop string wins, whichever it is. Earlier text was released only when
-  // no stop string could start in it, so a match can only start inside pending_.
+  // no stop string could start in it, so a match can only start inside pending_. A match must end
+  // past the unchecked text: one wholly inside it was not a stop when it arrived.
   size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, pending_.find(s));
+  for (const std::string& s : stops_) {
+    const size_t from = unchecked_ >= s.size() ? unchecked_ - s.size() + 1 : 0;
+    first = std::min(first, pending_.find(s, from));
+  }
   if (first != std::string::npos) {
     out.text = pending_.substr(0, first);
     out.stopped = stopped_ = true;
     pending_.clear();
+    unchecked_ = 0;
     return out;
   }
-  // Hold back the longest suffix that is a proper prefix of some stop string.
+  out.text = release();
+  return out;
+}
+
+StopMatcher::Out StopMatcher::feed_unchecked(std::string_view text) {
+  Out out;
+  if (stopped_) return out;
+  pending_.append(text);
+  unchecked_ = pending_.size();
+  out.text = release();
+  return out;
+}
+
+// Releases all of pending_ but its longest suffix that is a proper prefix of some stop string.
+std::string StopMatcher::release() {
   size_t hold = 0;
   for (const std::string& s : stops_) hold = std::max(hold, partial_match_suffix(pending_, s));
-  out.text = pending_.substr(0, pending_.size() - hold);
-  pending_.erase(0, pending_.size() - hold);
+  const size_t n = pending_.size() - hold;
+  std::string out = pending_.substr(0, n);
+  pending_.erase(0, n);
+  unchecked_ = unchecked_ > n ? unchecked_ - n : 0;
   return out;
 }
 
 std::string StopMatcher::flush() {
   std::string rest;
   rest.swap(pending_);
+  unchecked_ = 0;
   return rest;
 }
 

@@ -29,6 +29,11 @@ class StopMatcher {
   };
   // Adds the next piece of text. After a stop, further calls return nothing.
   Out feed(std::string_view text);
+  // Adds text that stop strings do not apply to yet (the first min_tokens tokens, vLLM's rule): a
+  // stop string lying wholly inside such text is not a stop. One that starts in it and completes
+  // in text fed later is (vLLM searches back by the stop string's length), so the tail that could
+  // begin one is held back as feed() holds it. Never stops.
+  Out feed_unchecked(std::string_view text);
   // The end of generation without a stop: everything still held back.
   std::string flush();
 
@@ -36,8 +41,12 @@ class StopMatcher {
   bool stopped() const { return stopped_; }
 
  private:
+  std::string release();
+
   std::vector<std::string> stops_;
   std::string pending_;
+  // pending_[0, unchecked_) arrived through feed_unchecked(): a match must end after it.
+  size_t unchecked_ = 0;
   bool stopped_ = false;
 };
 
