@@ -1,11 +1,14 @@
 // Shared by the serving tests (engine, prefix cache, chat API): the tiny fixture's serving
 // tokenizer (tests/data/tiny-serve), and a StepRunner that forwards every call to another, for
-// test runners that record, script or change one part of what the engine sees.
+// test runners that record, script or change one part of what the engine sees, and one that
+// holds the engine in its first step.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -46,6 +49,35 @@ class ForwardingRunner : public server::StepRunner {
 
  private:
   std::unique_ptr<server::StepRunner> inner_;
+};
+
+// Holds its first step until open(): requests submitted meanwhile reach the engine together.
+class GatedRunner final : public ForwardingRunner {
+ public:
+  using ForwardingRunner::ForwardingRunner;
+  Status step(std::span<const server::RunnerSeq> seqs, std::vector<float>& logits) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      entered_ = true;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+    }
+    return ForwardingRunner::step(seqs, logits);
+  }
+  void wait_entered() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return entered_; });
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, open_ = false;
 };
 
 }  // namespace moebius::testing

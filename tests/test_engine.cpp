@@ -263,6 +263,51 @@ TEST(Engine, BoundedQueue) {
     }
 }
 
+// An API request's n choices are queued together or not at all: a group the queue cannot take
+// whole, or one with a bad request, leaves nothing queued; a group that fits runs every member.
+TEST(Engine, GroupsAreQueuedWholeOrNotAtAll) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.max_seqs = 4;
+  o.max_step_tokens = 64;
+  auto inner = load_runner(o);
+  ASSERT_TRUE(inner.ok()) << inner.error().what();
+  auto gated = std::make_unique<testing::GatedRunner>(std::move(inner).value());
+  testing::GatedRunner* gate = gated.get();
+  Engine engine(std::move(gated), &tiny_tokenizer(), EngineOptions{4, {}});
+  // A request of its own holds the engine in its first step, so the queue below stays as filled.
+  Submitted blocker = engine.submit(greedy(prompt_for(9), 2));
+  ASSERT_TRUE(blocker.stream);
+  gate->wait_entered();
+  const auto group = [](std::vector<int> which) {
+    std::vector<EngineRequest> g;
+    for (int i : which) g.push_back(greedy(prompt_for(i), 3));
+    return g;
+  };
+  SubmittedGroup three = engine.submit_group(group({1, 2, 3}));
+  ASSERT_EQ(three.streams.size(), 3u);
+  EXPECT_EQ(engine.metrics().queue_depth.load(), 3);
+  SubmittedGroup two = engine.submit_group(group({4, 5}));  // 3 + 2 > 4
+  EXPECT_TRUE(two.queue_full);
+  EXPECT_TRUE(two.streams.empty());
+  EXPECT_EQ(engine.metrics().requests_rejected_total.load(), 1);
+  std::vector<EngineRequest> bad = group({4});
+  bad.push_back(greedy({600}, 3));  // outside the vocabulary
+  SubmittedGroup refused = engine.submit_group(std::move(bad));
+  EXPECT_TRUE(refused.streams.empty());
+  EXPECT_FALSE(refused.queue_full);
+  EXPECT_NE(refused.error.find("600"), std::string::npos) << refused.error;
+  EXPECT_TRUE(engine.submit_group({}).streams.empty());
+  EXPECT_EQ(engine.metrics().queue_depth.load(), 3);
+  SubmittedGroup one = engine.submit_group(group({4}));  // exactly fills the queue
+  ASSERT_EQ(one.streams.size(), 1u);
+  EXPECT_TRUE(engine.submit(greedy(prompt_for(5), 3)).queue_full);
+  gate->open();
+  drain(*blocker.stream);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(ids_of(drain(*three.streams[static_cast<size_t>(i)])), reference_ids(prompt_for(i + 1), 3));
+  EXPECT_EQ(ids_of(drain(*one.streams[0])), reference_ids(prompt_for(4), 3));
+}
+
 TEST(Engine, RefusesWhatCannotFit) {
   auto engine = make_engine(2, 64);
   EXPECT_FALSE(engine->submit(greedy({}, 3)).stream);

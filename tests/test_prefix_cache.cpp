@@ -386,35 +386,6 @@ TEST(EnginePrefixCache, TheNextTurnReusesTheAnswer) {
   EXPECT_EQ(b.ids, reference(p2, 5));
 }
 
-// Holds its first step until open(): requests submitted meanwhile reach the engine together.
-class GatedRunner final : public testing::ForwardingRunner {
- public:
-  using ForwardingRunner::ForwardingRunner;
-  Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      entered_ = true;
-      cv_.notify_all();
-      cv_.wait(lock, [&] { return open_; });
-    }
-    return ForwardingRunner::step(seqs, logits);
-  }
-  void wait_entered() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return entered_; });
-  }
-  void open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool entered_ = false, open_ = false;
-};
-
 // [TAG_PREFIX_CACHE_INFLIGHT] Requests with one prompt that reach the engine together (n choices,
 // or one system prompt arriving at once): the first computes the prefix, the others wait for its
 // blocks instead of computing them too, and every one still gets the one-sequence loop's tokens.
@@ -430,8 +401,8 @@ TEST(EnginePrefixCache, RequestsArrivingTogetherWaitForTheFirstsPrefix) {
     o.ep = ep;
     auto inner = load_runner(o);
     ASSERT_TRUE(inner.ok()) << inner.error().what();
-    auto gated = std::make_unique<GatedRunner>(std::move(inner).value());
-    GatedRunner* gate = gated.get();
+    auto gated = std::make_unique<testing::GatedRunner>(std::move(inner).value());
+    testing::GatedRunner* gate = gated.get();
     Engine e(std::move(gated), &tiny_serve_tokenizer(), EngineOptions{});
     // A request of its own holds the engine in its first step while the four arrive.
     auto blocker = submit(e, tokens_from(5, 7), 1);

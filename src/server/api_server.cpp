@@ -244,8 +244,8 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
   const int64_t prompt = static_cast<int64_t>(ids.size()), context = engine_->max_context();
   if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
     return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
-  // n > 1: n sequences of the one prompt (the prefix cache shares its blocks once one of them has
-  // computed them); if any is refused, those submitted are cancelled.
+  // n > 1: n sequences of the one prompt, queued together or not at all (the prefix cache shares
+  // the prompt's blocks once one of them has computed them).
   if (req.n > engine_->max_queue())
     return send_error(res, invalid_request(fmt::format("n = {} exceeds this server's queue of {} requests "
                                                        "(--max-queue)",
@@ -253,20 +253,20 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
                                            "n"));
   Choices choices;
   choices.listener = std::make_shared<StreamListener>();
+  std::vector<EngineRequest> group;
   for (int i = 0; i < req.n; ++i) {
     EngineRequest e = engine_request(req, ids);
     if (req.seed) e.sampling.seed = *req.seed + static_cast<uint64_t>(i);
     e.listener = choices.listener;
-    Submitted sub = engine_->submit(std::move(e));
-    if (!sub.stream) {
-      choices.cancel();
-      if (sub.queue_full)
-        return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
-      if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
-      return send_error(res, invalid_request(sub.error));
-    }
-    choices.streams.push_back(std::move(sub.stream));
+    group.push_back(std::move(e));
   }
+  SubmittedGroup sub = engine_->submit_group(std::move(group));
+  if (sub.streams.empty()) {
+    if (sub.queue_full) return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
+    if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
+    return send_error(res, invalid_request(sub.error));
+  }
+  choices.streams = std::move(sub.streams);
   if (req.stream) stream(endpoint, req, prompt, parse, choices, res);
   else whole(endpoint, req, parse, choices, res);
 }

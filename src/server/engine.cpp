@@ -162,40 +162,35 @@ void Engine::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-Submitted Engine::submit(EngineRequest r) {
-  Submitted out;
-  if (r.prompt.empty()) {
-    out.error = "the prompt is empty";
-    return out;
-  }
-  if (r.max_tokens < 1 || static_cast<int64_t>(r.prompt.size()) + r.max_tokens > max_context_) {
-    out.error = "the prompt plus max_tokens exceeds the context";
-    return out;
-  }
+Submitted Engine::submit(EngineRequest request) {
+  std::vector<EngineRequest> one;
+  one.push_back(std::move(request));
+  SubmittedGroup g = submit_group(std::move(one));
+  return Submitted{g.streams.empty() ? nullptr : std::move(g.streams[0]), g.queue_full, std::move(g.error)};
+}
+
+// Checks one request and builds its sequence (not yet queued); null with *error set when refused.
+std::unique_ptr<Engine::Seq> Engine::make_seq(EngineRequest r, std::string* error) const {
+  const auto refuse = [&](std::string why) {
+    *error = std::move(why);
+    return std::unique_ptr<Seq>();
+  };
+  if (r.prompt.empty()) return refuse("the prompt is empty");
+  if (r.max_tokens < 1 || static_cast<int64_t>(r.prompt.size()) + r.max_tokens > max_context_)
+    return refuse("the prompt plus max_tokens exceeds the context");
   for (int32_t id : r.prompt)
-    if (id < 0 || id >= vocab_size()) {
-      out.error = fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size());
-      return out;
-    }
+    if (id < 0 || id >= vocab_size())
+      return refuse(fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size()));
   for (const auto& [id, bias] : r.sampling.logit_bias)
-    if (id < 0 || id >= vocab_size()) {
-      out.error = fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size());
-      return out;
-    }
+    if (id < 0 || id >= vocab_size())
+      return refuse(fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
   for (int32_t id : r.stop_token_ids)
-    if (id < 0 || id >= vocab_size()) {
-      out.error = fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size());
-      return out;
-    }
-  if (r.min_tokens < 0 || r.min_tokens > r.max_tokens) {
-    out.error = fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens);
-    return out;
-  }
+    if (id < 0 || id >= vocab_size())
+      return refuse(fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+  if (r.min_tokens < 0 || r.min_tokens > r.max_tokens)
+    return refuse(fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens));
   auto sampler = model::Sampler::create(r.sampling);
-  if (!sampler.ok()) {
-    out.error = sampler.error().what();
-    return out;
-  }
+  if (!sampler.ok()) return refuse(sampler.error().what());
   auto seq = std::make_unique<Seq>();
   seq->sampler.emplace(std::move(sampler).value());
   seq->sampler->observe_prompt(r.prompt);
@@ -206,24 +201,40 @@ Submitted Engine::submit(EngineRequest r) {
   seq->req = std::move(r);
   seq->arrival = Clock::now();
   seq->stream.reset(new RequestStream(wake_, seq->req.listener));
-  out.stream = seq->stream;
+  return seq;
+}
+
+SubmittedGroup Engine::submit_group(std::vector<EngineRequest> requests) {
+  SubmittedGroup out;
+  if (requests.empty()) {
+    out.error = "no requests";
+    return out;
+  }
+  std::vector<std::unique_ptr<Seq>> seqs;
+  for (EngineRequest& r : requests) {
+    seqs.push_back(make_seq(std::move(r), &out.error));
+    if (!seqs.back()) return out;
+  }
+  const auto n = static_cast<int64_t>(seqs.size());
   {
     std::lock_guard<std::mutex> lock(wake_->mu);
     if (stopping_ || failed_.load()) {
-      out.stream.reset();
       out.error = "the engine is not running";
       return out;
     }
-    if (queued_.load() >= options_.max_queue) {
-      out.stream.reset();
+    // All or none: a group that does not fit whole is refused whole, so no part of it runs.
+    if (queued_.load() + n > options_.max_queue) {
       out.queue_full = true;
       ++metrics_.requests_rejected_total;
       return out;
     }
-    seq->id = next_id_++;
-    ++queued_;
+    for (auto& seq : seqs) {
+      seq->id = next_id_++;
+      out.streams.push_back(seq->stream);
+      incoming_.push_back(std::move(seq));
+    }
+    queued_ += n;
     metrics_.queue_depth = queued_.load();
-    incoming_.push_back(std::move(seq));
   }
   wake_->cv.notify_one();
   return out;

@@ -169,6 +169,13 @@ struct Submitted {
   std::string error;  // when refused for another reason (engine stopped, bad request)
 };
 
+// submit_group: every request queued (one stream each, in order), or none.
+struct SubmittedGroup {
+  std::vector<std::shared_ptr<RequestStream>> streams;  // empty when refused
+  bool queue_full = false;
+  std::string error;  // when refused for another reason: the first bad request's, or the engine's
+};
+
 class Engine {
  public:
   // `tokenizer` must outlive the engine. Starts the engine thread.
@@ -178,6 +185,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   Submitted submit(EngineRequest request);
+  // Queues several requests at once (an API request's n choices): all, next to each other in
+  // arrival order, or none of them, when any is malformed or the queue lacks room for all
+  // (queue_full; one rejection counted). Thread-safe.
+  SubmittedGroup submit_group(std::vector<EngineRequest> requests);
   // Reloads the weights from the checkpoint directory `dir` (see the header comment). Blocks until
   // the new weights serve, or returns why not. Thread-safe.
   WeightUpdate update_weights(const std::string& dir);
@@ -207,6 +218,7 @@ class Engine {
   void run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk);
   void on_token(Seq& seq, const float* logits);
   void finish(Seq& seq, const std::string& reason, const std::string& error);
+  std::unique_ptr<Seq> make_seq(EngineRequest request, std::string* error) const;
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
   static StopMatcher::Out match_stops(Seq& seq, std::string_view text);
   void release_kv(Seq& seq);
