@@ -164,7 +164,19 @@ TEST(PrefixCache, RandomStressNeverHandsOutWrongBlocks) {
       s.tokens.assign(stem.begin(), stem.begin() + static_cast<std::ptrdiff_t>(rng() % (stem.size() + 1)));
       for (int i = 0, n = static_cast<int>(rng() % 10) + 1; i < n; ++i) s.tokens.push_back(static_cast<int32_t>(rng() % 3));
       const uint64_t root = BlockAllocator::root_chain(version);
-      const auto m = a.match_prefix(root, std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1), bs, s.table);
+      const auto lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
+      // The engine's walks pass the sequence's memoized chain hashes: the same answer as hashing.
+      std::vector<uint64_t> chains;
+      for (size_t b = 0; (b + 1) * bs <= s.tokens.size(); ++b)
+        chains.push_back(BlockAllocator::chain_hash(b == 0 ? root : chains.back(),
+                                                    std::span<const int32_t>(s.tokens).subspan(b * bs, bs)));
+      const int64_t cached = a.cached_prefix_blocks(root, lookup, bs);
+      ASSERT_EQ(a.cached_prefix_blocks(root, lookup, bs, chains), cached) << "op " << op;
+      std::vector<uint64_t> wrong = chains;  // a bad memo only ends the match early
+      if (!wrong.empty()) wrong[rng() % wrong.size()] ^= 1;
+      ASSERT_LE(a.cached_prefix_blocks(root, lookup, bs, wrong), cached) << "op " << op;
+      const auto m = op % 2 ? a.match_prefix(root, lookup, bs, s.table, chains) : a.match_prefix(root, lookup, bs, s.table);
+      ASSERT_EQ(m.blocks, cached) << "op " << op;
       for (int64_t b = 0; b < m.blocks; ++b) {
         const auto want = std::vector<int32_t>(s.tokens.begin() + b * bs, s.tokens.begin() + (b + 1) * bs);
         ASSERT_EQ(content[static_cast<size_t>(s.table[static_cast<size_t>(b)])], want) << "op " << op;

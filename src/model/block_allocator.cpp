@@ -92,13 +92,14 @@ void BlockAllocator::release(std::vector<int32_t>& table) {
 }
 
 template <typename Visit>
-void BlockAllocator::walk_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size, Visit&& visit) const {
+void BlockAllocator::walk_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size,
+                                 std::span<const uint64_t> chains, Visit&& visit) const {
   if (!prefix_caching_ || index_.empty() || block_size != block_size_) return;
   const size_t bs = static_cast<size_t>(block_size);
   uint64_t chain = root;
   for (size_t i = 0; (i + 1) * bs <= tokens.size(); ++i) {
     const std::span<const int32_t> block_tokens = tokens.subspan(i * bs, bs);
-    const uint64_t h = chain_hash(chain, block_tokens);
+    const uint64_t h = i < chains.size() ? chains[i] : chain_hash(chain, block_tokens);
     auto it = index_.find(h);
     if (it == index_.end()) return;
     const int32_t b = it->second;
@@ -112,11 +113,12 @@ void BlockAllocator::walk_prefix(uint64_t root, std::span<const int32_t> tokens,
 }
 
 BlockAllocator::PrefixMatch BlockAllocator::match_prefix(uint64_t root, std::span<const int32_t> tokens,
-                                                         int block_size, std::vector<int32_t>& table) {
+                                                         int block_size, std::vector<int32_t>& table,
+                                                         std::span<const uint64_t> chains) {
   MOEBIUS_ASSERT(table.empty() && block_size > 0, "match_prefix on a table of {} blocks", table.size());
   PrefixMatch m;
   m.chain = root;
-  walk_prefix(root, tokens, block_size, [&](int32_t b, uint64_t chain) {
+  walk_prefix(root, tokens, block_size, chains, [&](int32_t b, uint64_t chain) {
     if (refs_[static_cast<size_t>(b)]++ == 0) {  // cached, held by no table: no longer evictable
       evictable_.erase(lru_pos_[static_cast<size_t>(b)]);
       lru_pos_[static_cast<size_t>(b)] = evictable_.end();
@@ -128,10 +130,11 @@ BlockAllocator::PrefixMatch BlockAllocator::match_prefix(uint64_t root, std::spa
   return m;
 }
 
-int64_t BlockAllocator::cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size) const {
+int64_t BlockAllocator::cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size,
+                                             std::span<const uint64_t> chains) const {
   MOEBIUS_ASSERT(block_size > 0, "cached_prefix_blocks with block size {}", block_size);
   int64_t n = 0;
-  walk_prefix(root, tokens, block_size, [&](int32_t, uint64_t) { ++n; });
+  walk_prefix(root, tokens, block_size, chains, [&](int32_t, uint64_t) { ++n; });
   return n;
 }
 

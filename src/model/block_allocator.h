@@ -61,11 +61,15 @@ class BlockAllocator {
   };
   // Appends to `table` (empty) the published blocks holding the longest run of whole blocks of
   // `tokens` from its start after chain `root`, each with a new reference. Nothing without prefix
-  // caching.
+  // caching. `chains`, when given, holds the chain hashes of tokens' first blocks after `root`
+  // (chain_hash applied block by block, as a caller that keeps them per sequence has them): the
+  // walk then looks them up instead of hashing every token again. The blocks' tokens and parents
+  // are compared exactly either way, so a wrong hash there only ends the match early.
   PrefixMatch match_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size,
-                           std::vector<int32_t>& table);
+                           std::vector<int32_t>& table, std::span<const uint64_t> chains = {});
   // How many blocks match_prefix would hand out, without taking them.
-  int64_t cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size) const;
+  int64_t cached_prefix_blocks(uint64_t root, std::span<const int32_t> tokens, int block_size,
+                               std::span<const uint64_t> chains = {}) const;
   // Publishes `block` (held by the caller's table, its block_size tokens computed) as `tokens`
   // after chain `parent`, and returns the block's chain hash. When an equal block is already
   // published the index keeps that one and `block` stays private (freed on release). nullopt when
@@ -88,7 +92,8 @@ class BlockAllocator {
   // Walks the published chain of `tokens`' whole blocks after `root`; calls visit(block, chain)
   // for each match, in order.
   template <typename Visit>
-  void walk_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size, Visit&& visit) const;
+  void walk_prefix(uint64_t root, std::span<const int32_t> tokens, int block_size, std::span<const uint64_t> chains,
+                   Visit&& visit) const;
   int32_t take_block();  // a free block, else the least recently released cached one
 
   bool prefix_caching_ = false;

@@ -349,7 +349,7 @@ void Engine::start_from_prefix_cache(Seq& s, int pool) {
   const int bs = runner_->limits().block_size;
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
   const model::BlockAllocator::PrefixMatch m =
-      pools_[static_cast<size_t>(pool)]->match_prefix(s.chain, lookup, bs, s.blocks);
+      pools_[static_cast<size_t>(pool)]->match_prefix(s.chain, lookup, bs, s.blocks, token_chains(s));
   s.chain = m.chain;
   s.chained = m.blocks;
   s.computed = m.blocks * bs;
@@ -528,7 +528,7 @@ bool Engine::prefix_in_flight(Seq& s, const std::unordered_set<uint64_t>& inflig
   int64_t best = -1;
   for (int p = 0; p < static_cast<int>(pools_.size()); ++p) {
     if (!pool_has_room(p)) continue;
-    const int64_t c = pools_[static_cast<size_t>(p)]->cached_prefix_blocks(root, lookup, bs);
+    const int64_t c = pools_[static_cast<size_t>(p)]->cached_prefix_blocks(root, lookup, bs, token_chains(s));
     cached.emplace_back(p, c);
     best = std::max(best, c);
   }
@@ -555,7 +555,7 @@ int Engine::running_on(int pool) const {
 // pools), ordered by the longest cached prefix of its tokens (its
 // own, after a preemption, or a shared prompt's: cache-aware placement), then the fewest running
 // sequences, then the most free blocks, then the lowest pool.
-std::vector<int> Engine::admission_order(const Seq& s) const {
+std::vector<int> Engine::admission_order(Seq& s) const {
   const RunnerLimits& l = runner_->limits();
   struct Option {
     int pool;
@@ -570,8 +570,8 @@ std::vector<int> Engine::admission_order(const Seq& s) const {
     if (!pool_has_room(p)) continue;
     const int running = running_on(p);
     const model::BlockAllocator& a = *pools_[static_cast<size_t>(p)];
-    options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size) : 0, running,
-                       a.num_free()});
+    options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size, token_chains(s)) : 0,
+                       running, a.num_free()});
   }
   std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) {
     if (a.cached_blocks != b.cached_blocks) return a.cached_blocks > b.cached_blocks;

@@ -223,9 +223,10 @@ class Engine {
   static StopMatcher::Out match_stops(Seq& seq, std::string_view text);
   void release_kv(Seq& seq);
   void start_from_prefix_cache(Seq& seq, int pool);
-  std::vector<int> admission_order(const Seq& seq) const;
+  std::vector<int> admission_order(Seq& seq) const;  // non-const: token_chains() memoizes
   // [TAG_PREFIX_CACHE_INFLIGHT] The chain hashes of seq's whole token blocks under the current
-  // weights (kept on the sequence, extended as it grows).
+  // weights (kept on the sequence, extended as it grows). The prefix-cache walks of admission
+  // and of the in-flight wait look them up instead of hashing the prompt again every step.
   const std::vector<uint64_t>& token_chains(Seq& seq) const;
   // Whether a waiting sequence should wait a step: the block after its longest cached prefix is
   // one a running sequence is computing now (in `inflight`), so it will be cached soon.
