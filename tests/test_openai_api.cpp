@@ -414,6 +414,60 @@ TEST(OpenAiApi, SeveralChoices) {
   EXPECT_EQ(r.n, 128);
 }
 
+// Fields that would change the answer's meaning and that the server does not implement are 400s
+// naming them (code unsupported_parameter); their neutral values and meaningless fields pass.
+TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
+  const std::vector<std::pair<std::string, json>> refused_both = {
+      {"best_of", 3},
+      {"response_format", {{"type", "json_object"}}},
+      {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", json::object()}}}}},
+      {"response_format", "text"},
+      {"structured_outputs", {{"json", json::object()}}},
+      {"guided_json", json::object()},
+      {"guided_regex", "[a-z]+"},
+      {"guided_choice", {"yes", "no"}},
+      {"guided_grammar", "root ::= \"a\""},
+      {"prompt_logprobs", 0},
+      {"use_beam_search", true},
+      {"skip_special_tokens", false},
+  };
+  for (const auto& [key, value] : refused_both) {
+    SCOPED_TRACE(key + " = " + value.dump());
+    json c = chat_body(), p = completion_body();
+    c[key] = value;
+    p[key] = value;
+    expect_400(chat(c), key, "unsupported_parameter");
+    expect_400(completion(p), key, "unsupported_parameter");
+  }
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{{"echo", true}, {"suffix", "end"}}) {
+    SCOPED_TRACE(key);
+    json p = completion_body();
+    p[key] = value;
+    expect_400(completion(p), key, "unsupported_parameter");
+  }
+  // Neutral values, nulls and fields without meaning here are accepted.
+  const std::vector<std::pair<std::string, json>> accepted = {
+      {"best_of", 1},          {"response_format", {{"type", "text"}}}, {"guided_json", nullptr},
+      {"use_beam_search", false}, {"skip_special_tokens", true},       {"echo", false},
+      {"suffix", ""},          {"user", "someone"},                     {"metadata", {{"k", "v"}}},
+  };
+  for (const auto& [key, value] : accepted) {
+    SCOPED_TRACE(key + " = " + value.dump());
+    json p = completion_body();
+    p[key] = value;
+    EXPECT_FALSE(completion(p).has_value());
+  }
+  json both = completion_body();
+  both["n"] = 2;
+  both["best_of"] = 2;
+  EXPECT_FALSE(completion(both).has_value());
+  both["best_of"] = 1;
+  expect_400(completion(both), "best_of", "unsupported_parameter");
+  json chat_echo = chat_body();
+  chat_echo["echo"] = true;  // vLLM's chat echo (the last message prepended) is not supported either
+  expect_400(chat(chat_echo), "echo", "unsupported_parameter");
+}
+
 TEST(OpenAiApi, StopTokenIdsAndMinTokens) {
   GenerationRequest r;
   json b = completion_body();

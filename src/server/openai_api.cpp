@@ -437,6 +437,59 @@ std::optional<ApiError> read_sampling(const json& body, GenerationRequest* out) 
   return read_logit_bias(body, out);
 }
 
+// Fields that change what a response means and that this server does not implement. Ignoring
+// them would answer a different question than the one asked (JSON mode answered with free text,
+// an echo without the prompt), so a request that sets one to anything but its neutral value gets
+// a 400 naming it. Fields with no effect on the answer (user, metadata, ...) are ignored, as
+// vLLM ignores unknown fields.
+struct UnsupportedField {
+  const char* key;
+  bool completions_only;
+  bool (*neutral)(const json& value, const json& body);  // the value asks for nothing we lack
+  const char* why;
+};
+
+bool is_false(const json& v, const json&) { return v.is_boolean() && !v.get<bool>(); }
+bool is_true(const json& v, const json&) { return v.is_boolean() && v.get<bool>(); }
+bool never(const json&, const json&) { return false; }
+
+const UnsupportedField kUnsupportedFields[] = {
+    {"echo", false, is_false,
+     "'echo' is not supported: the server does not compute the prompt's logprobs (moebius eval logprobs "
+     "scores a text teacher-forced)"},
+    {"suffix", true, [](const json& v, const json&) { return v.is_string() && v.get_ref<const std::string&>().empty(); },
+     "'suffix' (insertion) is not supported"},
+    {"best_of", false,
+     [](const json& v, const json& body) {
+       const json* n = field(body, "n");
+       return v.is_number() && v.get<double>() == (n != nullptr && n->is_number() ? n->get<double>() : 1.0);
+     },
+     "'best_of' other than n is not supported: every sampled sequence is returned"},
+    {"response_format", false,
+     [](const json& v, const json&) { return v.is_object() && v.value("type", json()) == "text"; },
+     "'response_format' other than {\"type\": \"text\"} needs guided decoding, which this server does not have"},
+    {"structured_outputs", false, never, "structured outputs need guided decoding, which this server does not have"},
+    {"guided_json", false, never, "guided decoding is not supported"},
+    {"guided_regex", false, never, "guided decoding is not supported"},
+    {"guided_choice", false, never, "guided decoding is not supported"},
+    {"guided_grammar", false, never, "guided decoding is not supported"},
+    {"prompt_logprobs", false, never,
+     "'prompt_logprobs' is not supported: the server does not compute the prompt's logprobs (moebius eval "
+     "logprobs scores a text teacher-forced)"},
+    {"use_beam_search", false, is_false, "beam search is not supported"},
+    {"skip_special_tokens", false, is_true, "special tokens are always left out of the text ('skip_special_tokens' "
+                                            "must be true)"},
+};
+
+std::optional<ApiError> refuse_unsupported(Endpoint endpoint, const json& body) {
+  for (const UnsupportedField& f : kUnsupportedFields) {
+    if (f.completions_only && endpoint != Endpoint::kCompletion) continue;
+    const json* v = field(body, f.key);
+    if (v != nullptr && !f.neutral(*v, body)) return invalid_request(f.why, f.key, "unsupported_parameter");
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::string ApiError::to_json() const {
@@ -559,6 +612,7 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   if (std::find(limits.model_names.begin(), limits.model_names.end(), r.model) == limits.model_names.end())
     return model_not_found(r.model);
 
+  if (auto e = refuse_unsupported(endpoint, doc)) return e;
   if (endpoint == Endpoint::kChat) {
     if (auto e = read_messages(doc, limits, &r)) return e;
     if (auto e = read_tools(doc, limits, &r)) return e;
