@@ -124,7 +124,7 @@ MoeTuneKey qwen3_30b_key() {
 
 TEST(MoeTuneKey, TextFormIsStable) {
   // The cache files depend on this text: changing it orphans every stored winner.
-  EXPECT_EQ(qwen3_30b_key().str(), "moe.v3 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
+  EXPECT_EQ(qwen3_30b_key().str(), "moe.v4 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
 }
 
 TEST(MoeTuneKey, EveryFieldChangesTheText) {
@@ -180,6 +180,17 @@ TEST(MoeTuneChoice, RoundTripsThroughJsonAndValidates) {
   auto old_back = MoeTuneChoice::from_json(old);
   ASSERT_TRUE(old_back.ok()) << old_back.error().what();
   EXPECT_EQ(old_back->winner.rows_per_block, 0);
+  // split_k_warps likewise: 4 or 8, optional (older entries ran 4).
+  MoeTuneChoice wide = c;
+  wide.winner = {"decode", 8, true, 4, 8};
+  auto wide_back = MoeTuneChoice::from_json(json::parse(wide.to_json().dump()));
+  ASSERT_TRUE(wide_back.ok()) << wide_back.error().what();
+  EXPECT_EQ(wide_back->winner.split_k_warps, 8);
+  EXPECT_EQ(wide.winner.str(), "decode bm=8 fused rows=4 warps=8");
+  old["winner"].erase("split_k_warps");
+  auto older = MoeTuneChoice::from_json(old);
+  ASSERT_TRUE(older.ok()) << older.error().what();
+  EXPECT_EQ(older->winner.split_k_warps, 4);
 
   auto bad = [&](const std::function<void(json&)>& edit) {
     json j = c.to_json();
@@ -193,6 +204,8 @@ TEST(MoeTuneChoice, RoundTripsThroughJsonAndValidates) {
   EXPECT_EQ(bad([](json& j) { j["heuristic"]["fuse_routing"] = 1; }).error().field(), "heuristic.fuse_routing");
   EXPECT_EQ(bad([](json& j) { j["winner"]["rows_per_block"] = -1; }).error().field(), "winner.rows_per_block");
   EXPECT_EQ(bad([](json& j) { j["winner"]["rows_per_block"] = "4"; }).error().field(), "winner.rows_per_block");
+  EXPECT_EQ(bad([](json& j) { j["winner"]["split_k_warps"] = 6; }).error().field(), "winner.split_k_warps");
+  EXPECT_EQ(bad([](json& j) { j["heuristic"]["split_k_warps"] = "8"; }).error().field(), "heuristic.split_k_warps");
   EXPECT_EQ(bad([](json& j) { j["winner_us"] = -1.0; }).error().field(), "winner_us");
   EXPECT_EQ(bad([](json& j) { j["heuristic_us"] = "fast"; }).error().field(), "heuristic_us");
   EXPECT_FALSE(MoeTuneChoice::from_json(json::array()).ok());

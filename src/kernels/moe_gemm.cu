@@ -73,12 +73,12 @@ __device__ __forceinline__ void load_b(const __nv_bfloat16* row, int k0, int t, 
 // memory (one round trip for the whole tile instead of one L1/L2 round trip per k-step, which ncu
 // showed on the critical path). stage_stride = padded K + 8 elements: the 8 rows of a B fragment
 // load land 4 banks apart. Commits one cp.async group; the caller waits and syncs.
-template <int KC>
+template <int KC, int W = kWarps>
 __device__ __forceinline__ void stage_activations(const GemmKernelArgs& args, const __nv_bfloat16* const* s_row_src,
                                                   __nv_bfloat16* s_act, int warp, int lane) {
   const MoeGemmDims& d = args.dims;
   const int pieces = d.chunks * (KC / 8);  // 16-byte pieces per padded row
-  for (int r = warp; r < args.stage_rows; r += kWarps) {
+  for (int r = warp; r < args.stage_rows; r += W) {
     const __nv_bfloat16* src = s_row_src[r];
     const uint32_t dst = smem_u32(s_act + static_cast<int64_t>(r) * args.stage_stride);
     for (int p = lane; p < pieces; p += 32) {
@@ -376,8 +376,16 @@ bool gemm2_wide_occupancy(int grid_tiles) {
 // sit at compile-time k-steps where every warp's P chunks are whole groups (Qwen3-30B-A3B's int4
 // and int2 GEMM1), and are tested at chunk starts only otherwise (int4 GEMM2, 3 chunks a warp);
 // 0: found at run time from a GroupStarts window ([TAG_INT_GROUP_STARTS]).
-template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, int kGroupK = 0, int kMinBlocks = 3>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
+//
+// W: warps splitting K ([TAG_DECODE_SPLIT_K]): 4, or 8 for GEMM1 where each of 8 warps has exactly
+// P = 4 chunks (MoeTiles::split_k_warps). At T = 1 GEMM1 is bound by its warps' issue latency at
+// 3 warps per scheduler (docs/PERF.md runs U6, U8: 0.35 instructions a cycle, DRAM 31%); 8 warps
+// of half the K range each put 4 warps on a scheduler at 2 blocks per SM, with half the dependent
+// instruction chain per warp and the same bytes per row tile in flight. Another reduction order
+// (8 partials), so not bit-identical to W = 4; run to run it is.
+template <MoeWeightFormat F, Epilogue EPI, int P, bool kExact, int kGroupK = 0, int kMinBlocks = 3, int W = kWarps>
+__global__ void __launch_bounds__(W * 32, kMinBlocks) moe_gemm_rows_kernel(const GemmKernelArgs args, int rows_per_block) {
+  constexpr int kBlockSize = W * 32;
   constexpr int KC = kChunkK<F>;
   constexpr bool kIsIntF = kIsInt<F>;
   static_assert(kGroupK == 0 || (kIsIntF && kExact && kGroupK % 16 == 0), "a compile-time group size: exact int instances");
@@ -391,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(con
   const int rt_begin = blockIdx.x * rows_per_block;
   const int rt_end = min(rt_begin + rows_per_block, d.row_tiles);
 
-  __shared__ float partial[2][kWarps][32][4];  // double-buffered by row-tile parity: one sync per tile
+  __shared__ float partial[2][W][32][4];  // double-buffered by row-tile parity: one sync per tile
   __shared__ const __nv_bfloat16* s_row_src[8];
   __shared__ int s_pair[8];
   extern __shared__ __align__(16) unsigned char s_dyn[];
@@ -399,8 +407,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(con
   // Int formats: the group scales of all this block's row tiles, [tiles][groups][16] fp16 (the
   // tile layout stores consecutive row tiles' scales contiguously).
   const __half* s_group_scales = reinterpret_cast<const __half*>(s_dyn + args.group_scale_offset);
-  const int c_begin = kExact ? warp * P : (d.chunks * warp) / kWarps;
-  const int c_end = kExact ? c_begin + P : (d.chunks * (warp + 1)) / kWarps;
+  const int c_begin = kExact ? warp * P : (d.chunks * warp) / W;
+  const int c_end = kExact ? c_begin + P : (d.chunks * (warp + 1)) / W;
   ExpertMatrixPtrs ptrs;
   uint4 wa[P], wb[P];
   uint2 sa[P], sb[P];
@@ -426,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(con
       const int bytes = (rt_end - rt_begin) * d.groups * 32;
       const char* src = static_cast<const char*>(ptrs.scales) + static_cast<int64_t>(rt_begin) * d.groups * 32;
       const uint32_t dst = smem_u32(s_dyn + args.group_scale_offset);
-      for (int off = threadIdx.x * 4; off < bytes; off += kThreads * 4) cp_async4(dst + off, src + off);
+      for (int off = threadIdx.x * 4; off < bytes; off += kBlockSize * 4) cp_async4(dst + off, src + off);
       cp_async_commit();
     }
     return true;
@@ -451,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(con
       s_row_src[threadIdx.x] = pair < 0 ? nullptr : args.act_in + row * static_cast<int64_t>(args.in_stride);
   }
   __syncthreads();  // s_row_src, s_pair
-  stage_activations<KC>(args, s_row_src, s_act, warp, lane);
+  stage_activations<KC, W>(args, s_row_src, s_act, warp, lane);
   cp_async_wait<0>();  // the activations (and the int group scales)
   __syncthreads();
   const int r = g < args.stage_rows ? g : 0;  // padding rows read row 0 (see moe_gemm_kernel)
@@ -524,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) moe_gemm_rows_kernel(con
       const int j = warp;
       float lo = 0.0f, hi = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < W; ++w) {
         lo += partial[buf][w][lane][j];
         hi += partial[buf][w][lane][2 + j];
       }
@@ -573,6 +581,16 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
   return blocks <= 2 * wave ? 2 : blocks <= 16 * 1024 ? 4 : 8;
 }
 
+// Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none: the
+// fewest that fit the grid in one wave of its 2 blocks per SM (Qwen3-30B-A3B at T = 1: 768 row
+// tiles -> 4 a block, 192 blocks on 264 slots). Not measured: the autotuner sweeps it.
+int split_k_rows_per_block(int row_tiles, int grid_tiles) {
+  const int64_t wave = 2LL * current_device_sm_count();
+  for (int rows = 1; rows < 8; rows *= 2)
+    if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
+  return 8;
+}
+
 template <MoeWeightFormat F, Epilogue EPI>
 void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
@@ -591,6 +609,26 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   args.group_scale_offset = static_cast<int>(act_bytes);
   const size_t dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
   MOEBIUS_LAUNCH_ASSERT(dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
+  // [TAG_DECODE_SPLIT_K] GEMM1 with 8 warps splitting K, when asked for and where it applies.
+  if constexpr (EPI == Epilogue::kGateUp && (F == MoeWeightFormat::kNvFp4 || F == MoeWeightFormat::kInt4)) {
+    if (nt == 1 && stage && args.tiles.split_k_warps == kSplitKWarpsWide &&
+        moe_gemm_gate_up_split_k_applies(F, args.dims.chunks)) {
+      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
+                                                     : split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles);
+      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
+      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
+      auto go_wide = [&](auto kernel) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        launch_pdl(kernel, rows_grid, dim3(kSplitKWarpsWide * 32), smem, stream, args, rows);
+      };
+      constexpr int P = kSplitKChunksPerWarp;
+      if constexpr (kIsInt<F>) {
+        if (args.dims.group_size == 128) return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 128, 2, kSplitKWarpsWide>);
+      }
+      return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>);
+    }
+  }
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
   constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
   const int rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
@@ -674,6 +712,11 @@ void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& ti
 }
 
 }  // namespace
+
+bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks) {
+  return (format == MoeWeightFormat::kNvFp4 || format == MoeWeightFormat::kInt4) &&
+         chunks == kSplitKWarpsWide * kSplitKChunksPerWarp;
+}
 
 void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                              const MoeTiles& tiles, const __nv_bfloat16* x, int x_stride,

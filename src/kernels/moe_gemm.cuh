@@ -60,6 +60,10 @@ struct MoeTiles {
   // ([TAG_DECODE_ROW_TILES]); 0 = the launcher's heuristic. Ignored where the row-tile kernel does
   // not apply (larger token tiles, unstaged activations, a warp's K range over one load batch).
   int rows_per_block = 0;
+  // [TAG_DECODE_SPLIT_K] Warps splitting K in the decode GEMM1 with one token tile: 0 or 4 (the
+  // default), or kSplitKWarpsWide where moe_gemm_gate_up_split_k_applies (elsewhere it runs as 4).
+  // 8 warps reduce their partials in another order than 4: close, not bit-identical.
+  int split_k_warps = 0;
   // wgmma prefill kernel: two zeroed ints of device memory for its dynamic work-item schedule
   // (moe_gemm_wgmma.cu; the kernel leaves them zeroed again), or null for the static schedule.
   // One pair per launch in flight: launches that may overlap need their own pairs.
@@ -74,6 +78,13 @@ struct MoeActivationParams {
 };
 
 enum class MoeCombineMode : uint8_t { kStore, kAtomic };
+
+// [TAG_DECODE_SPLIT_K] The wide split of the decode GEMM1: 8 warps of exactly 4 chunks each
+// (K = 2048 for nvfp4 and int4, Qwen3-30B-A3B's hidden size), with one token tile and staged
+// activations (checked at launch; otherwise the 4-warp kernels run).
+inline constexpr int kSplitKWarpsWide = 8;
+inline constexpr int kSplitKChunksPerWarp = 4;
+bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks);
 
 // x: [T, x_stride] bf16 (16-byte aligned rows not required). h: [max_padded, h_stride] bf16.
 void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,

@@ -383,6 +383,25 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   const int rpb = opt.decode_rows_per_block;
   if (rpb != 0 && rpb != 1 && rpb != 2 && rpb != 4 && rpb != 8)
     return Error::format("decode rows per block must be 0 (heuristic), 1, 2, 4 or 8; got {}", rpb);
+  // [TAG_DECODE_SPLIT_K] What the decode GEMM1 launcher will run: the wide split needs one token
+  // tile and K in exactly 8 x 4 chunks (the launcher also needs the activations staged, which
+  // holds for the layer's own aligned x buffers at these sizes).
+  int want_split = opt.decode_split_k_warps;
+  if (want_split != 0 && want_split != 4 && want_split != kernels::kSplitKWarpsWide)
+    return Error::format("decode split-K warps must be 0 (default), 4 or {}; got {}", kernels::kSplitKWarpsWide,
+                         want_split);
+  if (want_split == 0) {
+    const char* env = std::getenv("MOEBIUS_DECODE_SPLIT_K_WARPS");
+    if (env != nullptr && *env != '\0') {
+      const std::string v(env);
+      if (v != "4" && v != "8") return Error::format("MOEBIUS_DECODE_SPLIT_K_WARPS must be 4 or 8, got '{}'", v);
+      want_split = std::stoi(v);
+    }
+  }
+  split_k_warps_ = want_split == kernels::kSplitKWarpsWide && path_ == MoeGemmPath::kDecode && block_m_ == 8 &&
+                           kernels::moe_gemm_gate_up_split_k_applies(kf, dims13_.chunks)
+                       ? kernels::kSplitKWarpsWide
+                       : 4;
   max_padded_ = kernels::moe_align_max_padded(cap, k, E, block_m_);
   max_tiles_ = kernels::moe_align_max_tiles(cap, k, E, block_m_);
   // The GEMM grid covers the live-tile bound, and never more entries than tile_expert holds.
@@ -717,6 +736,7 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
   tiles.top_k = k;
   tiles.max_tile_rows = std::min(block_m_, cap);
   tiles.rows_per_block = opt_.decode_rows_per_block;
+  tiles.split_k_warps = split_k_warps_;  // GEMM1 only ([TAG_DECODE_SPLIT_K])
   const kernels::MoeWeightFormat f = to_kernel(format_);
   const bool store = opt_.combine == kernels::MoeCombineMode::kStore;
   // All paths take the same arguments; pick the launcher pair once.

@@ -117,6 +117,11 @@ struct MoeCudaOptions {
   // Decode GEMMs with one token tile: 16-row weight tiles per block, 1, 2, 4 or 8; 0 = the
   // kernel's heuristic (kernels::MoeTiles::rows_per_block, [TAG_DECODE_ROW_TILES]).
   int decode_rows_per_block = 0;
+  // [TAG_DECODE_SPLIT_K] Warps splitting K in the decode GEMM1 with one token tile: 0 (the
+  // default, 4) or 8 where kernels::moe_gemm_gate_up_split_k_applies (decode_split_k_warps()
+  // reports what the layer runs). MOEBIUS_DECODE_SPLIT_K_WARPS=4|8 overrides a 0 in every layer
+  // (an experiment knob for whole-model runs).
+  int decode_split_k_warps = 0;
   // Layers given the same pool share one workspace when their layouts match (one geometry and
   // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
   std::shared_ptr<MoeWorkspacePool> workspace_pool;
@@ -198,6 +203,8 @@ class MoeLayerCuda {
   int group_size() const { return dims13_.group_size; }  // int formats: K elements per scale
   const kernels::MoeActivationParams& activation() const { return act_; }
   int block_m() const { return block_m_; }
+  // The decode GEMM1's warps splitting K as resolved: 4, or 8 ([TAG_DECODE_SPLIT_K]).
+  int decode_split_k_warps() const { return split_k_warps_; }
   // The path the GEMM stages run (kDecode, kPrefill or kPrefillWgmma; kAuto is resolved at creation).
   MoeGemmPath gemm_path() const { return path_; }
   // Routing of the last forward, [capacity, k] (device).
@@ -279,6 +286,7 @@ class MoeLayerCuda {
   KernelFormat format_ = KernelFormat::kBF16;
   MoeCudaOptions opt_;
   int block_m_ = 8;
+  int split_k_warps_ = 4;
   bool fused_routing_ = false;
   bool fused_experts_ = false;
   MoeGemmPath path_ = MoeGemmPath::kDecode;

@@ -48,6 +48,20 @@ std::vector<int> rows_candidates(moe::MoeGemmPath path, int block_m) {
   return {0};
 }
 
+// [TAG_DECODE_SPLIT_K] Warps splitting the decode GEMM1's K (a layer where the wide split does not
+// apply resolves 8 to 4, and the duplicate is skipped).
+std::vector<int> split_k_candidates(moe::MoeGemmPath path, int block_m) {
+  if (path == moe::MoeGemmPath::kDecode && block_m == 8) return {4, kernels::kSplitKWarpsWide};
+  return {4};
+}
+
+std::vector<std::pair<int, int>> grid_of(const std::vector<int>& a, const std::vector<int>& b) {
+  std::vector<std::pair<int, int>> out;
+  for (int x : a)
+    for (int y : b) out.emplace_back(x, y);
+  return out;
+}
+
 // A candidate that is this many times slower than the best so far after one timing is dropped.
 constexpr double kAbandonFactor = 3.0;
 // Bytes of random inputs the timing rotates through (at most kMaxInputs inputs).
@@ -234,7 +248,7 @@ MoeTuneKey MoeAutotuner::key_for(const moe::MoeLayerCuda& layer, int bucket, ker
 
 MoeTuneConfig MoeAutotuner::config_of(const moe::MoeLayerCuda& layer) {
   return MoeTuneConfig{moe::moe_gemm_path_name(layer.gemm_path()), layer.block_m(), layer.fused_routing(),
-                       layer.options().decode_rows_per_block};
+                       layer.options().decode_rows_per_block, layer.decode_split_k_warps()};
 }
 
 Result<moe::MoeCudaOptions> MoeAutotuner::options_for(const MoeTuneConfig& config, int capacity,
@@ -245,6 +259,7 @@ Result<moe::MoeCudaOptions> MoeAutotuner::options_for(const MoeTuneConfig& confi
   o.block_m = config.block_m;
   o.fuse_routing = config.fuse_routing;
   o.decode_rows_per_block = config.rows_per_block;
+  o.decode_split_k_warps = config.split_k_warps;
   bool found = false;
   for (const PathCandidates& p : tuned_paths())
     if (config.gemm_path == moe::moe_gemm_path_name(p.path)) {
@@ -344,9 +359,9 @@ Result<MoeTuneResult> MoeAutotuner::tune_now(const moe::MoeLayerCuda& layer, con
   for (const PathCandidates& p : tuned_paths()) {
     for (int bm : p.block_m) {
       for (bool fuse : {true, false}) {
-        for (int rows : rows_candidates(p.path, bm)) {
+        for (const auto& [rows, warps] : grid_of(rows_candidates(p.path, bm), split_k_candidates(p.path, bm))) {
           if (!ref_finite) continue;
-          const MoeTuneConfig want{moe::moe_gemm_path_name(p.path), bm, fuse, rows};
+          const MoeTuneConfig want{moe::moe_gemm_path_name(p.path), bm, fuse, rows, warps};
           MOEBIUS_ASSIGN_OR_RETURN(moe::MoeCudaOptions o, options_for(want, T, combine));
           auto cand = layer.share_weights(o);
           if (!cand.ok()) {  // a configuration this format or capacity does not run

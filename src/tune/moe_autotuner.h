@@ -5,7 +5,11 @@
 //
 // Key (moe_tune_key.h): H, I, E, k, expert format and group size, activation, combine mode,
 // capacity bucket. Candidates: the GEMM path (decode, prefill) x tokens per tile (decode 8, 16,
-// 32, 64; prefill 64, 128) x fused routing on/off; configurations the layer refuses (prefill
+// 32, 64; prefill 64, 128) x fused routing on/off, and for decode with 8-token tiles the row
+// tiles per block (heuristic, 1, 2, 4, 8) x the warps splitting GEMM1's K (4, 8:
+// [TAG_DECODE_SPLIT_K]); the wgmma kernels' pipeline depth is not a candidate: it is the most
+// stages that fit shared memory, one persistent block per SM, where fewer stages only hide less
+// latency. Configurations the layer refuses (prefill
 // 128-token tiles for the int formats, fused routing past 16 tokens) and ones that resolve to a
 // configuration already seen are skipped.
 //

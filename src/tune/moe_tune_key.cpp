@@ -12,8 +12,9 @@ std::string MoeTuneKey::str() const {
 }
 
 std::string MoeTuneConfig::str() const {
-  return fmt::format("{} bm={}{}{}", gemm_path, block_m, fuse_routing ? " fused" : "",
-                     rows_per_block ? fmt::format(" rows={}", rows_per_block) : "");
+  return fmt::format("{} bm={}{}{}{}", gemm_path, block_m, fuse_routing ? " fused" : "",
+                     rows_per_block ? fmt::format(" rows={}", rows_per_block) : "",
+                     split_k_warps != 4 ? fmt::format(" warps={}", split_k_warps) : "");
 }
 
 namespace {
@@ -22,7 +23,8 @@ json config_json(const MoeTuneConfig& c) {
   return json{{"gemm_path", c.gemm_path},
               {"block_m", c.block_m},
               {"fuse_routing", c.fuse_routing},
-              {"rows_per_block", c.rows_per_block}};
+              {"rows_per_block", c.rows_per_block},
+              {"split_k_warps", c.split_k_warps}};
 }
 
 Result<MoeTuneConfig> config_from(const json& j, const char* field) {
@@ -42,6 +44,13 @@ Result<MoeTuneConfig> config_from(const json& j, const char* field) {
     if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() > 64)
       return Error("not an integer in [0, 64]").in_field(std::string(field) + ".rows_per_block");
     out.rows_per_block = r.get<int>();
+  }
+  // Optional: entries written before the knob existed ran 4 warps.
+  if (c.contains("split_k_warps")) {
+    const json& w = c["split_k_warps"];
+    if (!w.is_number_integer() || (w.get<int64_t>() != 4 && w.get<int64_t>() != 8))
+      return Error("not 4 or 8").in_field(std::string(field) + ".split_k_warps");
+    out.split_k_warps = w.get<int>();
   }
   out.gemm_path = c["gemm_path"].get<std::string>();
   out.block_m = c["block_m"].get<int>();

@@ -3,12 +3,13 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v3 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v3" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v4 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v4" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
-// routing), with the measured time of the winner and of the heuristic's choice.
+// routing, decode rows per block and split-K warps), with the measured time of the winner and of
+// the heuristic's choice.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,8 @@ namespace moebius::tune {
 // 2: decode rows per block joined the candidates. 3: the int formats run the wgmma kernels at
 // block_m 128 too, with the group scale folded into the weight (other numerics than a v2 wgmma
 // winner measured), and the heuristic the winners are timed against changed (session 14).
-inline constexpr int kMoeTuneKeyVersion = 3;
+// 4: the decode GEMM1's split-K warps joined the candidates ([TAG_DECODE_SPLIT_K]).
+inline constexpr int kMoeTuneKeyVersion = 4;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
@@ -48,8 +50,10 @@ struct MoeTuneConfig {
   // MoeCudaOptions::decode_rows_per_block: 0 is the kernel's own heuristic (it differs between
   // GEMM1 and GEMM2), not "unresolved".
   int rows_per_block = 0;
+  // MoeCudaOptions::decode_split_k_warps as the layer resolved it: 4 (the default), or 8.
+  int split_k_warps = 4;
 
-  std::string str() const;  // "decode bm=8 fused", "decode bm=8 rows=4"
+  std::string str() const;  // "decode bm=8 fused", "decode bm=8 rows=4", "decode bm=8 rows=4 warps=8"
   bool operator==(const MoeTuneConfig&) const = default;
 };
 

@@ -216,6 +216,92 @@ TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
   }
 }
 
+// [TAG_DECODE_SPLIT_K] The decode GEMM1 with 8 warps splitting K (MoeCudaOptions::decode_split_k_warps
+// = 8) where it applies (nvfp4 and int4 at K = 2048, one token tile): against the oracle for every
+// rows-per-block value, token counts 1-64 and both int4 group instances (128: compile-time group
+// starts; 32: found at run time), bit-identical run to run, and close to the 4-warp kernel at the
+// Qwen3-30B-A3B geometry. Elsewhere the layer resolves it to 4 (and runs the 4-warp kernels);
+// values other than 0, 4 and 8 are refused.
+TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
+  MOEBIUS_REQUIRE_GPU();
+  struct Case {
+    WeightFormat f;
+    int group;
+  };
+  for (const Case& c : {Case{WeightFormat::kNvFp4, 16}, Case{WeightFormat::kInt4, 128}, Case{WeightFormat::kInt4, 32}}) {
+    const Geometry g{2048, 256, 16, 4};  // K = 2048: 32 chunks, 4 per warp; a small E keeps the oracle quick
+    const cpu::MoeLayerReference L = make_layer(c.f, g, c.group, 43);
+    for (int64_t T : {1, 2, 3, 8, 64}) {
+      const auto x = random_x(T, g.H, 70 + T);
+      for (int rows : {0, 1, 2, 4, 8}) {
+        MoeCudaOptions opt;
+        opt.capacity = static_cast<int>(T);
+        opt.gemm_path = MoeGemmPath::kDecode;
+        opt.block_m = 8;
+        opt.decode_rows_per_block = rows;
+        opt.decode_split_k_warps = 8;
+        auto layer = MoeLayerCuda::create(L, opt);
+        ASSERT_TRUE(layer.ok()) << layer.error().what();
+        ASSERT_EQ((*layer)->decode_split_k_warps(), 8);
+        const std::string label = fmt::format("{} g={} T={} rows={} warps=8", weight_format_name(c.f), c.group, T, rows);
+        const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
+        EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2)) << label << ": not bit-identical run to run";
+        expect_matches_oracle(L, x, T, a.ids, a.weights, a.out, label);
+      }
+    }
+  }
+  {
+    // The Qwen3-30B-A3B geometry: 8 warps against 4 on the same routing (the oracle over 128
+    // experts at H = 2048 costs a minute; the small geometry above checks it).
+    const Geometry g{2048, 768, 128, 8};
+    const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 16, 44);
+    for (int64_t T : {1, 8}) {
+      const auto x = random_x(T, g.H, 90 + T);
+      MoeCudaOptions opt;
+      opt.capacity = static_cast<int>(T);
+      opt.gemm_path = MoeGemmPath::kDecode;
+      opt.block_m = 8;
+      auto four = MoeLayerCuda::create(L, opt);
+      opt.decode_split_k_warps = 8;
+      auto eight = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(four.ok() && eight.ok());
+      ASSERT_EQ((*four)->decode_split_k_warps(), 4);
+      ASSERT_EQ((*eight)->decode_split_k_warps(), 8);
+      const LayerRun r4 = run_gpu(**four, x, T), r8 = run_gpu(**eight, x, T);
+      ASSERT_EQ(r4.ids, r8.ids);
+      expect_close_to(to_float(r4.out), r8.out, fmt::format("qwen3-30b nvfp4 T={} warps=8 vs 4", T));
+    }
+  }
+  // Where it does not apply the layer runs (and reports) 4 warps.
+  const Geometry small{256, 128, 16, 4};
+  for (WeightFormat f : {WeightFormat::kInt2, WeightFormat::kBF16, WeightFormat::kNvFp4}) {
+    const cpu::MoeLayerReference L = make_layer(f, f == WeightFormat::kBF16 ? Geometry{2048, 128, 16, 4} : small,
+                                                f == WeightFormat::kNvFp4 ? 16 : 32, 45);
+    MoeCudaOptions opt;
+    opt.gemm_path = MoeGemmPath::kDecode;
+    opt.decode_split_k_warps = 8;
+    auto layer = MoeLayerCuda::create(L, opt);
+    ASSERT_TRUE(layer.ok()) << layer.error().what();
+    EXPECT_EQ((*layer)->decode_split_k_warps(), 4) << weight_format_name(f);
+  }
+  const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, Geometry{2048, 128, 16, 4}, 16, 46);
+  {
+    MoeCudaOptions opt;
+    opt.capacity = 256;
+    opt.block_m = 32;  // more than one token tile
+    opt.gemm_path = MoeGemmPath::kDecode;
+    opt.decode_split_k_warps = 8;
+    auto layer = MoeLayerCuda::create(L, opt);
+    ASSERT_TRUE(layer.ok()) << layer.error().what();
+    EXPECT_EQ((*layer)->decode_split_k_warps(), 4);
+  }
+  for (int bad : {-1, 2, 16}) {
+    MoeCudaOptions opt;
+    opt.decode_split_k_warps = bad;
+    EXPECT_FALSE(MoeLayerCuda::create(L, opt).ok()) << "split-K warps " << bad;
+  }
+}
+
 // The automatic choice takes the prefill kernels for many tokens per expert (wgmma where the
 // build and the device have it), with 128-token tiles for bf16 (and every format on wgmma);
 // explicit 128-token tiles on the mma.sync prefill kernel also run nvfp4, and are refused for the
