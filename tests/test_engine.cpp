@@ -40,8 +40,9 @@ std::vector<int32_t> reference_ids(const std::vector<int32_t>& prompt, int max_t
   return stats->generated;
 }
 
-std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
-                                    int max_queue = 256, int ep = 1) {
+// The tiny fixture's CPU runner, for tests that wrap it in a runner of their own.
+std::unique_ptr<StepRunner> tiny_runner(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
+                                        int ep = 1) {
   RunnerOptions o;
   o.source.model_dir = testing::tiny_fixture_dir();
   o.max_seqs = max_seqs;
@@ -51,7 +52,13 @@ std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t n
   o.ep = ep;
   auto runner = load_runner(o);
   EXPECT_TRUE(runner.ok()) << runner.error().what();
-  return std::make_unique<Engine>(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{max_queue, {}});
+  return runner.ok() ? std::move(runner).value() : nullptr;
+}
+
+std::unique_ptr<Engine> make_engine(int max_seqs, int max_step_tokens, int32_t num_blocks = 0, int block_size = 16,
+                                    int max_queue = 256, int ep = 1) {
+  return std::make_unique<Engine>(tiny_runner(max_seqs, max_step_tokens, num_blocks, block_size, ep), &tiny_tokenizer(),
+                                  EngineOptions{max_queue, {}});
 }
 
 EngineRequest greedy(const std::vector<int32_t>& prompt, int max_tokens) {
@@ -189,13 +196,9 @@ class FailingRunner final : public testing::ForwardingRunner {
 };
 
 TEST(Engine, AFailedRunnerStopsTheEngine) {
-  RunnerOptions o;
-  o.source.model_dir = testing::tiny_fixture_dir();
-  o.max_seqs = 1;
-  o.max_step_tokens = 64;
-  auto inner = load_runner(o);
-  ASSERT_TRUE(inner.ok()) << inner.error().what();
-  Engine engine(std::make_unique<FailingRunner>(std::move(inner).value()), &tiny_tokenizer(), EngineOptions{256, {}});
+  auto inner = tiny_runner(1, 64);
+  ASSERT_TRUE(inner);
+  Engine engine(std::make_unique<FailingRunner>(std::move(inner)), &tiny_tokenizer(), EngineOptions{256, {}});
   Submitted a = engine.submit(greedy(prompt_for(1), 10));
   Submitted b = engine.submit(greedy(prompt_for(2), 10));  // waits behind a (one sequence a step)
   ASSERT_TRUE(a.stream && b.stream);
@@ -266,13 +269,9 @@ TEST(Engine, BoundedQueue) {
 // An API request's n choices are queued together or not at all: a group the queue cannot take
 // whole, or one with a bad request, leaves nothing queued; a group that fits runs every member.
 TEST(Engine, GroupsAreQueuedWholeOrNotAtAll) {
-  RunnerOptions o;
-  o.source.model_dir = testing::tiny_fixture_dir();
-  o.max_seqs = 4;
-  o.max_step_tokens = 64;
-  auto inner = load_runner(o);
-  ASSERT_TRUE(inner.ok()) << inner.error().what();
-  auto gated = std::make_unique<testing::GatedRunner>(std::move(inner).value());
+  auto inner = tiny_runner(4, 64);
+  ASSERT_TRUE(inner);
+  auto gated = std::make_unique<testing::GatedRunner>(std::move(inner));
   testing::GatedRunner* gate = gated.get();
   Engine engine(std::move(gated), &tiny_tokenizer(), EngineOptions{4, {}});
   // A request of its own holds the engine in its first step, so the queue below stays as filled.
