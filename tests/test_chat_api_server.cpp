@@ -363,10 +363,20 @@ TEST_F(ChatApiServer, StopTokenIdsAndMinTokens) {
   auto [s5, r5] = chat(script, {{"min_tokens", m}, {"stop", inside}, {"temperature", 0}});
   ASSERT_EQ(s5, 200);
   EXPECT_EQ(r5[0]["usage"]["completion_tokens"], full);
+  // include_stop_str_in_output keeps the stop string, whole and streamed.
+  for (bool streamed : {false, true}) {
+    SCOPED_TRACE(streamed ? "streamed, include" : "whole, include");
+    auto [s6, r6] = chat(script, {{"stop", "two"}, {"include_stop_str_in_output", true}, {"temperature", 0},
+                                  {"stream", streamed}});
+    ASSERT_EQ(s6, 200);
+    const json got = streamed ? accumulate(r6) : r6[0]["choices"][0];
+    EXPECT_EQ(got["finish_reason"], "stop");
+    EXPECT_EQ(got["message"]["content"], "one two");
+  }
   // Bad values are 400s.
   for (const json& bad : {json{{"stop_token_ids", "7"}}, json{{"stop_token_ids", {-1}}},
                           json{{"stop_token_ids", {100000}}}, json{{"min_tokens", -1}},
-                          json{{"min_tokens", 5}, {"max_tokens", 4}}}) {
+                          json{{"min_tokens", 5}, {"max_tokens", 4}}, json{{"include_stop_str_in_output", 1}}}) {
     SCOPED_TRACE(bad.dump());
     auto [st, body] = chat(script, bad);
     EXPECT_EQ(st, 400);

@@ -126,6 +126,30 @@ TEST(StopStrings, UncheckedTextCannotStopButCanBeginAStop) {
   }
 }
 
+// include_stop (vLLM's include_stop_str_in_output): the text ends with the stop string; of two
+// starting at one place, the shorter (it completed first).
+TEST(StopStrings, IncludeStopKeepsTheStopString) {
+  const auto run_incl = [](const std::vector<std::string>& stops, const std::vector<std::string>& pieces) {
+    StopMatcher m(stops, true);
+    std::string out;
+    for (const std::string& p : pieces) {
+      StopMatcher::Out o = m.feed(p);
+      out += o.text;
+      if (o.stopped) return std::make_pair(out, true);
+    }
+    return std::make_pair(out + m.flush(), false);
+  };
+  EXPECT_EQ(run_incl({"END"}, {"abcENDdef"}), std::make_pair(std::string("abcEND"), true));
+  EXPECT_EQ(run_incl({"<|end|>"}, {"ab<", "|en", "d|", ">tail"}), std::make_pair(std::string("ab<|end|>"), true));
+  EXPECT_EQ(run_incl({"abc", "ab"}, {"xabcd"}), std::make_pair(std::string("xab"), true));
+  EXPECT_EQ(run_incl({"STOP"}, {"abc", "STO"}), std::make_pair(std::string("abcSTO"), false));
+  StopMatcher m({"ab"}, true);
+  EXPECT_EQ(m.feed_unchecked("xa").text, "x");
+  StopMatcher::Out o = m.feed("b!");
+  EXPECT_EQ(o.text, "ab");
+  EXPECT_TRUE(o.stopped);
+}
+
 // feed_unchecked followed by feed emits the same bytes as one feed when no stop is involved, for
 // every split point.
 TEST(StopStrings, UncheckedSplitsLoseNothing) {

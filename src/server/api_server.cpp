@@ -189,6 +189,7 @@ EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<
   e.stop = r.stop;
   e.stop_token_ids = r.stop_token_ids;
   e.min_tokens = r.min_tokens;
+  e.include_stop_str = r.include_stop_str;
   e.top_logprobs = r.top_logprobs;
   e.ignore_eos = r.ignore_eos;
   return e;

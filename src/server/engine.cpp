@@ -195,7 +195,7 @@ std::unique_ptr<Engine::Seq> Engine::make_seq(EngineRequest r, std::string* erro
   seq->sampler.emplace(std::move(sampler).value());
   seq->sampler->observe_prompt(r.prompt);
   seq->decoder.emplace(*tokenizer_, tokenizer::DecodeOptions{.skip_special_tokens = true});
-  seq->stop = StopMatcher(r.stop);
+  seq->stop = StopMatcher(r.stop, r.include_stop_str);
   seq->tokens = r.prompt;
   seq->prompt_len = static_cast<int64_t>(r.prompt.size());
   seq->req = std::move(r);

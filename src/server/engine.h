@@ -95,6 +95,7 @@ struct EngineRequest {
   // the text of later tokens.
   std::vector<int32_t> stop_token_ids;
   int64_t min_tokens = 0;  // <= max_tokens
+  bool include_stop_str = false;  // a stop string that ends generation stays in the text
   std::shared_ptr<StreamListener> listener;  // optional: notified with the request's stream
 };
 

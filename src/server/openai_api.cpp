@@ -638,9 +638,11 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   r.n = static_cast<int>(n.value_or(1));
   if (auto e = read_sampling(doc, &r)) return e;
   if (auto e = read_logprobs(doc, limits, &r)) return e;
-  std::optional<bool> stream, ignore_eos;
+  std::optional<bool> stream, ignore_eos, include_stop;
   if (auto e = read_bool(doc, "stream", &stream)) return e;
   if (auto e = read_bool(doc, "ignore_eos", &ignore_eos)) return e;
+  if (auto e = read_bool(doc, "include_stop_str_in_output", &include_stop)) return e;
+  r.include_stop_str = include_stop.value_or(false);
   r.stream = stream.value_or(false);
   r.ignore_eos = ignore_eos.value_or(false);
   if (const json* so = field(doc, "stream_options")) {

@@ -101,6 +101,7 @@ struct GenerationRequest {
   // completing after them ends it even when it began inside them).
   std::vector<int32_t> stop_token_ids;
   int64_t min_tokens = 0;
+  bool include_stop_str = false;  // vLLM's include_stop_str_in_output: the stop string ends the text
   std::optional<float> temperature;
   std::optional<float> top_p;
   std::optional<int> top_k;  // -1 (vLLM's "off") becomes 0

@@ -11,7 +11,7 @@ size_t partial_match_suffix(std::string_view text, std::string_view pattern) {
   return 0;
 }
 
-StopMatcher::StopMatcher(std::vector<std::string> stops) {
+StopMatcher::StopMatcher(std::vector<std::string> stops, bool include_stop) : include_stop_(include_stop) {
   for (std::string& s : stops)
     if (!s.empty()) stops_.push_back(std::move(s));
 }
@@ -23,13 +23,18 @@ StopMatcher::Out StopMatcher::feed(std::string_view text) {
   // The earliest complete stop string wins, whichever it is. Earlier text was released only when
   // no stop string could start in it, so a match can only start inside pending_. A match must end
   // past the unchecked text: one wholly inside it was not a stop when it arrived.
-  size_t first = std::string::npos;
+  // Of stop strings starting at the same place, the shortest (it completed first).
+  size_t first = std::string::npos, length = 0;
   for (const std::string& s : stops_) {
     const size_t from = unchecked_ >= s.size() ? unchecked_ - s.size() + 1 : 0;
-    first = std::min(first, pending_.find(s, from));
+    const size_t at = pending_.find(s, from);
+    if (at < first || (at == first && at != std::string::npos && s.size() < length)) {
+      first = at;
+      length = s.size();
+    }
   }
   if (first != std::string::npos) {
-    out.text = pending_.substr(0, first);
+    out.text = pending_.substr(0, include_stop_ ? first + length : first);
     out.stopped = stopped_ = true;
     pending_.clear();
     unchecked_ = 0;

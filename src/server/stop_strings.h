@@ -21,11 +21,13 @@ size_t partial_match_suffix(std::string_view text, std::string_view pattern);
 class StopMatcher {
  public:
   StopMatcher() = default;
-  explicit StopMatcher(std::vector<std::string> stops);  // empty strings are ignored
+  // Empty strings are ignored. include_stop: the text emitted at a stop ends with the stop string
+  // (vLLM's include_stop_str_in_output) instead of right before it.
+  explicit StopMatcher(std::vector<std::string> stops, bool include_stop = false);
 
   struct Out {
     std::string text;      // safe to emit now
-    bool stopped = false;  // a stop string completed; `text` ends right before it
+    bool stopped = false;  // a stop string completed; `text` ends right before it (or with it)
   };
   // Adds the next piece of text. After a stop, further calls return nothing.
   Out feed(std::string_view text);
@@ -44,6 +46,7 @@ class StopMatcher {
   std::string release();
 
   std::vector<std::string> stops_;
+  bool include_stop_ = false;
   std::string pending_;
   // pending_[0, unchecked_) arrived through feed_unchecked(): a match must end after it.
   size_t unchecked_ = 0;
