@@ -1,5 +1,6 @@
 // libFuzzer target: server::parse_request, the OpenAI request parser every HTTP body reaches (and
-// parse_update_weights_request on the same bytes).
+// parse_update_weights_request, parse_tokenize_request and parse_detokenize_request on the same
+// bytes).
 // The first byte picks the endpoint (chat or completions); the rest is the body. Beyond "no
 // crash, no sanitizer report": an error has a 4xx status and serializes to JSON in OpenAI's
 // shape; an accepted request satisfies the invariants the engine and the chat template rely on
@@ -36,6 +37,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     check(!u.model_path.empty());
     check(nlohmann::json::parse(update_weights_response(u.model_path, 0))["message"] == u.model_path);
+  }
+  // The same body as POST /tokenize and /detokenize: a 4xx, or a prompt / chat / id list.
+  GenerationRequest t;
+  if (auto e = parse_tokenize_request(body, limits, &t)) {
+    check(e->status == 400 || e->status == 404 || e->status == 413);
+  } else if (t.endpoint == Endpoint::kChat) {
+    check(t.messages.is_array() && !t.messages.empty());
+  } else {
+    check(t.prompt_is_ids ? !t.prompt_ids.empty() : !t.prompt.empty());
+  }
+  DetokenizeRequest dt;
+  if (auto e = parse_detokenize_request(body, limits, &dt)) {
+    check(e->status == 400 || e->status == 404 || e->status == 413);
+  } else {
+    for (int32_t id : dt.tokens) check(id >= 0);
+    check(nlohmann::json::parse(tokenize_response(dt.tokens, 1))["count"] == dt.tokens.size());
   }
   GenerationRequest r;
   if (auto e = parse_request(endpoint, body, limits, &r)) {

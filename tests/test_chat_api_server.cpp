@@ -383,6 +383,44 @@ TEST_F(ChatApiServer, StopTokenIdsAndMinTokens) {
   }
 }
 
+// POST /tokenize counts what the generation routes would send the engine (the same rendered chat
+// prompt, the same ids), and POST /detokenize turns ids back into text.
+TEST_F(ChatApiServer, TokenizeAndDetokenizeRoutes) {
+  const auto post = [&](const char* path, const json& body) {
+    std::string text;
+    auto r = http_post(HttpUrl{"127.0.0.1", http_->port(), ""}, path, body.dump(), {},
+                       [&](std::string_view part) {
+                         text.append(part);
+                         return true;
+                       },
+                       60);
+    EXPECT_TRUE(r.ok()) << r.error().what();
+    if (!r.ok()) return std::make_pair(0, json());
+    return std::make_pair(r->status, json::parse(r->status == 200 ? text : r->body));
+  };
+  const std::string text = "one two three";
+  const std::vector<tokenizer::TokenId> want = tiny_tokenizer().encode(text);
+  auto [s1, t1] = post("/tokenize", {{"model", "tiny"}, {"prompt", text}});
+  ASSERT_EQ(s1, 200) << t1.dump();
+  EXPECT_EQ(t1["count"], want.size());
+  EXPECT_EQ(t1["tokens"], json(want));
+  EXPECT_EQ(t1["max_model_len"], engine_->max_context());
+  auto [s2, t2] = post("/detokenize", {{"tokens", t1["tokens"]}});
+  ASSERT_EQ(s2, 200) << t2.dump();
+  EXPECT_EQ(t2["prompt"], text);
+  // A chat counts as its rendered prompt: what a chat completion of the same messages reports.
+  const json messages = {{{"role", "user"}, {"content", "weather?"}}};
+  auto [s3, t3] = post("/tokenize", {{"messages", messages}});
+  ASSERT_EQ(s3, 200) << t3.dump();
+  auto [s4, answer] = chat("ok", {{"messages", messages}});
+  ASSERT_EQ(s4, 200);
+  EXPECT_EQ(t3["count"], answer[0]["usage"]["prompt_tokens"]);
+  // Bad input: 4xx naming the problem.
+  EXPECT_EQ(post("/detokenize", {{"tokens", {100000}}}).first, 400);
+  EXPECT_EQ(post("/tokenize", {{"model", "nope"}, {"prompt", "x"}}).first, 404);
+  EXPECT_EQ(post("/tokenize", json::object()).first, 400);
+}
+
 // The server refuses tools it cannot parse: tool_choice "auto" without a tool-call parser.
 TEST_F(ChatApiServer, ToolsNeedAParser) {
   ApiServerOptions ao;

@@ -468,6 +468,50 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
   expect_400(chat(chat_echo), "echo", "unsupported_parameter");
 }
 
+// vLLM's /tokenize and /detokenize bodies.
+TEST(OpenAiApi, TokenizeAndDetokenizeRequests) {
+  GenerationRequest r;
+  const auto tok = [&](const json& b) { return parse_tokenize_request(b.dump(), limits(), &r); };
+  ASSERT_FALSE(tok({{"prompt", "once upon"}}).has_value());  // "model" is optional
+  EXPECT_EQ(r.endpoint, Endpoint::kCompletion);
+  EXPECT_EQ(r.prompt, "once upon");
+  ASSERT_FALSE(tok({{"model", "tiny"}, {"prompt", {1, 2, 3}}, {"add_special_tokens", false}}).has_value());
+  EXPECT_TRUE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_FALSE(tok({{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"add_generation_prompt", true},
+                    {"chat_template_kwargs", {{"enable_thinking", false}}}})
+                   .has_value());
+  EXPECT_EQ(r.endpoint, Endpoint::kChat);
+  EXPECT_EQ(r.messages.size(), 1u);
+  EXPECT_EQ(r.enable_thinking, std::optional<bool>(false));
+  const auto status = [](const std::optional<ApiError>& e) { return e ? e->status : 0; };
+  EXPECT_EQ(status(tok({{"model", "other"}, {"prompt", "x"}})), 404);
+  expect_400(tok(json::object()), "prompt");
+  expect_400(tok({{"prompt", ""}}), "prompt");
+  expect_400(tok({{"prompt", "x"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}}), "prompt");
+  expect_400(tok({{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"add_generation_prompt", false}}),
+             "add_generation_prompt", "unsupported_parameter");
+  expect_400(tok({{"messages", "hi"}}), "messages");
+  expect_400(tok({{"prompt", "x"}, {"add_special_tokens", "yes"}}), "add_special_tokens");
+  EXPECT_TRUE(parse_tokenize_request("{", limits(), &r).has_value());
+
+  DetokenizeRequest d;
+  const auto detok = [&](const json& b) { return parse_detokenize_request(b.dump(), limits(), &d); };
+  ASSERT_FALSE(detok({{"tokens", {5, 0, 7}}}).has_value());
+  EXPECT_EQ(d.tokens, (std::vector<int32_t>{5, 0, 7}));
+  ASSERT_FALSE(detok({{"model", "tiny"}, {"tokens", json::array()}}).has_value());
+  EXPECT_TRUE(d.tokens.empty());
+  expect_400(detok(json::object()), "tokens");
+  expect_400(detok({{"tokens", "5"}}), "tokens");
+  expect_400(detok({{"tokens", {-1}}}), "tokens");
+  expect_400(detok({{"tokens", {1.5}}}), "tokens");
+  EXPECT_EQ(status(detok({{"model", "other"}, {"tokens", {1}}})), 404);
+
+  EXPECT_EQ(json::parse(tokenize_response({3, 4}, 256)),
+            json::parse(R"({"count": 2, "max_model_len": 256, "tokens": [3, 4], "token_strs": null})"));
+  EXPECT_EQ(json::parse(detokenize_response("hi")), json::parse(R"({"prompt": "hi"})"));
+}
+
 TEST(OpenAiApi, StopTokenIdsAndMinTokens) {
   GenerationRequest r;
   json b = completion_body();

@@ -104,7 +104,39 @@ void ApiServer::handle(const HttpRequest& req, HttpResponse& res) {
     if (route("/update_weights_from_disk", "POST")) update_weights(req, res);
     return;
   }
+  // vLLM's tokenizer routes (outside /v1, so --api-key does not guard them, as in vLLM).
+  if (p == "/tokenize") {
+    if (route("/tokenize", "POST")) tokenize_route(req, res);
+    return;
+  }
+  if (p == "/detokenize") {
+    if (route("/detokenize", "POST")) detokenize_route(req, res);
+    return;
+  }
   send_error(res, not_found(p));
+}
+
+void ApiServer::tokenize_route(const HttpRequest& http, HttpResponse& res) {
+  GenerationRequest req;
+  if (auto e = parse_tokenize_request(http.body, limits_, &req)) return send_error(res, *e);
+  std::vector<int32_t> ids;
+  bool opens_think = false;
+  if (auto e = tokenize(req, &ids, &opens_think)) return send_error(res, *e);
+  res.send(200, "application/json", tokenize_response(ids, engine_->max_context()));
+}
+
+void ApiServer::detokenize_route(const HttpRequest& http, HttpResponse& res) {
+  DetokenizeRequest req;
+  if (auto e = parse_detokenize_request(http.body, limits_, &req)) return send_error(res, *e);
+  std::vector<tokenizer::TokenId> ids;
+  for (int32_t id : req.tokens) {
+    if (id >= engine_->vocab_size())
+      return send_error(res, invalid_request(fmt::format("token id {} is outside the vocabulary [0, {})", id,
+                                                         engine_->vocab_size()),
+                                             "tokens"));
+    ids.push_back(static_cast<tokenizer::TokenId>(id));
+  }
+  res.send(200, "application/json", detokenize_response(tokenizer_->decode_text(ids)));
 }
 
 void ApiServer::update_weights(const HttpRequest& http, HttpResponse& res) {

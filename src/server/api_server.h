@@ -101,6 +101,8 @@ class ApiServer {
   void whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
              const Choices& choices, HttpResponse& response);
   // The prompt's token ids; *prompt_opens_think: a chat prompt that ends inside <think>.
+  void tokenize_route(const HttpRequest& req, HttpResponse& res);    // POST /tokenize
+  void detokenize_route(const HttpRequest& req, HttpResponse& res);  // POST /detokenize
   std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids,
                                    bool* prompt_opens_think) const;
   // How a chat response is parsed (nullopt: its text is all content, as for completions).

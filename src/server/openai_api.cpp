@@ -320,10 +320,10 @@ std::optional<ApiError> read_tools(const json& body, const ApiLimits& limits, Ge
   return std::nullopt;
 }
 
-std::optional<ApiError> read_token_ids(const json& arr, std::vector<int32_t>* out) {
+std::optional<ApiError> read_token_ids(const json& arr, std::vector<int32_t>* out, const char* param = "prompt") {
   for (const json& t : arr) {
     if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
-      return invalid_request("'prompt' token ids must be non-negative integers", "prompt");
+      return invalid_request(fmt::format("'{}' token ids must be non-negative integers", param), param);
     out->push_back(static_cast<int32_t>(t.get<int64_t>()));
   }
   return std::nullopt;
@@ -598,6 +598,61 @@ std::string update_weights_error(const ApiError& e) {
   return dump({{"success", false}, {"message", e.message}, {"error", std::move(err)}});
 }
 
+namespace {
+
+// "model" is optional on the tokenizer routes; when given it must name this server's model.
+std::optional<ApiError> check_optional_model(const json& doc, const ApiLimits& limits) {
+  const json* model = field(doc, "model");
+  if (model == nullptr) return std::nullopt;
+  if (!model->is_string()) return wrong_type("model", "a string", *model);
+  if (std::find(limits.model_names.begin(), limits.model_names.end(), model->get<std::string>()) ==
+      limits.model_names.end())
+    return model_not_found(model->get<std::string>());
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> parse_tokenize_request(std::string_view body, const ApiLimits& limits, GenerationRequest* out) {
+  json doc;
+  if (auto e = parse_body(body, limits, &doc)) return e;
+  if (auto e = check_optional_model(doc, limits)) return e;
+  GenerationRequest r;
+  std::optional<bool> generation_prompt, special;
+  if (auto e = read_bool(doc, "add_generation_prompt", &generation_prompt)) return e;
+  if (auto e = read_bool(doc, "add_special_tokens", &special)) return e;
+  if (field(doc, "messages") != nullptr) {
+    if (field(doc, "prompt") != nullptr)
+      return invalid_request("give either 'prompt' or 'messages', not both", "prompt");
+    if (generation_prompt && !*generation_prompt)
+      return invalid_request("'add_generation_prompt' false is not supported: the chat template always renders the "
+                             "assistant turn's start",
+                             "add_generation_prompt", "unsupported_parameter");
+    r.endpoint = Endpoint::kChat;
+    if (auto e = read_messages(doc, limits, &r)) return e;
+    if (auto e = read_tools(doc, limits, &r)) return e;
+  } else {
+    r.endpoint = Endpoint::kCompletion;
+    if (auto e = read_prompt(doc, &r)) return e;
+  }
+  *out = std::move(r);
+  return std::nullopt;
+}
+
+std::optional<ApiError> parse_detokenize_request(std::string_view body, const ApiLimits& limits,
+                                                 DetokenizeRequest* out) {
+  json doc;
+  if (auto e = parse_body(body, limits, &doc)) return e;
+  if (auto e = check_optional_model(doc, limits)) return e;
+  const json* t = field(doc, "tokens");
+  if (t == nullptr) return invalid_request("'tokens' is required", "tokens");
+  if (!t->is_array()) return wrong_type("tokens", "an array of token ids", *t);
+  DetokenizeRequest r;
+  if (auto e = read_token_ids(*t, &r.tokens, "tokens")) return e;
+  *out = std::move(r);
+  return std::nullopt;
+}
+
 std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, const ApiLimits& limits,
                                       GenerationRequest* out) {
   json doc;
@@ -805,6 +860,12 @@ std::string usage_chunk(const ResponseMeta& m, Endpoint endpoint, const Usage& u
 }
 
 std::string error_chunk(const ApiError& error) { return "data: " + error.to_json() + "\n\n"; }
+
+std::string tokenize_response(const std::vector<int32_t>& ids, int64_t max_model_len) {
+  return dump({{"count", ids.size()}, {"max_model_len", max_model_len}, {"tokens", ids}, {"token_strs", nullptr}});
+}
+
+std::string detokenize_response(const std::string& text) { return dump({{"prompt", text}}); }
 
 std::string models_response(const std::vector<std::string>& names, int64_t created, int64_t max_model_len) {
   json data = json::array();

@@ -214,6 +214,23 @@ std::string usage_chunk(const ResponseMeta& meta, Endpoint endpoint, const Usage
 std::string error_chunk(const ApiError& error);
 inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 
+// POST /tokenize and /detokenize (vLLM's routes, outside /v1): what a prompt or a chat costs in
+// tokens before it is sent. "model" is optional (checked when given). /tokenize takes either
+// "prompt" (a string, or token ids: returned as they are) or "messages" with the chat fields
+// "tools" and "chat_template_kwargs"; "add_generation_prompt" may only be true (the template
+// always renders the assistant turn's start) and "add_special_tokens" is accepted (Qwen's
+// tokenizer adds none). /detokenize takes "tokens", ids in [0, vocab); the text keeps special
+// tokens, with ill-formed UTF-8 replaced by U+FFFD.
+std::optional<ApiError> parse_tokenize_request(std::string_view body, const ApiLimits& limits, GenerationRequest* out);
+struct DetokenizeRequest {
+  std::vector<int32_t> tokens;
+};
+std::optional<ApiError> parse_detokenize_request(std::string_view body, const ApiLimits& limits,
+                                                 DetokenizeRequest* out);
+// {"count", "max_model_len", "tokens", "token_strs": null} and {"prompt"}.
+std::string tokenize_response(const std::vector<int32_t>& ids, int64_t max_model_len);
+std::string detokenize_response(const std::string& text);
+
 // /v1/models.
 std::string models_response(const std::vector<std::string>& names, int64_t created, int64_t max_model_len);
 
