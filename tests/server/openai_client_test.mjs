@@ -276,6 +276,36 @@ test('prefix caching: a repeated long prompt is served from the cache, with the 
   assert.ok(hits >= cached, `hits ${hits}`);
 });
 
+test('tokenize and detokenize; refused fields; include_stop_str_in_output', async ({ url, client }) => {
+  // /tokenize counts what a completion of the same prompt reports as prompt_tokens.
+  const prompt = 'the quick brown fox';
+  let r = await raw(url, '/tokenize', JSON.stringify({ model: MODEL, prompt }));
+  assert.equal(r.status, 200, r.text);
+  const done = await client.completions.create({ model: MODEL, prompt, max_tokens: 2, temperature: 0 });
+  assert.equal(r.json.count, done.usage.prompt_tokens);
+  assert.equal(r.json.tokens.length, r.json.count);
+  assert.ok(r.json.max_model_len > 0);
+  const back = await raw(url, '/detokenize', JSON.stringify({ tokens: r.json.tokens }));
+  assert.equal(back.status, 200, back.text);
+  assert.equal(back.json.prompt, prompt);
+  assert.equal((await raw(url, '/detokenize', JSON.stringify({ tokens: [-1] }))).status, 400);
+  assert.equal((await raw(url, '/tokenize', JSON.stringify({ model: 'no-such-model', prompt }))).status, 404);
+  // Fields whose meaning the server does not implement are refused, naming them.
+  for (const [field, value] of [['echo', true], ['response_format', { type: 'json_object' }], ['best_of', 3]]) {
+    const e = await expectStatus(client.completions.create({ model: MODEL, prompt, [field]: value }), 400);
+    assert.equal(e.error?.param ?? e.param, field);
+  }
+  // include_stop_str_in_output keeps the stop string: the same greedy text cut after it.
+  const full = (await client.completions.create({ model: MODEL, prompt, max_tokens: 12, temperature: 0, ignore_eos: true })).choices[0].text;
+  let at = 1;  // a 2-character stop string that first occurs at `at`
+  while (at + 2 <= full.length && full.indexOf(full.slice(at, at + 2)) !== at) at++;
+  assert.ok(at + 2 <= full.length, `no usable stop string in ${JSON.stringify(full)}`);
+  const kept = await client.completions.create({ model: MODEL, prompt, max_tokens: 12, temperature: 0, ignore_eos: true,
+                                                 stop: [full.slice(at, at + 2)], include_stop_str_in_output: true });
+  assert.equal(kept.choices[0].text, full.slice(0, at + 2));
+  assert.equal(kept.choices[0].finish_reason, 'stop');
+});
+
 test('bad requests get the right 4xx', async ({ url, client }) => {
   await expectStatus(client.completions.create({ model: 'no-such-model', prompt: 'a' }), 404);
   await expectStatus(client.completions.create({ model: MODEL, prompt: 'a', max_tokens: 100000 }), 400);
