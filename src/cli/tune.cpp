@@ -120,19 +120,19 @@ Status run(const TuneOptions& o) {
               static_cast<long long>(s.hidden), static_cast<long long>(s.intermediate), s.num_experts, s.top_k,
               moe::kernel_format_name(seed->format()), o.combine.c_str(), buckets.describe().c_str());
   std::printf("cache: %s\n", o.no_cache ? "off (--no-cache)" : tuner->cache().path().c_str());
-  std::printf("%7s %-7s %-22s %10s   %-22s %10s %7s %5s\n", "bucket", "source", "winner", "us", "heuristic", "us",
+  std::printf("%7s %-7s %-32s %10s   %-32s %10s %7s %5s\n", "bucket", "source", "winner", "us", "heuristic", "us",
               "gain", "cands");
   for (int b : buckets.sizes()) {
     const int tb = tune::tuning_bucket(b);
     MOEBIUS_ASSIGN_OR_RETURN(tune::MoeTuneResult r, tuner->tune(*seed, tb, combine, o.retune));
     const tune::MoeTuneChoice& c = r.choice;
     const double gain = c.winner_us > 0 ? c.heuristic_us / c.winner_us : 0.0;
-    std::printf("%7s %-7s %-22s %10.2f   %-22s %10.2f %6.2fx %5d\n",
+    std::printf("%7s %-7s %-32s %10.2f   %-32s %10.2f %6.2fx %5d\n",
                 (b == tb ? std::to_string(b) : fmt::format("{}>{}", b, tb)).c_str(), r.from_cache ? "cached" : "tuned",
                 c.winner.str().c_str(), c.winner_us, c.heuristic.str().c_str(), c.heuristic_us, gain, c.candidates);
     if (o.verbose)
       for (const tune::MoeCandidateRun& run : r.runs)
-        std::printf("          %-22s %10.2f us  nmse %.2e %s%s\n", run.config.str().c_str(), run.us, run.nmse,
+        std::printf("          %-32s %10.2f us  nmse %.2e %s%s\n", run.config.str().c_str(), run.us, run.nmse,
                     run.heuristic ? "[heuristic] " : "", run.note.c_str());
     std::fflush(stdout);
   }
