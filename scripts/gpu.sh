@@ -118,6 +118,27 @@ rows_sweep() {
   done
 }
 [ "${MOEBIUS_ROWS_SWEEP:-0}" = 1 ] && step rows-sweep rows_sweep
+# [TAG_DECODE_SPLIT_K] The decode GEMM1 with 4 and 8 warps splitting K (docs/PERF.md run X1's
+# plan): the layer per row tiles per block (0 = each width's own heuristic), then decode tok/s at
+# 1k with each width in every layer (heuristic configuration, no tuning).
+split_k_sweep() {
+  for fmt in nvfp4 int4; do
+    for w in 4 8; do
+      for r in 0 1 2 4 8; do
+        echo "== $fmt split-K warps $w rows per block $r"
+        MOEBIUS_DECODE_SPLIT_K_WARPS=$w MOEBIUS_DECODE_ROWS_PER_BLOCK=$([ $r = 0 ] && echo "" || echo $r) \
+          "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt --tokens 1,2,4,8 \
+          | grep -E '^ +[0-9]+ +decode|gemm1|stages' || return 1
+      done
+    done
+  done
+  for w in 4 8 4 8; do
+    echo "== bench generate, split-K warps $w"
+    MOEBIUS_DECODE_SPLIT_K_WARPS=$w "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy \
+      --experts nvfp4 --context 1024 --prefill 1024 --decode-steps 64 --no-autotune | grep -E 'decode' || return 1
+  done
+}
+step split-k-sweep split_k_sweep
 
 # Expert parallelism (docs/PERF.md): the EP layer's dispatch/combine and whole-layer time at EP=1
 # (one GPU: NCCL's self-sends, the overhead against the single-GPU layer), and at EP=2 and EP=4

@@ -568,12 +568,16 @@ constexpr int kMaxStageBytes = 72 * 1024;
 // T = 1 on one row tile, 9.5 on two).
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
 // MoeTiles::rows_per_block (the autotuner's choice) overrides both.
-int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
+int forced_rows_per_block() {
   static const int forced = [] {
     const char* v = std::getenv("MOEBIUS_DECODE_ROWS_PER_BLOCK");
     return v != nullptr ? std::atoi(v) : 0;
   }();
-  if (forced > 0) return forced;
+  return forced;
+}
+
+int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
+  if (forced_rows_per_block() > 0) return forced_rows_per_block();
   if (one_row_tile) return 1;
   const int sms = current_device_sm_count();
   const int64_t blocks = static_cast<int64_t>(row_tiles) * grid_tiles;
@@ -584,7 +588,9 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
 // Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none: the
 // fewest that fit the grid in one wave of its 2 blocks per SM (Qwen3-30B-A3B at T = 1: 768 row
 // tiles -> 4 a block, 192 blocks on 264 slots). Not measured: the autotuner sweeps it.
+// MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it as it does decode_rows_per_block.
 int split_k_rows_per_block(int row_tiles, int grid_tiles) {
+  if (forced_rows_per_block() > 0) return forced_rows_per_block();
   const int64_t wave = 2LL * current_device_sm_count();
   for (int rows = 1; rows < 8; rows *= 2)
     if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
