@@ -118,9 +118,10 @@ rows_sweep() {
   done
 }
 [ "${MOEBIUS_ROWS_SWEEP:-0}" = 1 ] && step rows-sweep rows_sweep
-# [TAG_DECODE_SPLIT_K] The decode GEMM1 with 4 and 8 warps splitting K (docs/PERF.md run X1's
-# plan): the layer per row tiles per block (0 = each width's own heuristic), then decode tok/s at
-# 1k with each width in every layer (heuristic configuration, no tuning).
+# [TAG_DECODE_SPLIT_K] The decode GEMM1 with 4 and 8 warps splitting K (MOEBIUS_SPLIT_K_SWEEP=1;
+# docs/PERF.md run X1's plan): the layer per row tiles per block (0 = each width's own
+# heuristic), then decode tok/s at 1k with each width in every layer (heuristic configuration, no
+# tuning).
 split_k_sweep() {
   for fmt in nvfp4 int4; do
     for w in 4 8; do
@@ -138,7 +139,7 @@ split_k_sweep() {
       --experts nvfp4 --context 1024 --prefill 1024 --decode-steps 64 --no-autotune | grep -E 'decode' || return 1
   done
 }
-step split-k-sweep split_k_sweep
+[ "${MOEBIUS_SPLIT_K_SWEEP:-0}" = 1 ] && step split-k-sweep split_k_sweep
 
 # Expert parallelism (docs/PERF.md): the EP layer's dispatch/combine and whole-layer time at EP=1
 # (one GPU: NCCL's self-sends, the overhead against the single-GPU layer), and at EP=2 and EP=4

@@ -274,6 +274,11 @@ TEST(Engine, GroupsAreQueuedWholeOrNotAtAll) {
   auto gated = std::make_unique<testing::GatedRunner>(std::move(inner));
   testing::GatedRunner* gate = gated.get();
   Engine engine(std::move(gated), &tiny_tokenizer(), EngineOptions{4, {}});
+  // A failed assertion below returns early: the gate must open before ~Engine joins its thread.
+  struct OpenAtExit {
+    testing::GatedRunner* gate;
+    ~OpenAtExit() { gate->open(); }
+  } open_at_exit{gate};
   // A request of its own holds the engine in its first step, so the queue below stays as filled.
   Submitted blocker = engine.submit(greedy(prompt_for(9), 2));
   ASSERT_TRUE(blocker.stream);

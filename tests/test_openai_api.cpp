@@ -430,6 +430,9 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
       {"prompt_logprobs", 0},
       {"use_beam_search", true},
       {"skip_special_tokens", false},
+      {"add_generation_prompt", false},
+      {"continue_final_message", true},
+      {"truncate_prompt_tokens", 100},
   };
   for (const auto& [key, value] : refused_both) {
     SCOPED_TRACE(key + " = " + value.dump());
@@ -450,6 +453,7 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
       {"best_of", 1},          {"response_format", {{"type", "text"}}}, {"guided_json", nullptr},
       {"use_beam_search", false}, {"skip_special_tokens", true},       {"echo", false},
       {"suffix", ""},          {"user", "someone"},                     {"metadata", {{"k", "v"}}},
+      {"add_generation_prompt", true}, {"continue_final_message", false},
   };
   for (const auto& [key, value] : accepted) {
     SCOPED_TRACE(key + " = " + value.dump());

@@ -53,9 +53,14 @@ TEST(StopStrings, FalseStartThenRealStop) {
   EXPECT_EQ(run({"abab"}, {"aba", "bab"}), std::make_pair(std::string(""), true));
 }
 
-TEST(StopStrings, EarliestOfSeveralWins) {
+// Of overlapping stop strings, the one that completes first wins, however the text is cut.
+TEST(StopStrings, TheFirstToCompleteWins) {
   EXPECT_EQ(run({"world", "lo w"}, {"hello world"}), std::make_pair(std::string("hel"), true));
-  EXPECT_EQ(run({"b", "abc"}, {"xabc"}), std::make_pair(std::string("x"), true));  // "abc" starts first
+  for (const auto& pieces : std::vector<std::vector<std::string>>{{"xabc"}, {"x", "a", "b", "c"}, {"xa", "bc"}}) {
+    EXPECT_EQ(run({"b", "abc"}, pieces), std::make_pair(std::string("xa"), true));  // "b" ends first
+    EXPECT_EQ(run({"abc", "b"}, pieces), std::make_pair(std::string("xa"), true));  // whatever the list order
+  }
+  EXPECT_EQ(run({"bc", "abc"}, {"xabcd"}), std::make_pair(std::string("x"), true));  // same end: earlier start
 }
 
 TEST(StopStrings, FlushReleasesPartialMatchAtTheEnd) {
@@ -142,6 +147,8 @@ TEST(StopStrings, IncludeStopKeepsTheStopString) {
   EXPECT_EQ(run_incl({"END"}, {"abcENDdef"}), std::make_pair(std::string("abcEND"), true));
   EXPECT_EQ(run_incl({"<|end|>"}, {"ab<", "|en", "d|", ">tail"}), std::make_pair(std::string("ab<|end|>"), true));
   EXPECT_EQ(run_incl({"abc", "ab"}, {"xabcd"}), std::make_pair(std::string("xab"), true));
+  for (const auto& pieces : std::vector<std::vector<std::string>>{{"abcd"}, {"a", "b", "c", "d"}})
+    EXPECT_EQ(run_incl({"bc", "abcd"}, pieces), std::make_pair(std::string("abc"), true));
   EXPECT_EQ(run_incl({"STOP"}, {"abc", "STO"}), std::make_pair(std::string("abcSTO"), false));
   StopMatcher m({"ab"}, true);
   EXPECT_EQ(m.feed_unchecked("xa").text, "x");

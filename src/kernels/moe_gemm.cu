@@ -585,9 +585,12 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
   return blocks <= 2 * wave ? 2 : blocks <= 16 * 1024 ? 4 : 8;
 }
 
+std::atomic<int64_t> g_wide_split_launches{0};
+
 // Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none: the
-// fewest that fit the grid in one wave of its 2 blocks per SM (Qwen3-30B-A3B at T = 1: 768 row
-// tiles -> 4 a block, 192 blocks on 264 slots). Not measured: the autotuner sweeps it.
+// fewest that fit the grid in one wave of its 2 blocks per SM (Qwen3-30B-A3B at T = 1: 96 row
+// tiles x 9 grid tiles -> 4 a block, 216 blocks on 264 slots). Not measured: the autotuner
+// sweeps it.
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it as it does decode_rows_per_block.
 int split_k_rows_per_block(int row_tiles, int grid_tiles) {
   if (forced_rows_per_block() > 0) return forced_rows_per_block();
@@ -627,6 +630,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
       auto go_wide = [&](auto kernel) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
         launch_pdl(kernel, rows_grid, dim3(kSplitKWarpsWide * 32), smem, stream, args, rows);
+        g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
       };
       constexpr int P = kSplitKChunksPerWarp;
       if constexpr (kIsInt<F>) {
@@ -718,6 +722,8 @@ void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& ti
 }
 
 }  // namespace
+
+int64_t moe_gemm_wide_split_launches() { return g_wide_split_launches.load(std::memory_order_relaxed); }
 
 bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks) {
   return (format == MoeWeightFormat::kNvFp4 || format == MoeWeightFormat::kInt4) &&

@@ -85,6 +85,9 @@ enum class MoeCombineMode : uint8_t { kStore, kAtomic };
 inline constexpr int kSplitKWarpsWide = 8;
 inline constexpr int kSplitKChunksPerWarp = 4;
 bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks);
+// Launches of the 8-warp GEMM1 since the process started (tests check that it ran, since its
+// output differs from the 4-warp kernel's by summation order only).
+int64_t moe_gemm_wide_split_launches();
 
 // x: [T, x_stride] bf16 (16-byte aligned rows not required). h: [max_padded, h_stride] bf16.
 void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,

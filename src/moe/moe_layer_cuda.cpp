@@ -457,6 +457,7 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   fused_experts_ = want_fused && path_ == MoeGemmPath::kDecode &&
                    opt.combine == kernels::MoeCombineMode::kStore && slots_ == E && H % 8 == 0 &&
                    kernels::moe_fused_experts_supported(kf, dims13_, dims2_, cap, block_m_, k, E, static_cast<int>(max_tiles_));
+  if (fused_experts_) split_k_warps_ = 4;  // GEMM1 runs inside the fused kernel ([TAG_DECODE_SPLIT_K])
   return Ok{};
 }
 

@@ -477,6 +477,10 @@ const UnsupportedField kUnsupportedFields[] = {
      "'prompt_logprobs' is not supported: the server does not compute the prompt's logprobs (moebius eval "
      "logprobs scores a text teacher-forced)"},
     {"use_beam_search", false, is_false, "beam search is not supported"},
+    {"add_generation_prompt", false, is_true,
+     "'add_generation_prompt' false is not supported: the chat template always renders the assistant turn's start"},
+    {"continue_final_message", false, is_false, "'continue_final_message' is not supported"},
+    {"truncate_prompt_tokens", false, never, "'truncate_prompt_tokens' is not supported: send the prompt to use"},
     {"skip_special_tokens", false, is_true, "special tokens are always left out of the text ('skip_special_tokens' "
                                             "must be true)"},
 };
@@ -618,16 +622,13 @@ std::optional<ApiError> parse_tokenize_request(std::string_view body, const ApiL
   if (auto e = parse_body(body, limits, &doc)) return e;
   if (auto e = check_optional_model(doc, limits)) return e;
   GenerationRequest r;
-  std::optional<bool> generation_prompt, special;
-  if (auto e = read_bool(doc, "add_generation_prompt", &generation_prompt)) return e;
+  std::optional<bool> special;
   if (auto e = read_bool(doc, "add_special_tokens", &special)) return e;
   if (field(doc, "messages") != nullptr) {
     if (field(doc, "prompt") != nullptr)
       return invalid_request("give either 'prompt' or 'messages', not both", "prompt");
-    if (generation_prompt && !*generation_prompt)
-      return invalid_request("'add_generation_prompt' false is not supported: the chat template always renders the "
-                             "assistant turn's start",
-                             "add_generation_prompt", "unsupported_parameter");
+    // What chat completions refuse (add_generation_prompt false, ...) would count another prompt.
+    if (auto e = refuse_unsupported(Endpoint::kChat, doc)) return e;
     r.endpoint = Endpoint::kChat;
     if (auto e = read_messages(doc, limits, &r)) return e;
     if (auto e = read_tools(doc, limits, &r)) return e;

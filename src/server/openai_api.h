@@ -217,9 +217,9 @@ inline constexpr std::string_view kSseDone = "data: [DONE]\n\n";
 // POST /tokenize and /detokenize (vLLM's routes, outside /v1): what a prompt or a chat costs in
 // tokens before it is sent. "model" is optional (checked when given). /tokenize takes either
 // "prompt" (a string, or token ids: returned as they are) or "messages" with the chat fields
-// "tools" and "chat_template_kwargs"; "add_generation_prompt" may only be true (the template
-// always renders the assistant turn's start) and "add_special_tokens" is accepted (Qwen's
-// tokenizer adds none). /detokenize takes "tokens", ids in [0, vocab); the text keeps special
+// "tools" and "chat_template_kwargs", refused as chat completions refuse it (e.g.
+// "add_generation_prompt" false: the template always renders the assistant turn's start);
+// "add_special_tokens" is accepted (Qwen's tokenizer adds none). /detokenize takes "tokens", ids in [0, vocab); the text keeps special
 // tokens, with ill-formed UTF-8 replaced by U+FFFD.
 std::optional<ApiError> parse_tokenize_request(std::string_view body, const ApiLimits& limits, GenerationRequest* out);
 struct DetokenizeRequest {

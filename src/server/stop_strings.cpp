@@ -20,15 +20,18 @@ StopMatcher::Out StopMatcher::feed(std::string_view text) {
   Out out;
   if (stopped_) return out;
   pending_.append(text);
-  // The earliest complete stop string wins, whichever it is. Earlier text was released only when
-  // no stop string could start in it, so a match can only start inside pending_. A match must end
-  // past the unchecked text: one wholly inside it was not a stop when it arrived.
-  // Of stop strings starting at the same place, the shortest (it completed first).
+  // The stop string that completes first wins: the earliest end, then the earliest start (a
+  // stream cut token by token would have met it first, whatever the cuts). Earlier text was
+  // released only when no stop string could start in it, so a match can only start inside
+  // pending_. A match must end past the unchecked text: one wholly inside it was not a stop when
+  // it arrived.
   size_t first = std::string::npos, length = 0;
   for (const std::string& s : stops_) {
     const size_t from = unchecked_ >= s.size() ? unchecked_ - s.size() + 1 : 0;
     const size_t at = pending_.find(s, from);
-    if (at < first || (at == first && at != std::string::npos && s.size() < length)) {
+    if (at == std::string::npos) continue;
+    const size_t end = at + s.size();
+    if (first == std::string::npos || end < first + length || (end == first + length && at < first)) {
       first = at;
       length = s.size();
     }

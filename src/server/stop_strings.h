@@ -1,7 +1,11 @@
 // Stop strings over streamed text. Generated text arrives in pieces (one token's worth at a time)
 // and a stop string may be split across tokens ("<|" + "end|>"), so the matcher holds back the
 // tail that could still become a stop string and releases it only once it cannot. What it
-// returns never contains a stop string or anything after one, as OpenAI's "stop" specifies.
+// returns never contains anything after the stop string that ended it, nor that string itself
+// (as OpenAI's "stop" specifies) unless include_stop asks for it; a stop string lying wholly in
+// feed_unchecked() text (the first min_tokens tokens) is not a stop and is returned as text.
+// When stop strings overlap, the one that completes first wins (the earliest end; of two ending
+// together, the earlier start), so the result does not depend on how the text is cut in pieces.
 //
 // Held-back text is always a prefix of some stop string, so it starts on a UTF-8 character
 // boundary when the input is valid UTF-8: the emitted text stays valid UTF-8.

@@ -244,7 +244,9 @@ TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
         ASSERT_TRUE(layer.ok()) << layer.error().what();
         ASSERT_EQ((*layer)->decode_split_k_warps(), 8);
         const std::string label = fmt::format("{} g={} T={} rows={} warps=8", weight_format_name(c.f), c.group, T, rows);
+        const int64_t launches = kernels::moe_gemm_wide_split_launches();
         const LayerRun a = run_gpu(**layer, x, T), b = run_gpu(**layer, x, T);
+        EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches + 2) << label << ": the 8-warp GEMM1 did not run";
         EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * 2)) << label << ": not bit-identical run to run";
         expect_matches_oracle(L, x, T, a.ids, a.weights, a.out, label);
       }
@@ -267,7 +269,11 @@ TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
       ASSERT_TRUE(four.ok() && eight.ok());
       ASSERT_EQ((*four)->decode_split_k_warps(), 4);
       ASSERT_EQ((*eight)->decode_split_k_warps(), 8);
-      const LayerRun r4 = run_gpu(**four, x, T), r8 = run_gpu(**eight, x, T);
+      const int64_t launches = kernels::moe_gemm_wide_split_launches();
+      const LayerRun r4 = run_gpu(**four, x, T);
+      EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches);
+      const LayerRun r8 = run_gpu(**eight, x, T);
+      EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches + 1);
       ASSERT_EQ(r4.ids, r8.ids);
       expect_close_to(to_float(r4.out), r8.out, fmt::format("qwen3-30b nvfp4 T={} warps=8 vs 4", T));
     }
@@ -283,6 +289,9 @@ TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
     auto layer = MoeLayerCuda::create(L, opt);
     ASSERT_TRUE(layer.ok()) << layer.error().what();
     EXPECT_EQ((*layer)->decode_split_k_warps(), 4) << weight_format_name(f);
+    const int64_t launches = kernels::moe_gemm_wide_split_launches();
+    run_gpu(**layer, random_x(1, L.shape.hidden, 5), 1);
+    EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches) << weight_format_name(f);
   }
   const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, Geometry{2048, 128, 16, 4}, 16, 46);
   {
