@@ -464,7 +464,8 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   for (size_t w = 0; w < waiting_.size() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs &&
                      static_cast<int>(running_.size()) < l.max_seqs;) {
     Seq& s = *waiting_[w];
-    if (!inflight.empty() && prefix_in_flight(s, inflight)) {
+    const std::vector<PoolPrefix> prefixes = pool_prefixes(s);
+    if (!inflight.empty() && prefix_in_flight(s, prefixes, inflight)) {
       ++metrics_.prefix_cache_waits_total;
       ++w;
       continue;
@@ -472,7 +473,7 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
     const int64_t budget_left = budget;
     bool placed = false;
     int64_t n = 0;
-    for (int pool : admission_order(s)) {
+    for (int pool : admission_order(prefixes)) {
       start_from_prefix_cache(s, pool);
       n = std::min(s.pending(), budget_left);
       if (pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
@@ -516,26 +517,36 @@ const std::vector<uint64_t>& Engine::token_chains(Seq& s) const {
 
 uint64_t Engine::inflight_key(int pool, uint64_t chain) { return chain ^ (0x9E3779B97F4A7C15ull * (pool + 1u)); }
 
-// Only pools with room count (admission_order's): the sequence waits when the best cached prefix
-// it could be placed behind is followed by a block in flight on that same pool.
-bool Engine::prefix_in_flight(Seq& s, const std::unordered_set<uint64_t>& inflight) const {
+// The pools a waiting sequence may be placed on (those with room, [TAG_SERVE_DP]) and the blocks of
+// its longest cached prefix on each (0 without prefix caching), walked once per sequence and step:
+// the in-flight wait and the admission order read the same walk.
+std::vector<Engine::PoolPrefix> Engine::pool_prefixes(Seq& s) const {
+  const int bs = runner_->limits().block_size;
+  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
+  const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
+  std::vector<PoolPrefix> out;
+  for (int p = 0; p < static_cast<int>(pools_.size()); ++p) {
+    if (!pool_has_room(p)) continue;
+    out.push_back({p, prefix_caching_ ? pools_[static_cast<size_t>(p)]->cached_prefix_blocks(root, lookup, bs,
+                                                                                             token_chains(s))
+                                      : 0});
+  }
+  return out;
+}
+
+// The sequence waits when the best cached prefix it could be placed behind is followed by a block
+// in flight on that same pool.
+bool Engine::prefix_in_flight(Seq& s, const std::vector<PoolPrefix>& prefixes,
+                              const std::unordered_set<uint64_t>& inflight) const {
   const int bs = runner_->limits().block_size;
   const int64_t lookup_blocks = (static_cast<int64_t>(s.tokens.size()) - 1) / bs;  // short of the last token
   if (lookup_blocks <= 0) return false;
-  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
-  const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
-  std::vector<std::pair<int, int64_t>> cached;  // (pool, cached blocks) of the pools with room
   int64_t best = -1;
-  for (int p = 0; p < static_cast<int>(pools_.size()); ++p) {
-    if (!pool_has_room(p)) continue;
-    const int64_t c = pools_[static_cast<size_t>(p)]->cached_prefix_blocks(root, lookup, bs, token_chains(s));
-    cached.emplace_back(p, c);
-    best = std::max(best, c);
-  }
+  for (const PoolPrefix& p : prefixes) best = std::max(best, p.cached_blocks);
   if (best < 0 || best >= lookup_blocks) return false;
   const uint64_t next = token_chains(s)[static_cast<size_t>(best)];
-  for (const auto& [p, c] : cached)
-    if (c == best && inflight.count(inflight_key(p, next)) > 0) return true;
+  for (const PoolPrefix& p : prefixes)
+    if (p.cached_blocks == best && inflight.count(inflight_key(p.pool, next)) > 0) return true;
   return false;
 }
 
@@ -555,8 +566,7 @@ int Engine::running_on(int pool) const {
 // pools), ordered by the longest cached prefix of its tokens (its
 // own, after a preemption, or a shared prompt's: cache-aware placement), then the fewest running
 // sequences, then the most free blocks, then the lowest pool.
-std::vector<int> Engine::admission_order(Seq& s) const {
-  const RunnerLimits& l = runner_->limits();
+std::vector<int> Engine::admission_order(const std::vector<PoolPrefix>& prefixes) const {
   struct Option {
     int pool;
     int64_t cached_blocks;
@@ -564,15 +574,8 @@ std::vector<int> Engine::admission_order(Seq& s) const {
     int32_t free;
   };
   std::vector<Option> options;
-  const uint64_t root = model::BlockAllocator::root_chain(weights_version_);
-  const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
-  for (int p = 0; p < l.kv_pools; ++p) {
-    if (!pool_has_room(p)) continue;
-    const int running = running_on(p);
-    const model::BlockAllocator& a = *pools_[static_cast<size_t>(p)];
-    options.push_back({p, prefix_caching_ ? a.cached_prefix_blocks(root, lookup, l.block_size, token_chains(s)) : 0,
-                       running, a.num_free()});
-  }
+  for (const PoolPrefix& p : prefixes)
+    options.push_back({p.pool, p.cached_blocks, running_on(p.pool), pools_[static_cast<size_t>(p.pool)]->num_free()});
   std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) {
     if (a.cached_blocks != b.cached_blocks) return a.cached_blocks > b.cached_blocks;
     if (a.running != b.running) return a.running < b.running;

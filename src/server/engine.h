@@ -224,14 +224,20 @@ class Engine {
   static StopMatcher::Out match_stops(Seq& seq, std::string_view text);
   void release_kv(Seq& seq);
   void start_from_prefix_cache(Seq& seq, int pool);
-  std::vector<int> admission_order(Seq& seq) const;  // non-const: token_chains() memoizes
+  struct PoolPrefix {
+    int pool;
+    int64_t cached_blocks;
+  };
+  std::vector<PoolPrefix> pool_prefixes(Seq& seq) const;  // non-const seq: token_chains() memoizes
+  std::vector<int> admission_order(const std::vector<PoolPrefix>& prefixes) const;
   // [TAG_PREFIX_CACHE_INFLIGHT] The chain hashes of seq's whole token blocks under the current
   // weights (kept on the sequence, extended as it grows). The prefix-cache walks of admission
   // and of the in-flight wait look them up instead of hashing the prompt again every step.
   const std::vector<uint64_t>& token_chains(Seq& seq) const;
   // Whether a waiting sequence should wait a step: the block after its longest cached prefix is
   // one a running sequence is computing now (in `inflight`), so it will be cached soon.
-  bool prefix_in_flight(Seq& seq, const std::unordered_set<uint64_t>& inflight) const;
+  bool prefix_in_flight(Seq& seq, const std::vector<PoolPrefix>& prefixes,
+                        const std::unordered_set<uint64_t>& inflight) const;
   static uint64_t inflight_key(int pool, uint64_t chain);
   // [TAG_SERVE_DP] Whether `pool` runs fewer sequences than its share of max_seqs (max_seqs /
   // kv_pools, the remainder spread over the first pools).

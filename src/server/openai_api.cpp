@@ -368,7 +368,6 @@ std::optional<ApiError> read_logprobs(const json& body, const ApiLimits& limits,
   return std::nullopt;
 }
 
-// {"<id>": bias}: OpenAI's keys are token ids written as decimal strings.
 // vLLM's stop_token_ids: a list of token ids (checked against the vocabulary by the engine).
 std::optional<ApiError> read_stop_token_ids(const json& body, const ApiLimits& limits, std::vector<int32_t>* out) {
   const json* v = field(body, "stop_token_ids");
@@ -388,6 +387,7 @@ std::optional<ApiError> read_stop_token_ids(const json& body, const ApiLimits& l
   return std::nullopt;
 }
 
+// {"<id>": bias}: OpenAI's keys are token ids written as decimal strings.
 std::optional<ApiError> read_logit_bias(const json& body, GenerationRequest* out) {
   const json* v = field(body, "logit_bias");
   if (v == nullptr) return std::nullopt;
@@ -604,15 +604,21 @@ std::string update_weights_error(const ApiError& e) {
 
 namespace {
 
-// "model" is optional on the tokenizer routes; when given it must name this server's model.
-std::optional<ApiError> check_optional_model(const json& doc, const ApiLimits& limits) {
+// "model", when present: a string naming this server's model (404 otherwise).
+std::optional<ApiError> read_model(const json& doc, const ApiLimits& limits, std::string* out) {
   const json* model = field(doc, "model");
   if (model == nullptr) return std::nullopt;
   if (!model->is_string()) return wrong_type("model", "a string", *model);
-  if (std::find(limits.model_names.begin(), limits.model_names.end(), model->get<std::string>()) ==
-      limits.model_names.end())
-    return model_not_found(model->get<std::string>());
+  *out = model->get<std::string>();
+  if (std::find(limits.model_names.begin(), limits.model_names.end(), *out) == limits.model_names.end())
+    return model_not_found(*out);
   return std::nullopt;
+}
+
+// "model" is optional on the tokenizer routes; when given it must name this server's model.
+std::optional<ApiError> check_optional_model(const json& doc, const ApiLimits& limits) {
+  std::string unused;
+  return read_model(doc, limits, &unused);
 }
 
 }  // namespace
@@ -661,12 +667,8 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
 
   GenerationRequest r;
   r.endpoint = endpoint;
-  const json* model = field(doc, "model");
-  if (model == nullptr) return invalid_request("'model' is required", "model");
-  if (!model->is_string()) return wrong_type("model", "a string", *model);
-  r.model = model->get<std::string>();
-  if (std::find(limits.model_names.begin(), limits.model_names.end(), r.model) == limits.model_names.end())
-    return model_not_found(r.model);
+  if (field(doc, "model") == nullptr) return invalid_request("'model' is required", "model");
+  if (auto e = read_model(doc, limits, &r.model)) return e;
 
   if (auto e = refuse_unsupported(endpoint, doc)) return e;
   if (endpoint == Endpoint::kChat) {
