@@ -117,8 +117,9 @@ Status run(ServeOptions& o) {
 
   o.runner.autotune = !o.no_autotune;
   // --ep on the CUDA backend: this process starts one worker per GPU and waits for them, or is one
-  // of them (src/cli/ep_workers.h). Rank 0 serves HTTP and runs every sequence; the other ranks
-  // serve their experts in lockstep until rank 0's runner goes (docs/EXPERT_PARALLEL.md). They
+  // of them (src/cli/ep_workers.h). Rank 0 serves HTTP and schedules; every rank runs the
+  // sequences placed on it and its experts, data parallel, until rank 0's runner goes
+  // (docs/EXPERT_PARALLEL.md, [TAG_SERVE_DP]). The followers
   // ignore SIGINT (a Ctrl-C reaches the whole process group): rank 0 shuts down cleanly and
   // releases them; the launcher's SIGTERM still ends them.
   if (o.runner.backend == "cuda" && o.runner.ep > 1) {

@@ -1063,7 +1063,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
   return Ok{};
 }
 
-Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
+Status Qwen3MoeCuda::check_batch(const StepBatch& in_batch) const {
   const Qwen3MoeConfig& c = config_;
   const int T = in_batch.num_tokens, S = in_batch.num_seqs, R = static_cast<int>(in_batch.logit_rows.size());
   if (in_batch.block_size != opt_.block_size || in_batch.max_blocks_per_seq != max_blocks_per_seq_)
@@ -1081,6 +1081,12 @@ Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
     if (in_batch.ids[static_cast<size_t>(t)] < 0 || in_batch.ids[static_cast<size_t>(t)] >= c.vocab_size)
       return Error::format("token {} is id {}, outside the vocabulary [0, {})", t, in_batch.ids[static_cast<size_t>(t)],
                            c.vocab_size);
+  return Ok{};
+}
+
+Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
+  const int T = in_batch.num_tokens, S = in_batch.num_seqs, R = static_cast<int>(in_batch.logit_rows.size());
+  MOEBIUS_TRY(check_batch(in_batch));
 
   // Expert parallelism: the step header (every rank's token count) picks the EP layers' capacity
   // for all ranks; a graph holds the decode capacity's, so a step at the prefill capacity (another

@@ -216,9 +216,13 @@ class Qwen3MoeCuda {
   // make_step_batch with this cache's geometry.
   Result<StepBatch> make_batch(std::span<const SequenceStep> seqs, bool all_logits = false) const;
 
+  // The checks enqueue() runs before it enqueues anything (or, with expert parallelism, takes
+  // part in a collective): the batch's geometry, the capacities, ids inside the vocabulary. Data-
+  // parallel serving runs them on every rank before any rank starts a step ([TAG_SERVE_DP]).
+  Status check_batch(const StepBatch& batch) const;
   // Enqueues one step; no host synchronization beyond the staging reuse (see the header comment).
   // logits_device() then holds [batch.logit_rows.size(), V] fp32 once the stream reaches that
-  // point. Errors (nothing enqueued) for a batch past the capacities or ids outside the vocabulary.
+  // point. Errors (nothing enqueued) are check_batch()'s.
   Status enqueue(const StepBatch& batch);
   // enqueue(), then the logits of the step's logit rows [R, V] fp32 copied to `logits` (host),
   // and a stream synchronize.

@@ -6,9 +6,9 @@
 //         step, attention per sequence) over one KV block pool viewed through the scheduler's block
 //         tables (--ep N: one pool per data-parallel rank, [TAG_SERVE_DP]). A weight update swaps
 //         the model's weights for the staged model's.
-//   cuda: Qwen3MoeCuda, one paged cache for every sequence; the step is one StepBatch whose block
-//         tables are the scheduler's ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the
-//         runner's CUDA graphs. A weight update copies the staged host weights into the device
+//   cuda: Qwen3MoeCuda, one paged cache for every sequence (--ep N: one per data-parallel rank,
+//         a GPU each); the step is one StepBatch whose block tables are the scheduler's
+//         ([TAG_KV_CACHE_LAYOUT]); pure decode steps replay the runner's CUDA graphs. A weight update copies the staged host weights into the device
 //         buffers they replace, so the graphs stay valid.
 #pragma once
 
@@ -106,9 +106,10 @@ struct RunnerOptions {
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
   // communicator, data parallel ([TAG_SERVE_DP]): one KV pool per rank (the engine places each
   // sequence on a rank), every rank holds its E / N experts. cuda: one process per GPU, this one rank
-  // ep_comm->rank() of ep_comm (NCCL, src/cli/ep_workers.h); rank 0 runs the runner (every
-  // sequence: the scheduler lives there), the others run_ep_follower. The runner's destructor
-  // releases the followers.
+  // ep_comm->rank() of ep_comm (NCCL, src/cli/ep_workers.h), data parallel the same way: rank 0 runs
+  // the runner (the scheduler lives there), the others run_ep_follower. The runner's destructor
+  // releases the followers. A cuda runner given ep_comm is data parallel even over one rank (the
+  // GPU tests run the protocol that way); ep_comm->size() must equal ep.
   int ep = 1;
   std::shared_ptr<parallel::Communicator> ep_comm;
 };
@@ -122,8 +123,8 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& options
 Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& options);
 #endif
 // cuda --ep, ranks other than 0: loads this rank's part of the model with exactly the runner's
-// options (so the EP capacities match rank 0's) and serves rank 0's steps, every MoE layer's
-// collectives with no tokens of its own, until rank 0's runner is destroyed. Errors name the flag.
+// options (so the EP capacities match rank 0's) and runs its part of rank 0's data-parallel steps
+// (server/dp_driver.h) until rank 0's runner is destroyed. Errors name the flag.
 Status run_ep_follower(const RunnerOptions& options);
 
 }  // namespace moebius::server

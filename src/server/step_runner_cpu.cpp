@@ -26,7 +26,7 @@
 #include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
 #include "parallel/in_process_communicator.h"
-#include "server/dp_step.h"
+#include "server/dp_driver.h"
 #include "server/step_runner.h"
 
 namespace moebius::server {
@@ -58,70 +58,42 @@ Status prepare_views(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, 
   return model.check_batch(batch);
 }
 
-// One forward_batch over `seqs` on `pool`; `logits` gets the wanted rows in order (one process).
-Status run_pooled(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits,
-                  std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
-  std::vector<model::KvCache> views;
-  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
-  size_t rows = 0;
-  MOEBIUS_TRY(prepare_views(model, pool, limits, seqs, views, batch, &rows));
-  logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
-  return model.forward_batch(batch, logits.data());
-}
-
-// [TAG_SERVE_DP] One rank's part of a step after its message, rank 0's included: prepare its own
-// sequences over its pool, agree with every rank whether all parts can run (one all-gather of a
-// flag: forward_batch is a collective, so a rank that failed its checks alone would leave the
-// others waiting in it), then run. Returns false when some rank refused (nobody ran; *why says
-// which, with this rank's reason if it was one); an error means the ranks may be out of step.
-Result<bool> run_dp_part(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, model::KvBlockPool& pool,
-                         const RunnerLimits& limits, const DpStepMessage& m, std::vector<float>& logits,
-                         std::string* why) {
-  std::vector<RunnerSeq> seqs;
-  seqs.reserve(m.seqs.size());
-  for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, s.block_table, s.want_logits});
-  std::vector<model::KvCache> views;
-  std::vector<model::Qwen3MoeCpu::BatchSeq> batch;
-  size_t rows = 0;
-  const Status mine = prepare_views(model, pool, limits, seqs, views, batch, &rows);
-  const int32_t flag = mine.ok() ? 1 : 0;
-  std::vector<int32_t> flags(static_cast<size_t>(comm.size()));
-  MOEBIUS_TRY(comm.all_gather(&flag, flags.data(), sizeof(flag)));
-  std::vector<int> refused;
-  for (size_t r = 0; r < flags.size(); ++r)
-    if (flags[r] == 0) refused.push_back(static_cast<int>(r));
-  if (!refused.empty()) {
-    *why = !mine.ok() ? fmt::format("rank {}: {}", comm.rank(), mine.error().what())
-                      : fmt::format("rank(s) {} could not run their part of the step (the reason is in the log)",
-                                    fmt::join(refused, ", "));
-    // Rank 0 returns its reason to the engine; a follower's own reason goes to the log.
-    if (!mine.ok() && comm.rank() != 0) log_error("serve --ep: {}", *why);
-    return false;
+// A rank's part of a step (the whole step without --ep): one forward_batch over its sequences,
+// each viewing `pool` through its block table; `logits` gets the wanted rows in order.
+class CpuPart final : public DpPart {
+ public:
+  CpuPart(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, const RunnerLimits& limits)
+      : model_(model), pool_(pool), limits_(limits) {}
+  Status prepare(std::span<const RunnerSeq> seqs, size_t* rows) override {
+    MOEBIUS_TRY(prepare_views(model_, pool_, limits_, seqs, views_, batch_, &rows_));
+    *rows = rows_;
+    return Ok{};
   }
-  logits.resize(rows * static_cast<size_t>(model.config().vocab_size));
-  MOEBIUS_TRY(model.forward_batch(batch, logits.data()));
-  return true;
-}
+  Status run(std::vector<float>& logits) override {
+    logits.resize(rows_ * static_cast<size_t>(model_.config().vocab_size));
+    return model_.forward_batch(batch_, logits.data());
+  }
+
+ private:
+  const model::Qwen3MoeCpu& model_;  // a weight update swaps its weights in place (commit_reload)
+  model::KvBlockPool& pool_;
+  const RunnerLimits& limits_;
+  std::vector<model::KvCache> views_;
+  std::vector<model::Qwen3MoeCpu::BatchSeq> batch_;  // points into views_
+  size_t rows_ = 0;
+};
 
 std::unique_ptr<model::KvBlockPool> make_pool(const model::Qwen3MoeConfig& c, const RunnerLimits& l) {
   return std::make_unique<model::KvBlockPool>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, l.block_size,
                                               l.num_blocks);
 }
 
-// A follower rank (1..N-1) of the DP runner, with its own KV pool: steps until rank 0 says stop. A
-// step some rank refused is skipped by every rank; any other error ends the loop, and the caller
-// aborts the group.
+// A follower rank (1..N-1) of the DP runner, with its own KV pool: steps until rank 0 says stop
+// (server/dp_driver.h).
 Status follow_dp_steps(const model::Qwen3MoeCpu& model, parallel::Communicator& comm, const RunnerLimits& limits) {
   const std::unique_ptr<model::KvBlockPool> pool = make_pool(model.config(), limits);
-  std::vector<float> logits, unused;
-  const int64_t V = model.config().vocab_size;
-  for (;;) {
-    MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage m, dp_exchange_step(comm, {}));
-    if (m.stop) return Ok{};
-    std::string why;
-    MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model, comm, *pool, limits, m, logits, &why));
-    if (ran) MOEBIUS_TRY(dp_gather_logits(comm, logits, {}, V, unused));
-  }
+  CpuPart part(model, *pool, limits);
+  return follow_dp_steps(comm, part, model.config().vocab_size);
 }
 
 // `--ep N` on the CPU: ranks 1..N-1 as threads.
@@ -135,14 +107,17 @@ struct EpFollowers {
 class CpuRunner final : public StepRunner {
  public:
   CpuRunner(model::Qwen3MoeCpu model, RunnerLimits limits, std::unique_ptr<EpFollowers> ep = nullptr)
-      : model_(std::move(model)), limits_(limits), ep_(std::move(ep)), pool_(make_pool(model_.config(), limits_)) {}
+      : model_(std::move(model)),
+        limits_(limits),
+        ep_(std::move(ep)),
+        pool_(make_pool(model_.config(), limits_)),
+        part_(model_, *pool_, limits_) {
+    if (ep_) driver_ = std::make_unique<DpStepDriver>(*ep_->comm0, model_.config().vocab_size);
+  }
   ~CpuRunner() override {
     if (!ep_) return;
-    if (broken_.ok()) {  // lets the follower ranks return (after a failure they already have)
-      std::vector<DpStepMessage> stop(static_cast<size_t>(limits_.kv_pools));
-      for (DpStepMessage& m : stop) m.stop = true;
-      if (!dp_exchange_step(*ep_->comm0, stop).ok()) ep_->group->abort("rank 0: stopping");
-    }
+    // Lets the follower ranks return (after a failure they already have).
+    if (broken_.ok() && !driver_->stop().ok()) ep_->group->abort("rank 0: stopping");
     for (auto& t : ep_->threads) t.join();
   }
 
@@ -161,7 +136,11 @@ class CpuRunner final : public StepRunner {
 
   // One forward_batch over every sequence of the step (bit-identical to running them one by one).
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    if (!ep_) return run_pooled(model_, *pool_, limits_, seqs, logits);
+    if (!ep_) {
+      size_t rows = 0;
+      MOEBIUS_TRY(part_.prepare(seqs, &rows));
+      return part_.run(logits);
+    }
     if (!broken_.ok()) return broken_;
     return dp_step(seqs, logits);
   }
@@ -191,58 +170,25 @@ class CpuRunner final : public StepRunner {
     model::Qwen3MoeCpu model;
   };
 
-  // [TAG_SERVE_DP] Place, send, run rank 0's part, gather, and put the rows back in step order.
-  // A step some rank refused returns its error with every rank still in step; any other error
-  // (a collective's) marks the runner failed.
+  // [TAG_SERVE_DP] server/dp_driver.h; a collective's failure stops the group, since the ranks
+  // may then be out of step (one failed inside a collective the others wait in): every later step
+  // reports it.
   Status dp_step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) {
-    const size_t N = static_cast<size_t>(limits_.kv_pools);
-    const int64_t V = config().vocab_size;
-    std::vector<DpStepMessage> msgs(N);
-    std::vector<int64_t> rows(N, 0);
-    std::vector<std::pair<size_t, int64_t>> where;  // per wanted row, in step order: (rank, its row)
-    for (const RunnerSeq& s : seqs) {
-      if (s.pool < 0 || s.pool >= limits_.kv_pools)
-        return Error::format("sequence {} is placed on pool {}; there are {}", s.id, s.pool, limits_.kv_pools);
-      const size_t r = static_cast<size_t>(s.pool);
-      msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()},
-                                   {s.block_table.begin(), s.block_table.end()}});
-      if (s.want_logits) where.emplace_back(r, rows[r]++);
-    }
-    Status refused = Ok{};  // a step some rank refused: every rank is still in step
-    const Status st = [&]() -> Status {
-      MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(*ep_->comm0, msgs));
-      std::string why;
-      MOEBIUS_ASSIGN_OR_RETURN(bool ran, run_dp_part(model_, *ep_->comm0, *pool_, limits_, mine, own_, &why));
-      if (!ran) {
-        refused = Error(why);
-        return Ok{};
-      }
-      return dp_gather_logits(*ep_->comm0, own_, rows, V, gathered_);
-    }();
-    if (!st.ok()) {
-      // The ranks may now be out of step with each other (one failed inside a collective the
-      // others wait in): stop the group; every later step reports this error.
+    Status refused = Ok{};
+    if (Status st = driver_->step(seqs, part_, logits, &refused); !st.ok()) {
       broken_ = Error("the data-parallel ranks stopped: " + st.error().what());
       ep_->group->abort("rank 0: " + st.error().what());
       return st;
     }
-    if (!refused.ok()) return refused;
-    std::vector<size_t> first_row(N, 0);  // where rank r's rows start in gathered_ (rank 0: in own_)
-    for (size_t r = 2; r < N; ++r) first_row[r] = first_row[r - 1] + static_cast<size_t>(rows[r - 1]);
-    logits.resize(where.size() * static_cast<size_t>(V));
-    for (size_t i = 0; i < where.size(); ++i) {
-      const auto [r, row] = where[i];
-      const float* src = r == 0 ? own_.data() + row * V : gathered_.data() + (first_row[r] + static_cast<size_t>(row)) * V;
-      std::copy(src, src + V, logits.data() + i * static_cast<size_t>(V));
-    }
-    return Ok{};
+    return refused;
   }
 
   model::Qwen3MoeCpu model_;
   RunnerLimits limits_;
   std::unique_ptr<EpFollowers> ep_;
   std::unique_ptr<model::KvBlockPool> pool_;  // rank 0's (--ep: the followers have their own)
-  std::vector<float> own_, gathered_;  // rank 0's rows, the other ranks' rows
+  CpuPart part_;                              // rank 0's model over pool_
+  std::unique_ptr<DpStepDriver> driver_;      // --ep
   Status broken_ = Ok{};
 };
 
@@ -339,7 +285,9 @@ Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
   if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
   if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
   if (o.ep < 1 || o.ep > 1024) return Error::format("must be in [1, 1024], got {}", o.ep).in_field("--ep");
-  if (o.ep > 1 && o.backend == "cuda" && (!o.ep_comm || o.ep_comm->size() != o.ep))
+  if (o.ep_comm && o.ep_comm->size() != o.ep)
+    return Error::format("the worker communicator has {} ranks, --ep is {}", o.ep_comm->size(), o.ep).in_field("--ep");
+  if (o.ep > 1 && o.backend == "cuda" && !o.ep_comm)
     return Error("expert parallelism on the CUDA backend runs one worker process per GPU; `moebius serve` starts "
                  "them (or mpirun does)")
         .in_field("--ep");

@@ -1,25 +1,100 @@
 // The CUDA backend of StepRunner: Qwen3MoeCuda over one paged KV cache whose blocks the engine's
 // BlockAllocator hands out ([TAG_KV_CACHE_LAYOUT]). The runner keeps nothing per sequence: the
 // block table is the sequence's whole cache state, so release() has nothing to do.
+//
+// `--ep N` ([TAG_SERVE_DP]): one process per GPU, each rank a Qwen3MoeCuda over its E / N experts
+// and its own KV pool, data parallel as the CPU runner's ranks are (server/dp_driver.h): the
+// engine places each sequence on a rank, rank 0 sends every rank its part of the step, each rank
+// runs attention over its own sequences (a rank with none runs only the MoE collectives), and the
+// wanted logits rows come back to rank 0. Those messages are host data over the NCCL communicator
+// (parallel/host_staged_communicator.h); the MoE dispatch inside the forward stays on the device.
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
+#include <limits>
 
 #include <fmt/format.h>
 
 #include "model/generate.h"
 #include "model/qwen3_moe_cuda.h"
+#include "server/dp_driver.h"
 #include "server/step_runner.h"
+
+#ifdef MOEBIUS_HAS_NCCL
+#include "parallel/host_staged_communicator.h"
+#include "parallel/nccl_communicator.h"
+#endif
 
 namespace moebius::server {
 namespace {
 
+// A rank's part of a step (the whole step without --ep): one forward over its sequences, whose
+// batch has one logits row per sequence (its last new token); the wanted ones are returned. A
+// data-parallel rank with no sequences in the step still takes part in every MoE layer's
+// collectives (Qwen3MoeCuda::ep_empty_step).
+class CudaPart final : public DpPart {
+ public:
+  explicit CudaPart(model::Qwen3MoeCuda& model) : model_(model) {}
+
+  Status prepare(std::span<const RunnerSeq> seqs, size_t* rows) override {
+    steps_.clear();
+    want_.clear();
+    *rows = 0;
+    for (const RunnerSeq& s : seqs) {
+      steps_.push_back(model::SequenceStep{s.tokens, s.start, s.block_table});
+      want_.push_back(s.want_logits);
+      *rows += s.want_logits ? 1 : 0;
+    }
+    rows_ = *rows;
+    if (steps_.empty()) return data_parallel_ ? Status(Ok{}) : Status(Error("a step with no sequences"));
+    MOEBIUS_ASSIGN_OR_RETURN(batch_, model_.make_batch(steps_));
+    return model_.check_batch(batch_);
+  }
+
+  Status run(std::vector<float>& logits) override {
+    logits.clear();
+    if (steps_.empty()) return model_.ep_empty_step();
+    const size_t V = static_cast<size_t>(model_.config().vocab_size);
+    all_.resize(steps_.size() * V);
+    MOEBIUS_TRY(model_.forward(batch_, all_.data()));
+    logits.reserve(rows_ * V);
+    for (size_t i = 0; i < steps_.size(); ++i)
+      if (want_[i])
+        logits.insert(logits.end(), all_.begin() + static_cast<std::ptrdiff_t>(i * V),
+                      all_.begin() + static_cast<std::ptrdiff_t>((i + 1) * V));
+    return Ok{};
+  }
+
+  void set_data_parallel() { data_parallel_ = true; }
+
+ private:
+  model::Qwen3MoeCuda& model_;
+  bool data_parallel_ = false;
+  std::vector<model::SequenceStep> steps_;
+  std::vector<bool> want_;
+  model::StepBatch batch_;
+  size_t rows_ = 0;
+  std::vector<float> all_;
+};
+
+// [TAG_SERVE_DP] Data-parallel serving over the EP ranks (one process per GPU): the step messages
+// and logits rows go over the NCCL communicator through host staging.
+struct DpState {
+  std::unique_ptr<parallel::Communicator> comm;  // host-staged, over the model's NCCL communicator
+  std::unique_ptr<DpStepDriver> driver;          // rank 0
+};
+
 class CudaRunner final : public StepRunner {
  public:
-  CudaRunner(std::unique_ptr<model::Qwen3MoeCuda> model, RunnerLimits limits)
-      : model_(std::move(model)), limits_(limits) {}
-  // Expert parallelism: rank 0 posts "done" so the follower ranks return (a no-op without EP).
-  ~CudaRunner() override { (void)model_->ep_idle_until_all_done(); }
+  CudaRunner(std::unique_ptr<model::Qwen3MoeCuda> model, RunnerLimits limits, std::unique_ptr<DpState> dp)
+      : model_(std::move(model)), limits_(limits), part_(*model_), dp_(std::move(dp)) {
+    if (dp_) part_.set_data_parallel();
+  }
+  // Data parallel: the followers return from their step loop (after a failure they may be stuck
+  // in a collective; the launcher ends them when this process exits).
+  ~CudaRunner() override {
+    if (dp_ && broken_.ok()) (void)dp_->driver->stop();
+  }
 
   const model::Qwen3MoeConfig& config() const override { return model_->config(); }
   std::optional<offload::ModelCacheStats> expert_cache_stats() const override {
@@ -28,33 +103,34 @@ class CudaRunner final : public StepRunner {
   }
   const RunnerLimits& limits() const override { return limits_; }
   std::string describe() const override {
-    return fmt::format("cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}\n{}",
-                       config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks,
-                       limits_.block_size,
-                       model_->ep_size() > 1
-                           ? fmt::format(", expert parallel over {} GPUs (this rank: every sequence, {} of {} "
-                                         "experts per layer)",
-                                         model_->ep_size(), config().num_experts / model_->ep_size(),
-                                         config().num_experts)
-                           : std::string(),
-                       model::format_memory_plan(model_->memory_plan()));
+    const int N = model_->ep_size();
+    return fmt::format(
+        "cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}{}\n{}", config().num_hidden_layers,
+        config().vocab_size, limits_.max_context, limits_.num_blocks, limits_.block_size, dp_ ? " per rank" : "",
+        dp_ ? fmt::format("; data parallel over {} expert-parallel GPUs ({} of {} experts per layer on each), up to {} "
+                          "sequences and {} tokens a step",
+                          N, config().num_experts / N, config().num_experts, limits_.max_seqs, limits_.max_step_tokens)
+            : std::string(),
+        model::format_memory_plan(model_->memory_plan()));
   }
 
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
-    steps_.clear();
-    for (const RunnerSeq& s : seqs) steps_.push_back(model::SequenceStep{s.tokens, s.start, s.block_table});
-    MOEBIUS_ASSIGN_OR_RETURN(model::StepBatch batch, model_->make_batch(steps_));
-    const size_t V = static_cast<size_t>(config().vocab_size);
-    all_.resize(seqs.size() * V);  // one logit row per sequence: its last new token
-    MOEBIUS_TRY(model_->forward(batch, all_.data()));
-    logits.clear();
-    for (size_t i = 0; i < seqs.size(); ++i)
-      if (seqs[i].want_logits)
-        logits.insert(logits.end(), all_.begin() + static_cast<std::ptrdiff_t>(i * V),
-                      all_.begin() + static_cast<std::ptrdiff_t>((i + 1) * V));
-    return Ok{};
+    if (!dp_) {
+      size_t rows = 0;
+      MOEBIUS_TRY(part_.prepare(seqs, &rows));
+      return part_.run(logits);
+    }
+    if (!broken_.ok()) return broken_;
+    Status refused = Ok{};
+    if (Status st = dp_->driver->step(seqs, part_, logits, &refused); !st.ok()) {
+      // A collective failed: the ranks may be out of step, so no later step runs.
+      broken_ = Error("the data-parallel ranks stopped: " + st.error().what());
+      return st;
+    }
+    return refused;
   }
 
+  bool failed() const override { return !broken_.ok(); }
   void release(int64_t) override {}
   bool shares_kv_blocks() const override { return true; }  // [TAG_PREFIX_CACHE]
 
@@ -75,18 +151,34 @@ class CudaRunner final : public StepRunner {
 
   std::unique_ptr<model::Qwen3MoeCuda> model_;
   RunnerLimits limits_;
-  std::vector<model::SequenceStep> steps_;
-  std::vector<float> all_;
+  CudaPart part_;
+  std::unique_ptr<DpState> dp_;
+  Status broken_ = Ok{};
 };
 
-}  // namespace
+// [TAG_SERVE_DP] Each rank runs up to --max-running sequences over its own KV pool, so the engine
+// schedules N times as many; --max-step-tokens is the step's total, raised to one token per
+// sequence where it is below N x --max-running. Any one rank may be given the whole step (the
+// engine places by cached prefix and load, not by tokens), so every rank's runner holds the
+// step's total.
+struct DpSizes {
+  int seqs_per_rank = 0;
+  int step_tokens = 0;
+};
 
-namespace {
+Result<DpSizes> dp_sizes(const RunnerOptions& o) {
+  const int N = o.ep_comm ? o.ep_comm->size() : 1;
+  const int64_t seqs = int64_t{o.max_seqs} * N;
+  if (seqs > std::numeric_limits<int32_t>::max())
+    return Error::format("--max-running {} x --ep {} is too many sequences", o.max_seqs, N).in_field("--max-running");
+  return DpSizes{o.max_seqs, static_cast<int>(std::max<int64_t>(o.max_step_tokens, seqs))};
+}
 
 // The runner's options from the server's; the same on every EP rank (the capacities must match).
 Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::weight_source_config(o.source));
+  MOEBIUS_ASSIGN_OR_RETURN(DpSizes dp, dp_sizes(o));
   model::Qwen3MoeCudaOptions co;
   co.experts_format = experts;
   // A full-length context for every running sequence would not fit a real model's pool: default
@@ -94,7 +186,7 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   const int64_t ctx = config.max_position_embeddings;
   co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx) : std::min<int64_t>(ctx, 8192));
   co.max_seqs = o.max_seqs;
-  co.max_tokens = o.max_step_tokens;
+  co.max_tokens = dp.step_tokens;
   co.max_logit_rows = o.max_seqs;
   co.block_size = o.block_size;
   co.num_blocks = o.num_blocks;
@@ -106,8 +198,35 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
                            offload::parse_expert_cache_flags(o.expert_cache, !o.gpu_memory_budget.empty()));
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
-  if (o.ep > 1) co.ep_comm = o.ep_comm;
+  co.ep_comm = o.ep_comm;
   return co;
+}
+
+RunnerLimits runner_limits(const model::Qwen3MoeCuda& m) {
+  RunnerLimits l;
+  l.block_size = m.block_size();
+  l.num_blocks = m.num_blocks();
+  l.max_context = m.max_context();
+  l.max_step_tokens = m.max_tokens();
+  l.max_seqs = m.max_seqs() * m.ep_size();
+  l.kv_pools = m.ep_size();
+  return l;
+}
+
+// The host-staged communicator over the model's NCCL one, after checking that every rank holds
+// the same limits (the first DP collective: a rank that cannot match fails them all at start-up).
+Result<std::unique_ptr<parallel::Communicator>> dp_communicator(const RunnerOptions& o, model::Qwen3MoeCuda& m,
+                                                                const RunnerLimits& l) {
+#ifdef MOEBIUS_HAS_NCCL
+  auto* nccl = dynamic_cast<parallel::NcclCommunicator*>(o.ep_comm.get());
+  if (nccl == nullptr) return Error("data-parallel serving on the CUDA backend runs over NCCL").in_field("--ep");
+  std::unique_ptr<parallel::Communicator> c(new parallel::HostStagedCommunicator(*nccl, m.stream()));
+  MOEBIUS_TRY(dp_check_same_limits(*c, l));
+  return c;
+#else
+  (void)o, (void)m, (void)l;
+  return Error("this build of moebius has no NCCL; expert parallelism on the CUDA backend needs it").in_field("--ep");
+#endif
 }
 
 }  // namespace
@@ -117,19 +236,24 @@ Status run_ep_follower(const RunnerOptions& o) {
     return Error("a follower rank needs --backend cuda and its worker communicator").in_field("--ep");
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
-  return m->ep_idle_until_all_done();
+  const RunnerLimits l = runner_limits(*m);
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<parallel::Communicator> comm, dp_communicator(o, *m, l));
+  CudaPart part(*m);
+  part.set_data_parallel();
+  return follow_dp_steps(*comm, part, m->config().vocab_size);
 }
 
 Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
-  RunnerLimits l;
-  l.block_size = m->block_size();
-  l.num_blocks = m->num_blocks();
-  l.max_context = m->max_context();
-  l.max_step_tokens = m->max_tokens();
-  l.max_seqs = m->max_seqs();
-  return std::unique_ptr<StepRunner>(new CudaRunner(std::move(m), l));
+  const RunnerLimits l = runner_limits(*m);
+  std::unique_ptr<DpState> dp;
+  if (o.ep_comm) {
+    dp = std::make_unique<DpState>();
+    MOEBIUS_ASSIGN_OR_RETURN(dp->comm, dp_communicator(o, *m, l));
+    dp->driver = std::make_unique<DpStepDriver>(*dp->comm, m->config().vocab_size);
+  }
+  return std::unique_ptr<StepRunner>(new CudaRunner(std::move(m), l, std::move(dp)));
 }
 
 }  // namespace moebius::server
