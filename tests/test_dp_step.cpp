@@ -18,6 +18,7 @@ DpStepMessage sample_message() {
   m.seqs.push_back(DpSeq{11, 0, true, {1, 2, 3, 4, 5}, {3, 9}});
   m.seqs.push_back(DpSeq{12, 37, false, {151643}, {0, 1, 2}});
   m.seqs.push_back(DpSeq{-5, 9, true, {0}, {1 << 30}});
+  m.seqs.push_back(DpSeq{13, 0, false, {5, 6, 7}, {4}, /*all_logits=*/true});  // a prompt's logprobs
   return m;
 }
 
@@ -28,6 +29,7 @@ void expect_same(const DpStepMessage& a, const DpStepMessage& b) {
     EXPECT_EQ(a.seqs[i].id, b.seqs[i].id);
     EXPECT_EQ(a.seqs[i].start, b.seqs[i].start);
     EXPECT_EQ(a.seqs[i].want_logits, b.seqs[i].want_logits);
+    EXPECT_EQ(a.seqs[i].all_logits, b.seqs[i].all_logits);
     EXPECT_EQ(a.seqs[i].tokens, b.seqs[i].tokens);
     EXPECT_EQ(a.seqs[i].block_table, b.seqs[i].block_table);
   }
@@ -73,7 +75,8 @@ TEST(DpStepMessage, RefusesCorruptFields) {
   EXPECT_THAT(with(seqs_at, &huge, 4).error().what(), ::testing::HasSubstr("sequence count"));  // never allocated
   const size_t seq0 = seqs_at + 4;  // id, start, want, token count, 5 tokens, block count, 2 blocks
   EXPECT_THAT(with(seq0 + 8, &negative, 8).error().what(), ::testing::HasSubstr("starts at -1"));
-  EXPECT_FALSE(with(seq0 + 16, &two, 1).ok());
+  const uint8_t four = 4;  // logits flags: bits 0 and 1 only
+  EXPECT_THAT(with(seq0 + 16, &four, 1).error().what(), ::testing::HasSubstr("truncated sequence header"));
   EXPECT_THAT(with(seq0 + 17, &zero, 4).error().what(), ::testing::HasSubstr("token count"));
   EXPECT_THAT(with(seq0 + 17, &huge, 4).error().what(), ::testing::HasSubstr("token count"));
   const size_t blocks0 = seq0 + 21 + 5 * 4;

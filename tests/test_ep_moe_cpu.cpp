@@ -487,6 +487,44 @@ TEST(EpCpuRunner, StepsEqualTheSingleProcessRunner) {
   EXPECT_THAT(r.error().what(), ::testing::HasSubstr("num_experts"));
 }
 
+// A prompt's logprobs (RunnerSeq::all_logits): a step returns a row for every new token of such a
+// sequence, in the step's order among the other sequences' rows, bit-identical to computing the
+// prompt one token at a time; with --ep 2 too, on either rank.
+TEST(EpCpuRunner, AllLogitsRowsEqualTokenByTokenLogits) {
+  const std::vector<int32_t> prompt = {5, 17, 2, 99, 41, 7}, other = {3, 4};
+  const std::vector<int32_t> ta = {0}, tb = {1};
+  auto one_by_one = [&]() -> std::vector<float> {
+    auto runner = load_tiny_runner(1, 4, 64);
+    EXPECT_TRUE(runner.ok()) << runner.error().what();
+    if (!runner.ok()) return {};
+    std::vector<float> rows, logits;
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      const RunnerSeq s{1, std::span<const int32_t>(prompt.data() + i, 1), static_cast<int64_t>(i), ta, true};
+      EXPECT_TRUE((*runner)->step(std::span<const RunnerSeq>(&s, 1), logits).ok());
+      rows.insert(rows.end(), logits.begin(), logits.end());
+    }
+    return rows;
+  };
+  const std::vector<float> want = one_by_one();
+  ASSERT_FALSE(want.empty());
+  const size_t V = want.size() / prompt.size();
+  for (int ep : {1, 2}) {
+    auto runner = load_tiny_runner(ep, 4, 64);
+    ASSERT_TRUE(runner.ok()) << runner.error().what();
+    EXPECT_EQ((*runner)->limits().max_all_logits_rows, 64 * 1);
+    std::vector<float> logits;
+    // The prompt in two chunks (4 + 2 tokens), beside another sequence that wants its last row.
+    const RunnerSeq first[] = {{2, other, 0, tb, true, 0}, {1, std::span<const int32_t>(prompt.data(), 4), 0, ta, false, ep - 1, true}};
+    ASSERT_TRUE((*runner)->step(first, logits).ok());
+    ASSERT_EQ(logits.size(), 5 * V) << "EP=" << ep;
+    EXPECT_EQ(0, std::memcmp(logits.data() + V, want.data(), 4 * V * sizeof(float))) << "EP=" << ep;
+    const RunnerSeq second[] = {{1, std::span<const int32_t>(prompt.data() + 4, 2), 4, ta, true, ep - 1, true}};
+    ASSERT_TRUE((*runner)->step(second, logits).ok());
+    ASSERT_EQ(logits.size(), 2 * V);
+    EXPECT_EQ(0, std::memcmp(logits.data(), want.data() + 4 * V, 2 * V * sizeof(float))) << "EP=" << ep;
+  }
+}
+
 // A sequence starting past the context (inside its block table) is refused, on one rank and on a
 // follower rank, rather than stopping the process on the KV view's assertion.
 TEST(EpCpuRunner, AStepPastTheContextIsRefused) {

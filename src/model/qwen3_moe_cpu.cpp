@@ -518,12 +518,14 @@ Status Qwen3MoeCpu::run(std::span<const BatchSeq> seqs, bool all_rows, float* lo
   const float* head = (lm_head_.empty() ? embed_ : lm_head_).data();
   if (all_rows) {
     cpu::linear_reference(h.data(), head, N, V, H, logits);  // [N, V]
-  } else {  // the last row of each sequence that wants logits: [R, V]
+  } else {  // every row of a sequence with all_logits, the last of one with want_logits: [R, V]
     std::vector<float> last;
     int64_t end = 0;
     for (const BatchSeq& s : seqs) {
+      const int64_t begin = end;
       end += static_cast<int64_t>(s.ids.size());
-      if (s.want_logits) last.insert(last.end(), h.begin() + (end - 1) * H, h.begin() + end * H);
+      if (s.all_logits) last.insert(last.end(), h.begin() + begin * H, h.begin() + end * H);
+      else if (s.want_logits) last.insert(last.end(), h.begin() + (end - 1) * H, h.begin() + end * H);
     }
     const int64_t R = static_cast<int64_t>(last.size()) / H;
     if (R > 0) cpu::linear_reference(last.data(), head, R, V, H, logits);

@@ -154,13 +154,14 @@ class Qwen3MoeCpu {
     std::span<const int32_t> ids;  // at least one, at positions cache->position() ..
     KvCache* cache = nullptr;      // distinct for each sequence of a batch
     bool want_logits = false;      // the logits of its last token are wanted
+    bool all_logits = false;       // the logits of every new token are wanted (prompt logprobs)
   };
   // Several sequences in one pass (the server's step): every token of every sequence goes through
   // the norms, projections, router and experts together (each touched expert is dequantized once
   // per step, not once per sequence), attention runs per sequence over its own cache, and the
   // lm_head only for the wanted rows. Every op is per token, so each sequence's results are
-  // bit-identical to forward() on it alone. Writes logits [R, V] for the R sequences with
-  // want_logits, in order. Errors (every cache unchanged) as forward()'s, for any sequence.
+  // bit-identical to forward() on it alone. Writes logits [R, V], in order: every new token's row
+  // of a sequence with all_logits, the last token's of one with want_logits. Errors (every cache unchanged) as forward()'s, for any sequence.
   // With expert parallelism (options.ep_comm) `seqs` may be empty: the rank then only serves its
   // experts to the other ranks' tokens for this step.
   Status forward_batch(std::span<const BatchSeq> seqs, float* logits) const;

@@ -42,10 +42,10 @@ Result<StepBatch> make_step_batch(std::span<const SequenceStep> seqs, int block_
       b.positions.push_back(static_cast<int32_t>(pos));
       b.slot_mapping.push_back(q.block_table[static_cast<size_t>(pos / block_size)] * block_size +
                                static_cast<int32_t>(pos % block_size));
-      if (all_logits) b.logit_rows.push_back(static_cast<int32_t>(total + i));
+      if (all_logits || q.all_logits) b.logit_rows.push_back(static_cast<int32_t>(total + i));
     }
     total += n;
-    if (!all_logits) b.logit_rows.push_back(static_cast<int32_t>(total - 1));
+    if (!all_logits && !q.all_logits) b.logit_rows.push_back(static_cast<int32_t>(total - 1));
     b.cu_seqlens.push_back(static_cast<int32_t>(total));
     b.seq_lens.push_back(static_cast<int32_t>(end));
     b.max_q_len = std::max<int>(b.max_q_len, static_cast<int>(n));

@@ -18,6 +18,7 @@ struct SequenceStep {
   std::span<const int32_t> tokens;       // new tokens, at least one
   int64_t start = 0;                     // tokens of this sequence already in the cache: tokens[0]'s position
   std::span<const int32_t> block_table;  // physical blocks covering start + tokens.size() tokens (or more)
+  bool all_logits = false;               // a logit row for every new token (prompt logprobs), not only the last
 };
 
 struct StepBatch {
@@ -43,7 +44,7 @@ struct StepBatch {
 };
 
 // Flattens `seqs`. all_logits: a logit row for every token (tests compare whole prefills), else
-// the last token of each sequence. Errors for an empty sequence, a block table too short for its
+// the last token of each sequence (every token of a sequence with SequenceStep::all_logits). Errors for an empty sequence, a block table too short for its
 // tokens or longer than max_blocks_per_seq, a block id outside [0, num_blocks), or positions past
 // int32.
 Result<StepBatch> make_step_batch(std::span<const SequenceStep> seqs, int block_size, int max_blocks_per_seq,

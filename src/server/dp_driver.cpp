@@ -14,7 +14,8 @@ Result<bool> run_dp_part(parallel::Communicator& comm, DpPart& part, const DpSte
                          std::vector<float>& logits, std::string* why) {
   std::vector<RunnerSeq> seqs;
   seqs.reserve(m.seqs.size());
-  for (const DpSeq& s : m.seqs) seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, s.block_table, s.want_logits});
+  for (const DpSeq& s : m.seqs)
+    seqs.push_back(RunnerSeq{s.id, s.tokens, s.start, s.block_table, s.want_logits, 0, s.all_logits});
   size_t rows = 0;
   const Status mine = part.prepare(seqs, &rows);
   const int32_t flag = mine.ok() ? 1 : 0;
@@ -61,8 +62,8 @@ Status DpStepDriver::step(std::span<const RunnerSeq> seqs, DpPart& own, std::vec
     }
     const size_t r = static_cast<size_t>(s.pool);
     msgs[r].seqs.push_back(DpSeq{s.id, s.start, s.want_logits, {s.tokens.begin(), s.tokens.end()},
-                                 {s.block_table.begin(), s.block_table.end()}});
-    if (s.want_logits) where.emplace_back(r, rows[r]++);
+                                 {s.block_table.begin(), s.block_table.end()}, s.all_logits});
+    for (size_t i = 0; i < logits_rows(s); ++i) where.emplace_back(r, rows[r]++);
   }
   MOEBIUS_ASSIGN_OR_RETURN(DpStepMessage mine, dp_exchange_step(comm_, msgs));
   std::string why;

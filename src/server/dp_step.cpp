@@ -8,10 +8,10 @@
 namespace moebius::server {
 namespace {
 
-constexpr uint32_t kDpStepMagic = 0x32535044u;  // "DPS2" little-endian: version 2 of the layout below
+constexpr uint32_t kDpStepMagic = 0x33535044u;  // "DPS3" little-endian: version 3 of the layout below
 
-// Layout: magic u32, stop u8, seqs u32, then per sequence: id i64, start i64, want_logits u8,
-// tokens u32, token ids i32 x n, blocks u32, block ids i32 x n.
+// Layout: magic u32, stop u8, seqs u32, then per sequence: id i64, start i64, logits flags u8 (bit
+// 0: want_logits, bit 1: all_logits), tokens u32, token ids i32 x n, blocks u32, block ids i32 x n.
 class Writer {
  public:
   template <typename T>
@@ -54,7 +54,7 @@ std::vector<uint8_t> encode_dp_step(const DpStepMessage& m) {
   for (const DpSeq& s : m.seqs) {
     w.put<int64_t>(s.id);
     w.put<int64_t>(s.start);
-    w.put<uint8_t>(s.want_logits ? 1 : 0);
+    w.put<uint8_t>(static_cast<uint8_t>((s.want_logits ? 1 : 0) | (s.all_logits ? 2 : 0)));
     w.put<uint32_t>(static_cast<uint32_t>(s.tokens.size()));
     for (int32_t t : s.tokens) w.put<int32_t>(t);
     w.put<uint32_t>(static_cast<uint32_t>(s.block_table.size()));
@@ -77,9 +77,10 @@ Result<DpStepMessage> decode_dp_step(std::span<const uint8_t> bytes) {
   m.seqs.resize(n);
   for (DpSeq& s : m.seqs) {
     uint32_t t = 0;
-    if (!r.get(s.id) || !r.get(s.start) || !r.get(flag) || flag > 1 || !r.get(t))
+    if (!r.get(s.id) || !r.get(s.start) || !r.get(flag) || flag > 3 || !r.get(t))
       return malformed("truncated sequence header");
-    s.want_logits = flag == 1;
+    s.want_logits = (flag & 1) != 0;
+    s.all_logits = (flag & 2) != 0;
     if (s.start < 0) return malformed(fmt::format("sequence {} starts at {}", s.id, s.start));
     if (t == 0 || !r.holds(t, sizeof(int32_t))) return malformed(fmt::format("sequence {}: bad token count {}", s.id, t));
     s.tokens.resize(t);

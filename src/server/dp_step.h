@@ -28,6 +28,7 @@ struct DpSeq {
   bool want_logits = false;
   std::vector<int32_t> tokens;       // new tokens, at least one
   std::vector<int32_t> block_table;  // blocks of the rank's pool; covers start + tokens
+  bool all_logits = false;           // every new token's logits (RunnerSeq::all_logits)
 };
 
 // One rank's part of one step.

@@ -35,7 +35,13 @@ struct RunnerSeq {
   std::span<const int32_t> block_table;  // covers start + tokens.size(); blocks of pool `pool`
   bool want_logits = false;              // the last new token's logits are wanted
   int pool = 0;                          // the KV pool (data-parallel rank) it runs on
+  // Every new token's logits are wanted (a prompt's logprobs): tokens.size() rows instead of one.
+  // At most RunnerLimits::max_all_logits_rows such rows a step on one pool.
+  bool all_logits = false;
 };
+
+// The logits rows a sequence's step returns.
+inline size_t logits_rows(const RunnerSeq& s) { return s.all_logits ? s.tokens.size() : s.want_logits ? 1 : 0; }
 
 struct RunnerLimits {
   int block_size = 16;
@@ -46,6 +52,9 @@ struct RunnerLimits {
   // KV pools: 1, or one per data-parallel rank ([TAG_SERVE_DP]: a sequence runs on the rank whose
   // pool holds its blocks, at most max_seqs / kv_pools sequences per rank). The engine places.
   int kv_pools = 1;
+  // Rows of all_logits sequences (RunnerSeq::all_logits) one step may ask of one pool; 0: none
+  // (prompt logprobs are then refused).
+  int max_all_logits_rows = 0;
 };
 
 // A checkpoint a runner has read and checked, ready for commit_weights (backend-specific).
@@ -60,7 +69,7 @@ class StepRunner {
   virtual const model::Qwen3MoeConfig& config() const = 0;
   virtual const RunnerLimits& limits() const = 0;
   virtual std::string describe() const = 0;  // a line for the startup log
-  // Runs one step. `logits` receives [R, V] fp32 for the R sequences with want_logits, in order.
+  // Runs one step. `logits` receives [R, V] fp32, the sequences' logits_rows() in order.
   // Errors leave every sequence's cache as it was before the step's tokens.
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it
@@ -99,6 +108,10 @@ struct RunnerOptions {
   int32_t num_blocks = 0;       // 0: enough for max_seqs full contexts (cpu), the runner's pool (cuda)
   std::vector<int> graph_batches;  // cuda: decode graph buckets; empty: 1, 2, 4, ... up to max_seqs
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
+  // cuda: logits rows a step may compute besides one per sequence, for prompt logprobs
+  // (RunnerLimits::max_all_logits_rows; each row is a [V] fp32 buffer row on the GPU: 0.6 MB for
+  // Qwen3's 151,936 ids). cpu: no limit beyond the step's tokens.
+  int prompt_logprob_rows = 128;
   // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file / expert_cache).
   std::string gpu_memory_budget;
   std::string placement_file;

@@ -52,8 +52,8 @@ Status prepare_views(const model::Qwen3MoeCpu& model, model::KvBlockPool& pool, 
     if (s.start > limits.max_context)
       return Error::format("sequence {} starts at {}, past the context of {} tokens", s.id, s.start, limits.max_context);
     views.emplace_back(pool, s.block_table, s.start, limits.max_context);
-    batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &views.back(), s.want_logits});
-    *rows += s.want_logits ? 1 : 0;
+    batch.push_back(model::Qwen3MoeCpu::BatchSeq{s.tokens, &views.back(), s.want_logits, s.all_logits});
+    *rows += logits_rows(s);
   }
   return model.check_batch(batch);
 }
@@ -256,6 +256,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     l.max_step_tokens = std::max(o.max_step_tokens, l.max_seqs);
     l.num_blocks = o.num_blocks > 0 ? o.num_blocks : static_cast<int32_t>(blocks);
     l.kv_pools = o.ep;
+    l.max_all_logits_rows = l.max_step_tokens;  // the CPU lm_head keeps no buffer per row
     return load_cpu_ep_runner(o, load, l);
   }
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
@@ -265,6 +266,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   l.block_size = o.block_size;
   l.max_seqs = o.max_seqs;
   l.max_step_tokens = o.max_step_tokens;
+  l.max_all_logits_rows = l.max_step_tokens;
   // --max-running full contexts by default; a context of up to 2^30 tokens (what config.json may
   // say) times the sequences can pass a block id's int32.
   const int64_t blocks = (int64_t{l.max_context} + l.block_size - 1) / l.block_size * l.max_seqs;
@@ -284,6 +286,8 @@ Result<std::unique_ptr<StepRunner>> load_runner(const RunnerOptions& o) {
         .in_field("--max-step-tokens");
   if (o.block_size < 1) return Error::format("must be >= 1, got {}", o.block_size).in_field("--block-size");
   if (o.num_blocks < 0) return Error::format("must be >= 0, got {}", o.num_blocks).in_field("--kv-blocks");
+  if (o.prompt_logprob_rows < 0 || o.prompt_logprob_rows > 1 << 20)
+    return Error::format("must be in [0, {}], got {}", 1 << 20, o.prompt_logprob_rows).in_field("--prompt-logprob-rows");
   if (o.ep < 1 || o.ep > 1024) return Error::format("must be in [1, 1024], got {}", o.ep).in_field("--ep");
   if (o.ep_comm && o.ep_comm->size() != o.ep)
     return Error::format("the worker communicator has {} ranks, --ep is {}", o.ep_comm->size(), o.ep).in_field("--ep");

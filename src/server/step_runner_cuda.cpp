@@ -38,12 +38,15 @@ class CudaPart final : public DpPart {
 
   Status prepare(std::span<const RunnerSeq> seqs, size_t* rows) override {
     steps_.clear();
-    want_.clear();
+    row_count_.clear();
+    keep_.clear();
     *rows = 0;
     for (const RunnerSeq& s : seqs) {
-      steps_.push_back(model::SequenceStep{s.tokens, s.start, s.block_table});
-      want_.push_back(s.want_logits);
-      *rows += s.want_logits ? 1 : 0;
+      steps_.push_back(model::SequenceStep{s.tokens, s.start, s.block_table, s.all_logits});
+      // The batch has a row for every token of an all_logits sequence, one for any other.
+      row_count_.push_back(s.all_logits ? s.tokens.size() : 1);
+      keep_.push_back(s.all_logits || s.want_logits);
+      *rows += logits_rows(s);
     }
     rows_ = *rows;
     if (steps_.empty()) return data_parallel_ ? Status(Ok{}) : Status(Error("a step with no sequences"));
@@ -55,13 +58,16 @@ class CudaPart final : public DpPart {
     logits.clear();
     if (steps_.empty()) return model_.ep_empty_step();
     const size_t V = static_cast<size_t>(model_.config().vocab_size);
-    all_.resize(steps_.size() * V);
+    all_.resize(batch_.logit_rows.size() * V);
     MOEBIUS_TRY(model_.forward(batch_, all_.data()));
     logits.reserve(rows_ * V);
-    for (size_t i = 0; i < steps_.size(); ++i)
-      if (want_[i])
-        logits.insert(logits.end(), all_.begin() + static_cast<std::ptrdiff_t>(i * V),
-                      all_.begin() + static_cast<std::ptrdiff_t>((i + 1) * V));
+    size_t row = 0;
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      if (keep_[i])
+        logits.insert(logits.end(), all_.begin() + static_cast<std::ptrdiff_t>(row * V),
+                      all_.begin() + static_cast<std::ptrdiff_t>((row + row_count_[i]) * V));
+      row += row_count_[i];
+    }
     return Ok{};
   }
 
@@ -71,7 +77,8 @@ class CudaPart final : public DpPart {
   model::Qwen3MoeCuda& model_;
   bool data_parallel_ = false;
   std::vector<model::SequenceStep> steps_;
-  std::vector<bool> want_;
+  std::vector<size_t> row_count_;  // the batch's logits rows per sequence
+  std::vector<bool> keep_;         // whether the caller wants them
   model::StepBatch batch_;
   size_t rows_ = 0;
   std::vector<float> all_;
@@ -187,7 +194,8 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx) : std::min<int64_t>(ctx, 8192));
   co.max_seqs = o.max_seqs;
   co.max_tokens = dp.step_tokens;
-  co.max_logit_rows = o.max_seqs;
+  // One row per sequence, plus the prompt-logprob rows (all of them may land on one rank).
+  co.max_logit_rows = o.max_seqs + std::max(0, o.prompt_logprob_rows);
   co.block_size = o.block_size;
   co.num_blocks = o.num_blocks;
   co.graph_batches = o.graph_batches;
@@ -210,6 +218,7 @@ RunnerLimits runner_limits(const model::Qwen3MoeCuda& m) {
   l.max_step_tokens = m.max_tokens();
   l.max_seqs = m.max_seqs() * m.ep_size();
   l.kv_pools = m.ep_size();
+  l.max_all_logits_rows = std::min(m.max_logit_rows() - m.max_seqs(), m.max_tokens());
   return l;
 }
 
