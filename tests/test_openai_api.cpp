@@ -427,7 +427,6 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
       {"guided_regex", "[a-z]+"},
       {"guided_choice", {"yes", "no"}},
       {"guided_grammar", "root ::= \"a\""},
-      {"prompt_logprobs", 0},
       {"use_beam_search", true},
       {"skip_special_tokens", false},
       {"add_generation_prompt", false},
@@ -442,7 +441,7 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
     expect_400(chat(c), key, "unsupported_parameter");
     expect_400(completion(p), key, "unsupported_parameter");
   }
-  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{{"echo", true}, {"suffix", "end"}}) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{{"suffix", "end"}}) {
     SCOPED_TRACE(key);
     json p = completion_body();
     p[key] = value;
@@ -470,6 +469,40 @@ TEST(OpenAiApi, UnsupportedFieldsAreRefusedNotIgnored) {
   json chat_echo = chat_body();
   chat_echo["echo"] = true;  // vLLM's chat echo (the last message prepended) is not supported either
   expect_400(chat(chat_echo), "echo", "unsupported_parameter");
+}
+
+// Completions' echo and vLLM's prompt_logprobs (both endpoints): parsed and range-checked; chat
+// refuses echo, and prompt_logprobs in a chat stream (chat puts them at the response's top level).
+TEST(OpenAiApi, EchoAndPromptLogprobs) {
+  GenerationRequest r;
+  json p = completion_body();
+  p["echo"] = true;
+  p["logprobs"] = 2;
+  ASSERT_FALSE(parse_request(Endpoint::kCompletion, p.dump(), limits(), &r).has_value());
+  EXPECT_TRUE(r.echo);
+  EXPECT_EQ(r.top_logprobs, 2);
+  EXPECT_EQ(r.prompt_logprobs, -1);
+  p["prompt_logprobs"] = 0;
+  ASSERT_FALSE(parse_request(Endpoint::kCompletion, p.dump(), limits(), &r).has_value());
+  EXPECT_EQ(r.prompt_logprobs, 0);
+  p["prompt_logprobs"] = 20;
+  p["stream"] = true;  // completions stream them in the first chunk
+  ASSERT_FALSE(parse_request(Endpoint::kCompletion, p.dump(), limits(), &r).has_value());
+  EXPECT_EQ(r.prompt_logprobs, 20);
+  for (const json& bad : {json(21), json(-1), json(1.5), json("2"), json(true)}) {
+    p["prompt_logprobs"] = bad;
+    expect_400(completion(p), "prompt_logprobs");
+  }
+  p = completion_body();
+  p["echo"] = "yes";
+  expect_400(completion(p), "echo");
+  json c = chat_body();
+  c["prompt_logprobs"] = 3;
+  ASSERT_FALSE(parse_request(Endpoint::kChat, c.dump(), limits(), &r).has_value());
+  EXPECT_EQ(r.prompt_logprobs, 3);
+  EXPECT_FALSE(r.echo);
+  c["stream"] = true;
+  expect_400(chat(c), "prompt_logprobs", "unsupported_parameter");
 }
 
 // vLLM's /tokenize and /detokenize bodies.

@@ -258,6 +258,10 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--max-step-tokens", o->runner.max_step_tokens, "tokens per step (the prefill chunk)")
       ->capture_default_str();
   cmd->add_option("--kv-blocks", o->runner.num_blocks, "KV blocks in the pool (default: max-running full contexts)");
+  cmd->add_option("--prompt-logprob-rows", o->runner.prompt_logprob_rows,
+                  "cuda: logits rows a step may compute for prompt logprobs (echo with logprobs, prompt_logprobs), "
+                  "beyond one per sequence; each holds a vocab-sized fp32 row on the GPU; 0 refuses such requests "
+                  "(default 128)");
   cmd->add_option("--block-size", o->runner.block_size, "tokens per KV block")->capture_default_str();
   cmd->add_option("--max-queue", o->max_queue, "waiting requests before answering 429")->capture_default_str();
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 past it)")->capture_default_str();

@@ -223,6 +223,8 @@ EngineRequest ApiServer::engine_request(const GenerationRequest& r, std::vector<
   e.min_tokens = r.min_tokens;
   e.include_stop_str = r.include_stop_str;
   e.top_logprobs = r.top_logprobs;
+  // echo with logprobs scores the prompt's tokens too, with as many alternatives as the rest.
+  e.prompt_logprobs = std::max(r.prompt_logprobs, r.echo && r.top_logprobs >= 0 ? r.top_logprobs : -1);
   e.ignore_eos = r.ignore_eos;
   return e;
 }
@@ -239,6 +241,49 @@ std::vector<TokenLogprob> ApiServer::logprobs_text(const std::vector<GeneratedTo
     out.push_back(std::move(lp));
   }
   return out;
+}
+
+PromptLogprobs ApiServer::prompt_logprobs_out(const std::vector<int32_t>& prompt,
+                                              const std::vector<GeneratedToken>& computed) const {
+  PromptLogprobs out;
+  out.emplace_back(std::nullopt);  // the first token has no context
+  for (size_t i = 0; i < computed.size() && i + 1 < prompt.size(); ++i) {
+    const GeneratedToken& t = computed[i];
+    std::vector<PromptLogprob> ids{{t.id, t.logprob, t.rank, token_text(t.id)}};
+    for (size_t r = 0; r < t.top.size(); ++r)
+      if (t.top[r].first != t.id)
+        ids.push_back({t.top[r].first, t.top[r].second, static_cast<int64_t>(r + 1), token_text(t.top[r].first)});
+    out.emplace_back(std::move(ids));
+  }
+  return out;
+}
+
+void ApiServer::add_prompt_parts(const GenerationRequest& req, const std::vector<int32_t>& prompt,
+                                 const std::vector<GeneratedToken>& computed, ChoiceDelta* d) const {
+  if (req.echo) {
+    std::string text;
+    for (int32_t id : prompt) text += token_text(id);
+    d->text = text + d->text;
+    if (req.top_logprobs >= 0) {
+      std::vector<TokenLogprob> lps;
+      TokenLogprob first{token_text(prompt[0]), 0.0f, {}};
+      first.has_logprob = false;
+      lps.push_back(std::move(first));
+      // The engine's entries, clipped to the prompt's top_logprobs alternatives.
+      for (TokenLogprob& t : logprobs_text(computed)) {
+        if (t.top.size() > static_cast<size_t>(req.top_logprobs)) t.top.resize(static_cast<size_t>(req.top_logprobs));
+        lps.push_back(std::move(t));
+      }
+      d->logprobs.insert(d->logprobs.begin(), lps.begin(), lps.end());
+    }
+  }
+  if (req.prompt_logprobs >= 0 && req.endpoint == Endpoint::kCompletion) {
+    d->want_prompt_logprobs = true;
+    std::vector<GeneratedToken> clipped = computed;
+    for (GeneratedToken& t : clipped)
+      if (t.top.size() > static_cast<size_t>(req.prompt_logprobs)) t.top.resize(static_cast<size_t>(req.prompt_logprobs));
+    d->prompt_logprobs = prompt_logprobs_out(prompt, clipped);
+  }
 }
 
 std::optional<ChatOutputOptions> ApiServer::output_parsing(const GenerationRequest& r, bool prompt_opens_think) const {
@@ -300,12 +345,12 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
     return send_error(res, invalid_request(sub.error));
   }
   choices.streams = std::move(sub.streams);
-  if (req.stream) stream(endpoint, req, prompt, parse, choices, res);
-  else whole(endpoint, req, parse, choices, res);
+  if (req.stream) stream(endpoint, req, ids, parse, choices, res);
+  else whole(endpoint, req, ids, parse, choices, res);
 }
 
-void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
-                      const Choices& choices, HttpResponse& res) {
+void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+                      const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& res) {
   const size_t n = choices.streams.size();
   std::vector<RequestUpdate> u(n);
   std::vector<bool> finished(n, false);
@@ -348,15 +393,26 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     } else {
       c.text = std::move(u[i].text);
     }
+    add_prompt_parts(req, prompt, u[i].prompt_logprobs, &c);
   }
   const ResponseMeta m = meta(endpoint);
+  // Chat's prompt_logprobs sit at the top level (vLLM): the prompt is the same for every choice.
+  std::optional<PromptLogprobs> chat_prompt;
+  if (endpoint == Endpoint::kChat && req.prompt_logprobs >= 0) {
+    std::vector<GeneratedToken> clipped = u[0].prompt_logprobs;
+    for (GeneratedToken& t : clipped)
+      if (t.top.size() > static_cast<size_t>(req.prompt_logprobs)) t.top.resize(static_cast<size_t>(req.prompt_logprobs));
+    chat_prompt = prompt_logprobs_out(prompt, clipped);
+  }
   res.send(200, "application/json",
-           endpoint == Endpoint::kChat ? chat_response(m, out, usage) : completion_response(m, out, usage));
+           endpoint == Endpoint::kChat ? chat_response(m, out, usage, chat_prompt ? &*chat_prompt : nullptr)
+                                       : completion_response(m, out, usage));
 }
 
-void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
                        const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& res) {
   const size_t n = choices.streams.size();
+  const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   const ResponseMeta m = meta(endpoint);
   const bool usage = req.include_usage;
   const auto chunk = [&](const ChoiceDelta& d, bool first) {
@@ -379,6 +435,11 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
   std::vector<int64_t> completion_tokens(n, 0);
   int64_t cached_tokens = 0;
   std::vector<bool> finished(n, false);
+  // Completions' echo and prompt_logprobs go in a choice's first chunk; with logprobs they wait
+  // for the engine's prompt logprobs, which come before the first generated token.
+  const bool prompt_parts = req.endpoint == Endpoint::kCompletion && (req.echo || req.prompt_logprobs >= 0);
+  const bool prompt_scored = req.prompt_logprobs >= 0 || (req.echo && req.top_logprobs >= 0);
+  std::vector<bool> prompt_sent(n, !prompt_parts);
   size_t done = 0;
   bool failed = false;  // an engine error was sent as an error chunk
   while (ok && !failed && done < n) {
@@ -409,12 +470,18 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, int64_t 
       }
       d.want_logprobs = req.top_logprobs >= 0;
       d.logprobs = logprobs_text(part.tokens);
+      const bool with_prompt = !prompt_sent[i] && (!prompt_scored || part.prompt_logprobs_ready);
+      if (with_prompt) {
+        add_prompt_parts(req, prompt, part.prompt_logprobs, &d);
+        prompt_sent[i] = true;
+      }
       d.text_offset = text_bytes[i];
       for (const TokenLogprob& t : d.logprobs) text_bytes[i] += t.token.size();
       if (part.finished) d.finish_reason = calls[i] > 0 ? "tool_calls" : part.finish_reason;
       // A piece that is all held back (stop-string prefix, half a character, a partial tag, an
       // open tool call) sends nothing yet.
-      if (!d.text.empty() || !d.reasoning.empty() || !d.tool_calls.empty() || !d.logprobs.empty() || part.finished)
+      if (!d.text.empty() || !d.reasoning.empty() || !d.tool_calls.empty() || !d.logprobs.empty() || with_prompt ||
+          part.finished)
         ok = res.write(chunk(d, false));
       if (part.finished) {
         finished[i] = true;

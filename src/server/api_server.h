@@ -96,10 +96,10 @@ class ApiServer {
     // waits up to one poll slice when none had anything. Returns the choices that gave output.
     std::vector<int> take(std::vector<RequestUpdate>& updates, const std::vector<bool>& finished) const;
   };
-  void stream(Endpoint endpoint, const GenerationRequest& req, int64_t prompt_tokens,
+  void stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
               const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& response);
-  void whole(Endpoint endpoint, const GenerationRequest& req, const std::optional<ChatOutputOptions>& parse,
-             const Choices& choices, HttpResponse& response);
+  void whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+             const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& response);
   // The prompt's token ids; *prompt_opens_think: a chat prompt that ends inside <think>.
   void tokenize_route(const HttpRequest& req, HttpResponse& res);    // POST /tokenize
   void detokenize_route(const HttpRequest& req, HttpResponse& res);  // POST /detokenize
@@ -109,6 +109,12 @@ class ApiServer {
   std::optional<ChatOutputOptions> output_parsing(const GenerationRequest& req, bool prompt_opens_think) const;
   EngineRequest engine_request(const GenerationRequest& req, std::vector<int32_t> ids) const;
   std::vector<TokenLogprob> logprobs_text(const std::vector<GeneratedToken>& tokens) const;
+  // What an answer puts before its first generated token: completions' echo (the prompt's text and,
+  // with logprobs, its tokens' logprobs, the first null) and vLLM's prompt_logprobs. `computed`:
+  // the engine's prompt logprobs (tokens 1..P-1), when it was asked for them.
+  void add_prompt_parts(const GenerationRequest& req, const std::vector<int32_t>& prompt,
+                        const std::vector<GeneratedToken>& computed, ChoiceDelta* out) const;
+  PromptLogprobs prompt_logprobs_out(const std::vector<int32_t>& prompt, const std::vector<GeneratedToken>& computed) const;
   std::string token_text(int32_t id) const;
   ResponseMeta meta(Endpoint endpoint);
 

@@ -46,6 +46,10 @@ struct Engine::Seq {
   // under weights version chains_version.
   std::vector<uint64_t> chains;
   uint64_t chains_version = 0;
+  // Prompt logprobs (req.prompt_logprobs >= 0): entry i is prompt token i + 1's, filled as the
+  // prompt's chunks run (again after a preemption before delivery); sent once the prompt is done.
+  std::vector<GeneratedToken> prompt_lp;
+  bool prompt_lp_sent = false;
 
   int64_t pending() const { return static_cast<int64_t>(tokens.size()) - computed; }
 };
@@ -82,10 +86,17 @@ void StreamListener::notify() {
 bool RequestStream::take(RequestUpdate* out, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   const auto ready = [&] {
-    return !pending_.text.empty() || !pending_.tokens.empty() || (pending_.finished && !delivered_end_);
+    return !pending_.text.empty() || !pending_.tokens.empty() || pending_.prompt_logprobs_ready ||
+           (pending_.finished && !delivered_end_);
   };
   if (!ready()) cv_.wait_for(lock, timeout, ready);
   if (!ready()) return false;
+  if (pending_.prompt_logprobs_ready) {
+    out->prompt_logprobs = std::move(pending_.prompt_logprobs);
+    out->prompt_logprobs_ready = true;
+    pending_.prompt_logprobs.clear();
+    pending_.prompt_logprobs_ready = false;
+  }
   out->text += pending_.text;
   for (GeneratedToken& t : pending_.tokens) out->tokens.push_back(std::move(t));
   pending_.text.clear();
@@ -107,6 +118,16 @@ void RequestStream::cancel() {
   std::lock_guard<std::mutex> lock(wake_->mu);
   wake_->cancel_seen = true;
   wake_->cv.notify_one();
+}
+
+void RequestStream::publish_prompt_logprobs(std::vector<GeneratedToken> prompt) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.prompt_logprobs = std::move(prompt);
+    pending_.prompt_logprobs_ready = true;
+  }
+  cv_.notify_all();
+  if (listener_) listener_->notify();
 }
 
 void RequestStream::publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
@@ -187,6 +208,9 @@ std::unique_ptr<Engine::Seq> Engine::make_seq(EngineRequest r, std::string* erro
   for (int32_t id : r.stop_token_ids)
     if (id < 0 || id >= vocab_size())
       return refuse(fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+  if (r.prompt_logprobs >= 0 && runner_->limits().max_all_logits_rows < 1)
+    return refuse("prompt logprobs are not available: this server computes no extra logits rows "
+                  "(--prompt-logprob-rows 0)");
   if (r.min_tokens < 0 || r.min_tokens > r.max_tokens)
     return refuse(fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens));
   auto sampler = model::Sampler::create(r.sampling);
@@ -345,7 +369,8 @@ void Engine::start_from_prefix_cache(Seq& s, int pool) {
   s.chain = model::BlockAllocator::root_chain(weights_version_);
   s.chained = 0;
   s.publishing = true;
-  if (!prefix_caching_) return;
+  // Prompt logprobs need every prompt token's logits: nothing of the prompt may be skipped.
+  if (!prefix_caching_ || needs_prompt_logits(s)) return;
   const int bs = runner_->limits().block_size;
   const std::span<const int32_t> lookup = std::span<const int32_t>(s.tokens).first(s.tokens.size() - 1);
   const model::BlockAllocator::PrefixMatch m =
@@ -424,11 +449,20 @@ void Engine::preempt(size_t i) {
 void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
   const RunnerLimits& l = runner_->limits();
   int64_t budget = l.max_step_tokens;
+  // Prompt logprobs: the rows of every-token logits each pool may still compute this step (a
+  // prompt's chunk is capped by its pool's; the runner holds that many rows per rank).
+  std::vector<int64_t> spare(pools_.size(), l.max_all_logits_rows);
   // Running sequences, oldest first; a block shortage preempts the newest sequence of the same
   // pool (its blocks are the only ones that can help).
   for (size_t i = 0; i < running_.size() && budget > 0 && static_cast<int>(batch.size()) < l.max_seqs;) {
     Seq& s = *running_[i];
-    const int64_t n = std::min(s.pending(), budget);
+    int64_t n = std::min(s.pending(), budget);
+    const bool rows = needs_prompt_logits(s);
+    if (rows) n = std::min(n, spare[static_cast<size_t>(s.pool)]);
+    if (n == 0) {  // its pool's logits rows are taken: it continues next step
+      ++i;
+      continue;
+    }
     model::BlockAllocator& pool = *pools_[static_cast<size_t>(s.pool)];
     bool preempted_self = false;
     while (!pool.ensure(s.blocks, s.computed + n, l.block_size).ok()) {
@@ -442,6 +476,7 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
     batch.push_back(&s);
     chunk.push_back(static_cast<int>(n));
     budget -= n;
+    if (rows) spare[static_cast<size_t>(s.pool)] -= n;
     ++i;
   }
   // [TAG_PREFIX_CACHE_INFLIGHT] The blocks running sequences are computing and will publish: a
@@ -465,7 +500,8 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
                      static_cast<int>(running_.size()) < l.max_seqs;) {
     Seq& s = *waiting_[w];
     const std::vector<PoolPrefix> prefixes = pool_prefixes(s);
-    if (!inflight.empty() && prefix_in_flight(s, prefixes, inflight)) {
+    // (A sequence that needs its prompt's logprobs computes its whole prompt: it never waits.)
+    if (!inflight.empty() && !needs_prompt_logits(s) && prefix_in_flight(s, prefixes, inflight)) {
       ++metrics_.prefix_cache_waits_total;
       ++w;
       continue;
@@ -476,13 +512,19 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
     for (int pool : admission_order(prefixes)) {
       start_from_prefix_cache(s, pool);
       n = std::min(s.pending(), budget_left);
-      if (pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+      if (needs_prompt_logits(s)) n = std::min(n, spare[static_cast<size_t>(pool)]);
+      if (n > 0 && pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
         placed = true;
         break;
       }
       release_kv(s);  // the cached prefix it took on that pool
     }
+    if (!placed && needs_prompt_logits(s)) {  // perhaps only the logits rows are short: the next may fit
+      ++w;
+      continue;
+    }
     if (!placed) break;
+    if (needs_prompt_logits(s)) spare[static_cast<size_t>(s.pool)] -= n;
     if (prefix_caching_) {
       metrics_.prefix_cache_queries_total += static_cast<int64_t>(s.tokens.size());
       metrics_.prefix_cache_hits_total += s.computed;
@@ -605,6 +647,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
                      "sequence {} would write block {}, which {} tables hold", s.id, s.blocks[static_cast<size_t>(b)],
                      pools_[static_cast<size_t>(s.pool)]->holders(s.blocks[static_cast<size_t>(b)]));
     r.want_logits = s.computed + chunk[i] == static_cast<int64_t>(s.tokens.size());
+    r.all_logits = needs_prompt_logits(s);
   }
   Status st = runner_->step(seqs, logits_);
   ++metrics_.steps_total;
@@ -629,36 +672,76 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   size_t row = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Seq& s = *batch[i];
+    const int64_t first = s.computed;
     s.computed += chunk[i];
     publish_computed_blocks(s);  // before on_token, which may finish s and release its blocks
-    if (seqs[i].want_logits) on_token(s, logits_.data() + (row++) * V);
+    if (seqs[i].all_logits) {  // a row per token; the last is also the next token's when the prompt ends
+      on_prompt_rows(s, first, chunk[i], logits_.data() + row * V);
+      row += static_cast<size_t>(chunk[i]);
+      if (seqs[i].want_logits) on_token(s, logits_.data() + (row - 1) * V);
+    } else if (seqs[i].want_logits) {
+      on_token(s, logits_.data() + (row++) * V);
+    }
   }
 }
 
+bool Engine::needs_prompt_logits(const Seq& s) { return s.req.prompt_logprobs >= 0 && !s.prompt_lp_sent; }
+
 namespace {
 
-// log-softmax of the chosen id and the k most likely ids, from the raw logits.
+// log-softmax of the chosen id, its rank (1 + the ids with a larger logit) and the k most likely
+// ids (ties: the smaller id first), from the raw logits. Two passes over V plus a k-entry
+// insertion list: a prompt's logprobs run this once per prompt token on the engine thread.
 GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) {
   float mx = -INFINITY;
   for (size_t i = 0; i < V; ++i) mx = std::max(mx, logits[i]);
   double sum = 0.0;
-  for (size_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  int64_t above = 0;
+  const float chosen = logits[id];
+  for (size_t i = 0; i < V; ++i) {
+    sum += std::exp(static_cast<double>(logits[i]) - mx);
+    above += logits[i] > chosen ? 1 : 0;
+  }
   const double lse = mx + std::log(sum);
   GeneratedToken t;
   t.id = id;
   t.logprob = static_cast<float>(logits[id] - lse);
-  if (k > 0) {
-    std::vector<int32_t> idx(V);
-    for (size_t i = 0; i < V; ++i) idx[i] = static_cast<int32_t>(i);
-    const size_t kk = std::min<size_t>(static_cast<size_t>(k), V);
-    std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(kk), idx.end(),
-                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-    for (size_t i = 0; i < kk; ++i) t.top.emplace_back(idx[i], static_cast<float>(logits[idx[i]] - lse));
+  t.rank = above + 1;
+  const size_t kk = std::min<size_t>(static_cast<size_t>(std::max(k, 0)), V);
+  if (kk > 0) {
+    std::vector<int32_t> best;  // descending logit, ascending id among equals
+    best.reserve(kk + 1);
+    for (size_t i = 0; i < V; ++i) {
+      const float v = logits[i];
+      if (best.size() == kk && !(v > logits[best.back()])) continue;
+      size_t at = best.size();
+      while (at > 0 && v > logits[best[at - 1]]) --at;
+      best.insert(best.begin() + static_cast<std::ptrdiff_t>(at), static_cast<int32_t>(i));
+      if (best.size() > kk) best.pop_back();
+    }
+    for (int32_t b : best) t.top.emplace_back(b, static_cast<float>(logits[b] - lse));
   }
   return t;
 }
 
 }  // namespace
+
+// Rows [first, first + count) of a prompt's all-logits chunk: row j predicts token first + j + 1.
+// The prompt's logprobs are delivered when its last chunk has run.
+void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, const float* rows) {
+  const size_t V = static_cast<size_t>(vocab_size());
+  const int64_t P = s.prompt_len;
+  s.prompt_lp.resize(static_cast<size_t>(P - 1));
+  for (int64_t j = 0; j < count && first + j + 1 < P; ++j)
+    s.prompt_lp[static_cast<size_t>(first + j)] =
+        token_logprobs(rows + static_cast<size_t>(j) * V, V, s.tokens[static_cast<size_t>(first + j + 1)],
+                       s.req.prompt_logprobs);
+  if (first + count >= P) {
+    s.stream->publish_prompt_logprobs(std::move(s.prompt_lp));
+    s.prompt_lp.clear();
+    s.prompt_lp_sent = true;
+  }
+}
 
 void Engine::emit(Seq& s, const std::string& text, GeneratedToken* token) {
   s.stream->publish(text, token, false, "", "", s.prompt_len, s.generated, s.cached_tokens);

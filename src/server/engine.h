@@ -89,6 +89,10 @@ struct EngineRequest {
   model::SamplerParams sampling;
   std::vector<std::string> stop;
   int top_logprobs = -1;  // -1: none; k >= 0: the chosen token's logprob and the k best
+  // -1: none; k >= 0: each prompt token's logprob given the tokens before it (from the second
+  // token on), its rank and the k best, delivered once before the first generated token. The
+  // prompt is then computed whole: its cached prefix blocks are not reused.
+  int prompt_logprobs = -1;
   bool ignore_eos = false;
   // Generation also stops at these ids (as at eos: the id is not part of the output). Before
   // min_tokens tokens neither eos nor these ids can be sampled, and stop strings complete only in
@@ -103,12 +107,17 @@ struct GeneratedToken {
   int32_t id = 0;
   float logprob = 0.0f;                       // of the model's distribution (before sampling filters)
   std::vector<std::pair<int32_t, float>> top;  // the top_logprobs most likely ids
+  int64_t rank = 0;  // prompt logprobs: 1 + the ids more likely than `id` (0 where not computed)
 };
 
 // Output produced since the last take(), merged.
 struct RequestUpdate {
   std::string text;
   std::vector<GeneratedToken> tokens;  // only with top_logprobs >= 0
+  // With prompt_logprobs >= 0: prompt tokens 1..P-1 (the first has no context), once, before any
+  // generated token. prompt_logprobs_ready marks the delivery (the list is empty for P = 1).
+  std::vector<GeneratedToken> prompt_logprobs;
+  bool prompt_logprobs_ready = false;
   bool finished = false;
   std::string finish_reason;  // "stop" or "length" (when finished without error)
   std::string error;          // non-empty: the engine failed the request
@@ -133,6 +142,7 @@ class RequestStream {
       : wake_(std::move(wake)), listener_(std::move(listener)) {}
   void publish(const std::string& text, GeneratedToken* token, bool finished, const std::string& reason,
                const std::string& error, int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
+  void publish_prompt_logprobs(std::vector<GeneratedToken> prompt);
 
   std::shared_ptr<Wake> wake_;  // the engine's condition, to wake it on cancel()
   std::shared_ptr<StreamListener> listener_;  // EngineRequest::listener, or null
@@ -218,6 +228,10 @@ class Engine {
   void preempt(size_t running_index);
   void run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk);
   void on_token(Seq& seq, const float* logits);
+  // Prompt logprobs: whether the sequence's next chunk must return every token's logits, and
+  // what one step's rows of it give.
+  static bool needs_prompt_logits(const Seq& seq);
+  void on_prompt_rows(Seq& seq, int64_t first, int64_t count, const float* rows);
   void finish(Seq& seq, const std::string& reason, const std::string& error);
   std::unique_ptr<Seq> make_seq(EngineRequest request, std::string* error) const;
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);

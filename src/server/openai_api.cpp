@@ -442,9 +442,10 @@ std::optional<ApiError> read_sampling(const json& body, GenerationRequest* out) 
 // an echo without the prompt), so a request that sets one to anything but its neutral value gets
 // a 400 naming it. Fields with no effect on the answer (user, metadata, ...) are ignored, as
 // vLLM ignores unknown fields.
+enum class Scope { kBoth, kCompletions, kChat };
 struct UnsupportedField {
   const char* key;
-  bool completions_only;
+  Scope scope;
   bool (*neutral)(const json& value, const json& body);  // the value asks for nothing we lack
   const char* why;
 };
@@ -454,40 +455,38 @@ bool is_true(const json& v, const json&) { return v.is_boolean() && v.get<bool>(
 bool never(const json&, const json&) { return false; }
 
 const UnsupportedField kUnsupportedFields[] = {
-    {"echo", false, is_false,
-     "'echo' is not supported: the server does not compute the prompt's logprobs (moebius eval logprobs "
-     "scores a text teacher-forced)"},
-    {"suffix", true, [](const json& v, const json&) { return v.is_string() && v.get_ref<const std::string&>().empty(); },
+    {"echo", Scope::kChat, is_false,
+     "'echo' is not supported in chat completions (the completions API echoes the prompt)"},
+    {"suffix", Scope::kCompletions, [](const json& v, const json&) { return v.is_string() && v.get_ref<const std::string&>().empty(); },
      "'suffix' (insertion) is not supported"},
-    {"best_of", false,
+    {"best_of", Scope::kBoth,
      [](const json& v, const json& body) {
        const json* n = field(body, "n");
        return v.is_number() && v.get<double>() == (n != nullptr && n->is_number() ? n->get<double>() : 1.0);
      },
      "'best_of' other than n is not supported: every sampled sequence is returned"},
-    {"response_format", false,
+    {"response_format", Scope::kBoth,
      [](const json& v, const json&) { return v.is_object() && v.value("type", json()) == "text"; },
      "'response_format' other than {\"type\": \"text\"} needs guided decoding, which this server does not have"},
-    {"structured_outputs", false, never, "structured outputs need guided decoding, which this server does not have"},
-    {"guided_json", false, never, "guided decoding is not supported"},
-    {"guided_regex", false, never, "guided decoding is not supported"},
-    {"guided_choice", false, never, "guided decoding is not supported"},
-    {"guided_grammar", false, never, "guided decoding is not supported"},
-    {"prompt_logprobs", false, never,
-     "'prompt_logprobs' is not supported: the server does not compute the prompt's logprobs (moebius eval "
-     "logprobs scores a text teacher-forced)"},
-    {"use_beam_search", false, is_false, "beam search is not supported"},
-    {"add_generation_prompt", false, is_true,
+    {"structured_outputs", Scope::kBoth, never, "structured outputs need guided decoding, which this server does not have"},
+    {"guided_json", Scope::kBoth, never, "guided decoding is not supported"},
+    {"guided_regex", Scope::kBoth, never, "guided decoding is not supported"},
+    {"guided_choice", Scope::kBoth, never, "guided decoding is not supported"},
+    {"guided_grammar", Scope::kBoth, never, "guided decoding is not supported"},
+    {"use_beam_search", Scope::kBoth, is_false, "beam search is not supported"},
+    {"add_generation_prompt", Scope::kBoth, is_true,
      "'add_generation_prompt' false is not supported: the chat template always renders the assistant turn's start"},
-    {"continue_final_message", false, is_false, "'continue_final_message' is not supported"},
-    {"truncate_prompt_tokens", false, never, "'truncate_prompt_tokens' is not supported: send the prompt to use"},
-    {"skip_special_tokens", false, is_true, "special tokens are always left out of the text ('skip_special_tokens' "
+    {"continue_final_message", Scope::kBoth, is_false, "'continue_final_message' is not supported"},
+    {"truncate_prompt_tokens", Scope::kBoth, never, "'truncate_prompt_tokens' is not supported: send the prompt to use"},
+    {"skip_special_tokens", Scope::kBoth, is_true, "special tokens are always left out of the text ('skip_special_tokens' "
                                             "must be true)"},
 };
 
 std::optional<ApiError> refuse_unsupported(Endpoint endpoint, const json& body) {
   for (const UnsupportedField& f : kUnsupportedFields) {
-    if (f.completions_only && endpoint != Endpoint::kCompletion) continue;
+    if ((f.scope == Scope::kCompletions && endpoint != Endpoint::kCompletion) ||
+        (f.scope == Scope::kChat && endpoint != Endpoint::kChat))
+      continue;
     const json* v = field(body, f.key);
     if (v != nullptr && !f.neutral(*v, body)) return invalid_request(f.why, f.key, "unsupported_parameter");
   }
@@ -696,6 +695,14 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   r.n = static_cast<int>(n.value_or(1));
   if (auto e = read_sampling(doc, &r)) return e;
   if (auto e = read_logprobs(doc, limits, &r)) return e;
+  if (endpoint == Endpoint::kCompletion) {
+    std::optional<bool> echo;
+    if (auto e = read_bool(doc, "echo", &echo)) return e;
+    r.echo = echo.value_or(false);
+  }
+  std::optional<int64_t> prompt_logprobs;
+  if (auto e = read_int(doc, "prompt_logprobs", 0, limits.max_top_logprobs, &prompt_logprobs)) return e;
+  r.prompt_logprobs = prompt_logprobs ? static_cast<int>(*prompt_logprobs) : -1;
   std::optional<bool> stream, ignore_eos, include_stop;
   if (auto e = read_bool(doc, "stream", &stream)) return e;
   if (auto e = read_bool(doc, "ignore_eos", &ignore_eos)) return e;
@@ -703,6 +710,10 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   r.include_stop_str = include_stop.value_or(false);
   r.stream = stream.value_or(false);
   r.ignore_eos = ignore_eos.value_or(false);
+  if (endpoint == Endpoint::kChat && r.stream && r.prompt_logprobs >= 0)
+    return invalid_request("'prompt_logprobs' is not supported in chat streams (chat puts them at the response's top "
+                           "level); send stream false",
+                           "prompt_logprobs", "unsupported_parameter");
   if (const json* so = field(doc, "stream_options")) {
     if (!so->is_object()) return wrong_type("stream_options", "an object", *so);
     if (!r.stream) return invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
@@ -756,6 +767,13 @@ json completion_logprobs(const ChoiceDelta& c, size_t text_offset) {
   size_t off = text_offset;
   for (const TokenLogprob& t : c.logprobs) {
     tokens.push_back(t.token);
+    if (!t.has_logprob) {  // an echoed prompt's first token: nothing before it to predict it from
+      lps.push_back(nullptr);
+      tops.push_back(nullptr);
+      offsets.push_back(off);
+      off += t.token.size();
+      continue;
+    }
     lps.push_back(t.logprob);
     json top = json::object();
     for (const auto& [tok, lp] : t.top) top[tok] = lp;
@@ -786,11 +804,28 @@ json tool_calls_json(const std::vector<ToolCallOut>& calls, bool with_index) {
 
 json finish(const ChoiceDelta& c) { return c.finish_reason ? json(*c.finish_reason) : json(nullptr); }
 
+// vLLM's prompt_logprobs: [null, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...].
+json prompt_logprobs_json(const PromptLogprobs& p) {
+  json out = json::array();
+  for (const auto& position : p) {
+    if (!position) {
+      out.push_back(nullptr);
+      continue;
+    }
+    json ids = json::object();
+    for (const PromptLogprob& e : *position)
+      ids[std::to_string(e.id)] = {{"logprob", e.logprob}, {"rank", e.rank}, {"decoded_token", e.decoded}};
+    out.push_back(std::move(ids));
+  }
+  return out;
+}
+
 std::string sse(const json& j) { return "data: " + dump(j) + "\n\n"; }
 
 }  // namespace
 
-std::string chat_response(const ResponseMeta& m, std::span<const ChoiceDelta> choices, const Usage& usage) {
+std::string chat_response(const ResponseMeta& m, std::span<const ChoiceDelta> choices, const Usage& usage,
+                          const PromptLogprobs* prompt_logprobs) {
   json out = json::array();
   for (const ChoiceDelta& c : choices) {
     json message = {{"role", "assistant"},
@@ -800,21 +835,26 @@ std::string chat_response(const ResponseMeta& m, std::span<const ChoiceDelta> ch
     out.push_back(
         {{"index", c.index}, {"message", std::move(message)}, {"logprobs", chat_logprobs(c)}, {"finish_reason", finish(c)}});
   }
-  return dump({{"id", m.id},
+  json body = {{"id", m.id},
                {"object", "chat.completion"},
                {"created", m.created},
                {"model", m.model},
                {"choices", std::move(out)},
-               {"usage", usage_json(usage)}});
+               {"usage", usage_json(usage)}};
+  if (prompt_logprobs != nullptr) body["prompt_logprobs"] = prompt_logprobs_json(*prompt_logprobs);
+  return dump(body);
 }
 
 std::string completion_response(const ResponseMeta& m, std::span<const ChoiceDelta> choices, const Usage& usage) {
   json out = json::array();
-  for (const ChoiceDelta& c : choices)
-    out.push_back({{"index", c.index},
+  for (const ChoiceDelta& c : choices) {
+    json choice = {{"index", c.index},
                    {"text", c.text},
                    {"logprobs", completion_logprobs(c, c.text_offset)},
-                   {"finish_reason", finish(c)}});
+                   {"finish_reason", finish(c)}};
+    if (c.want_prompt_logprobs) choice["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs);
+    out.push_back(std::move(choice));
+  }
   return dump({{"id", m.id},
                {"object", "text_completion"},
                {"created", m.created},
@@ -844,6 +884,7 @@ std::string completion_chunk(const ResponseMeta& m, const ChoiceDelta& d, bool i
                  {"text", d.text},
                  {"logprobs", completion_logprobs(d, d.text_offset)},
                  {"finish_reason", finish(d)}};
+  if (d.want_prompt_logprobs) choice["prompt_logprobs"] = prompt_logprobs_json(d.prompt_logprobs);
   json j = {{"id", m.id},
             {"object", "text_completion"},
             {"created", m.created},

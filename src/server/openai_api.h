@@ -117,6 +117,13 @@ struct GenerationRequest {
   std::vector<std::pair<int32_t, float>> logit_bias;
   // -1: no logprobs; k >= 0: the chosen token's logprob plus the k most likely alternatives.
   int top_logprobs = -1;
+  // Completions' echo: the text (and, with logprobs, the logprobs arrays) start with the prompt;
+  // its first token's logprob is null (lm-evaluation-harness scores continuations this way).
+  bool echo = false;
+  // vLLM's prompt_logprobs: -1 none; k >= 0: per prompt token (null for the first) its logprob and
+  // rank plus the k most likely ids, as {"<id>": {"logprob", "rank", "decoded_token"}}.
+  // Completions: in each choice; chat: at the response's top level (not in chat streams).
+  int prompt_logprobs = -1;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool ignore_eos = false;     // vLLM extension: generate max_tokens even past eos (benchmarks)
@@ -159,7 +166,18 @@ struct TokenLogprob {
   std::string token;  // the token's bytes, possibly part of a UTF-8 character
   float logprob = 0.0f;
   std::vector<std::pair<std::string, float>> top;
+  bool has_logprob = true;  // false: an echoed prompt's first token (logprob and top are null)
 };
+
+// One id of a prompt position's vLLM prompt_logprobs entry.
+struct PromptLogprob {
+  int32_t id = 0;
+  float logprob = 0.0f;
+  int64_t rank = 0;
+  std::string decoded;  // the token's bytes
+};
+// Per prompt token: null for the first, else the token itself and the k most likely ids.
+using PromptLogprobs = std::vector<std::optional<std::vector<PromptLogprob>>>;
 
 // A tool call the model made, as a chat response reports it.
 struct ToolCallOut {
@@ -186,6 +204,10 @@ struct ChoiceDelta {
   // Completion streams: bytes of this choice's tokens sent before this chunk, where its logprobs'
   // text_offset continues.
   size_t text_offset = 0;
+  // Completions' prompt_logprobs (emitted only when want_prompt_logprobs: whole responses, and a
+  // stream's first chunk of the choice).
+  bool want_prompt_logprobs = false;
+  PromptLogprobs prompt_logprobs;
 };
 
 struct ResponseMeta {
@@ -194,8 +216,10 @@ struct ResponseMeta {
   int64_t created = 0;  // unix seconds
 };
 
-// Whole (non-streaming) response bodies.
-std::string chat_response(const ResponseMeta& meta, std::span<const ChoiceDelta> choices, const Usage& usage);
+// Whole (non-streaming) response bodies. Chat's prompt_logprobs (vLLM: top level) is emitted when
+// given.
+std::string chat_response(const ResponseMeta& meta, std::span<const ChoiceDelta> choices, const Usage& usage,
+                          const PromptLogprobs* prompt_logprobs = nullptr);
 std::string completion_response(const ResponseMeta& meta, std::span<const ChoiceDelta> choices, const Usage& usage);
 inline std::string chat_response(const ResponseMeta& meta, const ChoiceDelta& choice, const Usage& usage) {
   return chat_response(meta, std::span<const ChoiceDelta>(&choice, 1), usage);
