@@ -247,6 +247,42 @@ TEST(CudaDpRunner, OneRankOverNcclMatchesThePlainRunner) {
   EXPECT_EQ(refused[0], "");
 }
 
+// Prompt logprobs' rows (RunnerSeq::all_logits): a prefill's row for token i equals the last row of
+// a prefill of the prompt's first i + 1 tokens (kernels of other token counts: the EP tolerance),
+// beside a sequence that wants only its last row; through the plain runner and the one-rank DP runner.
+void expect_all_logits_rows(StepRunner& runner, const std::string& what) {
+  const std::vector<int32_t> prompt = {5, 17, 2, 99, 41, 7, 300, 12, 8}, other = {3, 4, 5};
+  std::vector<float> want, logits;
+  for (size_t i = 1; i <= prompt.size(); ++i) {
+    const std::vector<int32_t> table = {static_cast<int32_t>(i)};
+    const RunnerSeq s{static_cast<int64_t>(i), std::span<const int32_t>(prompt.data(), i), 0, table, true};
+    ASSERT_TRUE(runner.step(std::span<const RunnerSeq>(&s, 1), logits).ok());
+    want.insert(want.end(), logits.begin(), logits.end());
+  }
+  const std::vector<int32_t> ta = {12}, tb = {13};
+  const RunnerSeq step[] = {{20, other, 0, tb, true}, {21, prompt, 0, ta, false, 0, true}};
+  const Status st = runner.step(step, logits);
+  ASSERT_TRUE(st.ok()) << st.error().what();
+  ASSERT_EQ(logits.size(), (1 + prompt.size()) * kVocab);
+  expect_close(std::vector<float>(logits.begin() + kVocab, logits.end()), want, what);
+  EXPECT_EQ(runner.limits().max_all_logits_rows, 64) << what;  // min(--prompt-logprob-rows 128, step tokens)
+}
+
+TEST(CudaDpRunner, AllLogitsRowsEqualPrefixPrefills) {
+  CUDA_CHECK(cudaSetDevice(0));
+  {
+    auto plain = load_runner(tiny_options(nullptr));
+    ASSERT_TRUE(plain.ok()) << plain.error().what();
+    expect_all_logits_rows(**plain, "all-logits rows, plain runner");
+  }
+  const auto errors = run_ranks(1, [&](int, std::shared_ptr<parallel::NcclCommunicator> comm) -> Status {
+    MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<StepRunner> runner, load_runner(tiny_options(comm)));
+    expect_all_logits_rows(*runner, "all-logits rows, DP over 1 rank");
+    return Ok{};
+  });
+  EXPECT_EQ(errors[0], "");
+}
+
 // DP over 2 and 4 GPUs: rank 0's runner places each sequence on its pool's rank, the followers
 // (run_ep_follower, as `serve` runs them) serve their parts and return when the runner goes.
 TEST(CudaDpRunner, TwoAndFourRanksMatchThePlainRunner) {

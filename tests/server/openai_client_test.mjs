@@ -276,7 +276,7 @@ test('prefix caching: a repeated long prompt is served from the cache, with the 
   assert.ok(hits >= cached, `hits ${hits}`);
 });
 
-test('tokenize and detokenize; refused fields; include_stop_str_in_output', async ({ url, client }) => {
+test('tokenize and detokenize; refused fields; echo and prompt_logprobs; include_stop_str_in_output', async ({ url, client }) => {
   // /tokenize counts what a completion of the same prompt reports as prompt_tokens.
   const prompt = 'the quick brown fox';
   let r = await raw(url, '/tokenize', JSON.stringify({ model: MODEL, prompt }));
@@ -291,9 +291,39 @@ test('tokenize and detokenize; refused fields; include_stop_str_in_output', asyn
   assert.equal((await raw(url, '/detokenize', JSON.stringify({ tokens: [-1] }))).status, 400);
   assert.equal((await raw(url, '/tokenize', JSON.stringify({ model: 'no-such-model', prompt }))).status, 404);
   // Fields whose meaning the server does not implement are refused, naming them.
-  for (const [field, value] of [['echo', true], ['response_format', { type: 'json_object' }], ['best_of', 3]]) {
+  for (const [field, value] of [['response_format', { type: 'json_object' }], ['best_of', 3]]) {
     const e = await expectStatus(client.completions.create({ model: MODEL, prompt, [field]: value }), 400);
     assert.equal(e.error?.param ?? e.param, field);
+  }
+  // echo with logprobs, as lm-evaluation-harness scores a continuation: the text and the logprobs
+  // arrays start with the prompt, whose first token has a null logprob; then the generated token,
+  // the same as without echo. vLLM's prompt_logprobs: one entry per prompt token, the first null.
+  const plain = await client.completions.create({ model: MODEL, prompt, max_tokens: 1, temperature: 0, logprobs: 1 });
+  const echoed = await client.completions.create({ model: MODEL, prompt, max_tokens: 1, temperature: 0, logprobs: 1, echo: true });
+  const lp = echoed.choices[0].logprobs;
+  assert.equal(lp.tokens.length, echoed.usage.prompt_tokens + 1);
+  assert.equal(lp.token_logprobs[0], null);
+  assert.equal(lp.top_logprobs[0], null);
+  assert.ok(lp.token_logprobs.slice(1).every((x) => typeof x === 'number' && x <= 0), JSON.stringify(lp.token_logprobs));
+  assert.equal(lp.text_offset[0], 0);
+  assert.equal(echoed.choices[0].text, lp.tokens.join(''));
+  assert.ok(echoed.choices[0].text.endsWith(plain.choices[0].text));
+  assert.equal(lp.tokens.at(-1), plain.choices[0].logprobs.tokens[0]);
+  const scored = await raw(url, '/v1/completions', JSON.stringify({ model: MODEL, prompt, max_tokens: 1, temperature: 0,
+                                                                    prompt_logprobs: 2 }));
+  assert.equal(scored.status, 200, scored.text);
+  const pl = scored.json.choices[0].prompt_logprobs;
+  assert.equal(pl.length, scored.json.usage.prompt_tokens);
+  assert.equal(pl[0], null);
+  for (const position of pl.slice(1)) {
+    const entries = Object.values(position);
+    assert.ok(entries.length >= 2 && entries.length <= 3, JSON.stringify(position));
+    assert.ok(entries.some((e) => e.rank === 1), JSON.stringify(position));
+  }
+  // Its own prompt's logprobs, as echo scored them (same model, same prompt, same logits).
+  for (let i = 1; i < pl.length; ++i) {
+    const mine = Object.values(pl[i]).find((e) => e.decoded_token === lp.tokens[i]);
+    assert.ok(mine && Math.abs(mine.logprob - lp.token_logprobs[i]) < 1e-5, `position ${i}`);
   }
   // include_stop_str_in_output keeps the stop string: the same greedy text cut after it.
   const full = (await client.completions.create({ model: MODEL, prompt, max_tokens: 12, temperature: 0, ignore_eos: true })).choices[0].text;
