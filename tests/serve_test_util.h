@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -14,11 +15,21 @@
 #include <string>
 #include <vector>
 
+#include "server/engine.h"
 #include "server/step_runner.h"
 #include "test_util.h"
 #include "tokenizer/bpe_tokenizer.h"
 
 namespace moebius::testing {
+
+// Everything a request's stream delivers until it finishes (at most a minute).
+inline server::RequestUpdate drain(server::RequestStream& s) {
+  server::RequestUpdate u;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!u.finished && std::chrono::steady_clock::now() < deadline) s.take(&u, std::chrono::milliseconds(100));
+  EXPECT_TRUE(u.finished);
+  return u;
+}
 
 inline const tokenizer::BpeTokenizer& tiny_serve_tokenizer() {
   static tokenizer::BpeTokenizer* tok = [] {

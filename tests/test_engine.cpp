@@ -70,13 +70,7 @@ EngineRequest greedy(const std::vector<int32_t>& prompt, int max_tokens) {
   return r;
 }
 
-RequestUpdate drain(RequestStream& s) {
-  RequestUpdate u;
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
-  while (!u.finished && std::chrono::steady_clock::now() < deadline) s.take(&u, 100ms);
-  EXPECT_TRUE(u.finished);
-  return u;
-}
+using testing::drain;
 
 std::vector<int32_t> ids_of(const RequestUpdate& u) {
   std::vector<int32_t> ids;

@@ -65,10 +65,7 @@ Expected expected(const std::vector<float>& rows, size_t V, size_t i, int32_t id
 }
 
 RequestUpdate drain(RequestStream& s) {
-  RequestUpdate u;
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
-  while (!u.finished && std::chrono::steady_clock::now() < deadline) s.take(&u, 100ms);
-  EXPECT_TRUE(u.finished);
+  RequestUpdate u = testing::drain(s);
   EXPECT_EQ(u.error, "");
   return u;
 }

@@ -30,7 +30,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -184,6 +186,33 @@ inline double nmse(const float* got, const float* want, size_t n) {
     ref += static_cast<double>(want[i]) * want[i];
   }
   return ref > 0 ? err / ref : err;
+}
+
+// Rows of `vocab` logits from another computation of the same model (expert parallelism, other
+// kernels) against a reference: every value finite, max |dlogit| <= tol, nmse <= max_nmse, and
+// the argmax equal wherever the reference's top-1 margin exceeds 2 tol. Prints what it measured.
+inline void expect_logits_close(const std::vector<float>& got, const std::vector<float>& want, size_t vocab, float tol,
+                                double max_nmse, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  float d = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << what << ": non-finite logit";
+    d = std::max(d, std::fabs(got[i] - want[i]));
+  }
+  const double e = nmse(got.data(), want.data(), got.size());
+  const bool same = std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0;
+  std::printf("%-56s max |dlogit| %.4g  nmse %.3g  %s\n", what.c_str(), d, e, same ? "bit-identical" : "");
+  EXPECT_LE(d, tol) << what;
+  EXPECT_LE(e, max_nmse) << what;
+  for (size_t r = 0; r * vocab < want.size(); ++r) {
+    const float* w = want.data() + r * vocab;
+    const float* g = got.data() + r * vocab;
+    const auto top = std::max_element(w, w + vocab) - w;
+    float second = -INFINITY;
+    for (size_t v = 0; v < vocab; ++v)
+      if (static_cast<ptrdiff_t>(v) != top) second = std::max(second, w[v]);
+    if (w[top] - second > 2 * tol) EXPECT_EQ(std::max_element(g, g + vocab) - g, top) << what << " row " << r;
+  }
 }
 
 }  // namespace moebius::testing

@@ -65,27 +65,7 @@ Qwen3MoeCudaOptions ep_options(std::shared_ptr<parallel::Communicator> comm) {
 }
 
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  float d = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << what << ": non-finite logit";
-    d = std::max(d, std::fabs(got[i] - want[i]));
-  }
-  const double e = testing::nmse(got.data(), want.data(), got.size());
-  const bool same = std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0;
-  std::printf("%-52s max |dlogit| %.4g  nmse %.3g  %s\n", what.c_str(), d, e, same ? "bit-identical" : "");
-  EXPECT_LE(d, kEpTol) << what;
-  EXPECT_LE(e, kEpNmse) << what;
-  const size_t V = 512;
-  for (size_t r = 0; r * V < want.size(); ++r) {
-    const float* w = want.data() + r * V;
-    const float* g = got.data() + r * V;
-    const auto top = std::max_element(w, w + V) - w;
-    float second = -INFINITY;
-    for (size_t v = 0; v < V; ++v)
-      if (static_cast<ptrdiff_t>(v) != top) second = std::max(second, w[v]);
-    if (w[top] - second > 2 * kEpTol) EXPECT_EQ(std::max_element(g, g + V) - g, top) << what << " row " << r;
-  }
+  testing::expect_logits_close(got, want, 512, kEpTol, kEpNmse, what);
 }
 
 // One sequence driven step by step through a runner: a prefill of `prompt` tokens of `ids`, then

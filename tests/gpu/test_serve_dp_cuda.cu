@@ -145,25 +145,7 @@ RunnerOptions tiny_options(std::shared_ptr<parallel::Communicator> comm) {
 }
 
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  float d = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << what << ": non-finite logit";
-    d = std::max(d, std::fabs(got[i] - want[i]));
-  }
-  const double e = testing::nmse(got.data(), want.data(), got.size());
-  std::printf("%-56s max |dlogit| %.4g  nmse %.3g\n", what.c_str(), d, e);
-  EXPECT_LE(d, kEpTol) << what;
-  EXPECT_LE(e, kEpNmse) << what;
-  for (size_t r = 0; r * kVocab < want.size(); ++r) {
-    const float* w = want.data() + r * kVocab;
-    const float* g = got.data() + r * kVocab;
-    const auto top = std::max_element(w, w + kVocab) - w;
-    float second = -INFINITY;
-    for (size_t v = 0; v < kVocab; ++v)
-      if (static_cast<ptrdiff_t>(v) != top) second = std::max(second, w[v]);
-    if (w[top] - second > 2 * kEpTol) EXPECT_EQ(std::max_element(g, g + kVocab) - g, top) << what << " row " << r;
-  }
+  testing::expect_logits_close(got, want, kVocab, kEpTol, kEpNmse, what);
 }
 
 // A serving script over `ranks` pools, as the engine would run it: prefills, decodes, a chunk
