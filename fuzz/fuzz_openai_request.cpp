@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else if (t.endpoint == Endpoint::kChat) {
     check(t.messages.is_array() && !t.messages.empty());
   } else {
-    check(t.prompt_is_ids ? !t.prompt_ids.empty() : !t.prompt.empty());
+    check(t.prompts.size() == 1 && (t.prompts[0].is_ids ? !t.prompts[0].ids.empty() : !t.prompts[0].text.empty()));
   }
   DetokenizeRequest dt;
   if (auto e = parse_detokenize_request(body, limits, &dt)) {
@@ -78,6 +78,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check(i == 0 || r.logit_bias[i - 1].first < r.logit_bias[i].first);
   }
   check(!r.include_usage || r.stream);
+  check(endpoint == Endpoint::kChat ? r.prompts.empty() : !r.prompts.empty());
+  check(r.prompts.size() * static_cast<size_t>(r.n) <= static_cast<size_t>(limits.max_choices));
+  for (const GenerationRequest::Prompt& p : r.prompts) check(p.is_ids ? !p.ids.empty() : !p.text.empty());
+  check(r.prompt_logprobs >= -1 && r.prompt_logprobs <= limits.max_top_logprobs);
+  check(!r.echo || endpoint == Endpoint::kCompletion);
   if (endpoint == Endpoint::kChat) {
     check(r.messages.is_array() && !r.messages.empty());
     for (const auto& m : r.messages) {

@@ -85,8 +85,9 @@ TEST(OpenAiApi, ValidChatRequest) {
 TEST(OpenAiApi, ValidCompletionRequestForms) {
   GenerationRequest r;
   ASSERT_FALSE(parse(Endpoint::kCompletion, completion_body().dump(), &r).has_value());
-  EXPECT_EQ(r.prompt, "once upon");
-  EXPECT_FALSE(r.prompt_is_ids);
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "once upon");
+  EXPECT_FALSE(r.prompts[0].is_ids);
   EXPECT_EQ(r.top_logprobs, -1);
   EXPECT_FALSE(r.max_tokens.has_value());
   json b = completion_body();
@@ -95,17 +96,45 @@ TEST(OpenAiApi, ValidCompletionRequestForms) {
   b["stop"] = {"a", "b"};
   b["max_completion_tokens"] = 4;
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
-  EXPECT_TRUE(r.prompt_is_ids);
-  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_TRUE(r.prompts[0].is_ids);
+  EXPECT_EQ(r.prompts[0].ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(r.top_logprobs, 2);
   EXPECT_EQ(r.stop.size(), 2u);
   EXPECT_EQ(r.max_tokens, 4);
   b["prompt"] = {"one prompt"};
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
-  EXPECT_EQ(r.prompt, "one prompt");
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "one prompt");
   b["prompt"] = json::array({json::array({5, 6})});
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
-  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{5, 6}));
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].ids, (std::vector<int32_t>{5, 6}));
+  // A batch (lm-evaluation-harness sends token-id arrays): one entry per prompt, in order.
+  b["prompt"] = json::array({json::array({5, 6}), json::array({7}), json::array({8, 9, 10})});
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  ASSERT_EQ(r.prompts.size(), 3u);
+  EXPECT_EQ(r.prompts[1].ids, (std::vector<int32_t>{7}));
+  EXPECT_EQ(r.prompts[2].ids, (std::vector<int32_t>{8, 9, 10}));
+  b["prompt"] = {"first", "second"};
+  ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
+  ASSERT_EQ(r.prompts.size(), 2u);
+  EXPECT_EQ(r.prompts[1].text, "second");
+  // Bad batches: an empty member, a mixed member, more choices than max_choices (prompts x n).
+  for (const json& bad : {json::array({"a", ""}), json::array({json::array({1}), json::array()}),
+                          json::array({"a", 3}), json::array({json::array({1, "x"})})}) {
+    b["prompt"] = bad;
+    expect_400(completion(b), "prompt");
+  }
+  b["prompt"] = json::array();
+  for (int i = 0; i < 129; ++i) b["prompt"].push_back("p");
+  expect_400(completion(b), "prompt");
+  b["prompt"] = {"a", "b", "c"};
+  b["n"] = 43;  // 129 choices
+  expect_400(completion(b), "n");
+  b["n"] = 42;
+  EXPECT_FALSE(completion(b).has_value());
+  b.erase("n");
   b["top_k"] = -1;  // vLLM's "off"
   b["max_tokens"] = 3.0;  // integral floats are integers
   ASSERT_FALSE(parse(Endpoint::kCompletion, b.dump(), &r).has_value());
@@ -311,7 +340,8 @@ TEST(OpenAiApi, BadMessages) {
 }
 
 TEST(OpenAiApi, BadPrompts) {
-  const std::vector<json> cases = {nullptr, 5, "", json::array(), {"a", "b"}, {-1}, {1.5}, {{1}, {2}}, {{"a"}}};
+  // (["a", "b"] and [[1], [2]] are batches: ValidCompletionRequestForms.)
+  const std::vector<json> cases = {nullptr, 5, "", json::array(), {-1}, {1.5}, {{"a"}}, {{1}, "a", 3}};
   for (const json& p : cases) {
     json b = completion_body();
     if (p.is_null()) b.erase("prompt");
@@ -511,10 +541,12 @@ TEST(OpenAiApi, TokenizeAndDetokenizeRequests) {
   const auto tok = [&](const json& b) { return parse_tokenize_request(b.dump(), limits(), &r); };
   ASSERT_FALSE(tok({{"prompt", "once upon"}}).has_value());  // "model" is optional
   EXPECT_EQ(r.endpoint, Endpoint::kCompletion);
-  EXPECT_EQ(r.prompt, "once upon");
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "once upon");
   ASSERT_FALSE(tok({{"model", "tiny"}, {"prompt", {1, 2, 3}}, {"add_special_tokens", false}}).has_value());
-  EXPECT_TRUE(r.prompt_is_ids);
-  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_TRUE(r.prompts[0].is_ids);
+  EXPECT_EQ(r.prompts[0].ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_TRUE(tok({{"prompt", {"a", "b"}}}).has_value());  // one prompt, not a batch
   ASSERT_FALSE(tok({{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"add_generation_prompt", true},
                     {"chat_template_kwargs", {{"enable_thinking", false}}}})
                    .has_value());

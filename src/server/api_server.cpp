@@ -121,7 +121,7 @@ void ApiServer::tokenize_route(const HttpRequest& http, HttpResponse& res) {
   if (auto e = parse_tokenize_request(http.body, limits_, &req)) return send_error(res, *e);
   std::vector<int32_t> ids;
   bool opens_think = false;
-  if (auto e = tokenize(req, &ids, &opens_think)) return send_error(res, *e);
+  if (auto e = tokenize(req, 0, &ids, &opens_think)) return send_error(res, *e);
   res.send(200, "application/json", tokenize_response(ids, engine_->max_context()));
 }
 
@@ -157,7 +157,7 @@ void ApiServer::update_weights(const HttpRequest& http, HttpResponse& res) {
   }
 }
 
-std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vector<int32_t>* ids,
+std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, size_t index, std::vector<int32_t>* ids,
                                             bool* prompt_opens_think) const {
   std::string text;
   *prompt_opens_think = false;
@@ -169,15 +169,15 @@ std::optional<ApiError> ApiServer::tokenize(const GenerationRequest& r, std::vec
                                                rendered.error().what(), "messages");
     text = std::move(rendered).value();
     *prompt_opens_think = ChatOutputParser::prompt_ends_in_think(text);
-  } else if (r.prompt_is_ids) {
-    for (int32_t id : r.prompt_ids)
+  } else if (r.prompts.at(index).is_ids) {
+    for (int32_t id : r.prompts[index].ids)
       if (id >= engine_->vocab_size())
         return invalid_request(fmt::format("token id {} is outside the vocabulary [0, {})", id, engine_->vocab_size()),
                                "prompt");
-    *ids = r.prompt_ids;
+    *ids = r.prompts[index].ids;
     return std::nullopt;
   } else {
-    text = r.prompt;
+    text = r.prompts[index].text;
   }
   for (tokenizer::TokenId id : tokenizer_->encode(text)) ids->push_back(static_cast<int32_t>(id));
   if (ids->empty()) return invalid_request("The prompt encodes to no tokens.", "prompt");
@@ -315,29 +315,36 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
                                            "the tools without parsing calls, or start the server with "
                                            "--tool-call-parser hermes.",
                                            "tool_choice"));
-  std::vector<int32_t> ids;
+  // A completions batch has several prompts; chat has one (its rendered messages).
+  const size_t num_prompts = endpoint == Endpoint::kChat ? 1 : req.prompts.size();
+  std::vector<std::vector<int32_t>> prompts(num_prompts);
   bool prompt_opens_think = false;
-  if (auto e = tokenize(req, &ids, &prompt_opens_think)) return send_error(res, *e);
+  const int64_t context = engine_->max_context();
+  for (size_t p = 0; p < num_prompts; ++p) {
+    if (auto e = tokenize(req, p, &prompts[p], &prompt_opens_think)) return send_error(res, *e);
+    const int64_t prompt = static_cast<int64_t>(prompts[p].size());
+    if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
+      return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
+  }
   const std::optional<ChatOutputOptions> parse = output_parsing(req, prompt_opens_think);
-  const int64_t prompt = static_cast<int64_t>(ids.size()), context = engine_->max_context();
-  if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
-    return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
-  // n > 1: n sequences of the one prompt, queued together or not at all (the prefix cache shares
-  // the prompt's blocks once one of them has computed them).
-  if (req.n > engine_->max_queue())
-    return send_error(res, invalid_request(fmt::format("n = {} exceeds this server's queue of {} requests "
-                                                       "(--max-queue)",
-                                                       req.n, engine_->max_queue()),
+  // n > 1: n sequences of each prompt, all queued together or not at all (the prefix cache shares
+  // a prompt's blocks once one of them has computed them).
+  const int64_t total = static_cast<int64_t>(num_prompts) * req.n;
+  if (total > engine_->max_queue())
+    return send_error(res, invalid_request(fmt::format("{} choices ({} prompts x n = {}) exceed this server's queue of {} "
+                                                       "requests (--max-queue)",
+                                                       total, num_prompts, req.n, engine_->max_queue()),
                                            "n"));
   Choices choices;
   choices.listener = std::make_shared<StreamListener>();
   std::vector<EngineRequest> group;
-  for (int i = 0; i < req.n; ++i) {
-    EngineRequest e = engine_request(req, ids);
-    if (req.seed) e.sampling.seed = *req.seed + static_cast<uint64_t>(i);
-    e.listener = choices.listener;
-    group.push_back(std::move(e));
-  }
+  for (size_t p = 0; p < num_prompts; ++p)
+    for (int i = 0; i < req.n; ++i) {
+      EngineRequest e = engine_request(req, prompts[p]);
+      if (req.seed) e.sampling.seed = *req.seed + static_cast<uint64_t>(i);
+      e.listener = choices.listener;
+      group.push_back(std::move(e));
+    }
   SubmittedGroup sub = engine_->submit_group(std::move(group));
   if (sub.streams.empty()) {
     if (sub.queue_full) return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
@@ -345,11 +352,11 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
     return send_error(res, invalid_request(sub.error));
   }
   choices.streams = std::move(sub.streams);
-  if (req.stream) stream(endpoint, req, ids, parse, choices, res);
-  else whole(endpoint, req, ids, parse, choices, res);
+  if (req.stream) stream(endpoint, req, prompts, parse, choices, res);
+  else whole(endpoint, req, prompts, parse, choices, res);
 }
 
-void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<std::vector<int32_t>>& prompts,
                       const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& res) {
   const size_t n = choices.streams.size();
   std::vector<RequestUpdate> u(n);
@@ -372,8 +379,15 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     }
   }
   std::vector<ChoiceDelta> out(n);
-  Usage usage{u[0].prompt_tokens, 0, 0};  // the prompt counts once, its cached part at its best
-  for (const RequestUpdate& x : u) usage.cached_tokens = std::max(usage.cached_tokens, x.cached_tokens);
+  // Each prompt counts once, its cached part at its best over its n choices.
+  Usage usage;
+  const size_t per = static_cast<size_t>(req.n);
+  for (size_t p = 0; p * per < n; ++p) {
+    usage.prompt_tokens += u[p * per].prompt_tokens;
+    int64_t cached = 0;
+    for (size_t j = 0; j < per; ++j) cached = std::max(cached, u[p * per + j].cached_tokens);
+    usage.cached_tokens += cached;
+  }
   for (size_t i = 0; i < n; ++i) {
     ChoiceDelta& c = out[i];
     c.index = static_cast<int>(i);
@@ -393,7 +407,7 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     } else {
       c.text = std::move(u[i].text);
     }
-    add_prompt_parts(req, prompt, u[i].prompt_logprobs, &c);
+    add_prompt_parts(req, prompts[i / per], u[i].prompt_logprobs, &c);
   }
   const ResponseMeta m = meta(endpoint);
   // Chat's prompt_logprobs sit at the top level (vLLM): the prompt is the same for every choice.
@@ -402,17 +416,18 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     std::vector<GeneratedToken> clipped = u[0].prompt_logprobs;
     for (GeneratedToken& t : clipped)
       if (t.top.size() > static_cast<size_t>(req.prompt_logprobs)) t.top.resize(static_cast<size_t>(req.prompt_logprobs));
-    chat_prompt = prompt_logprobs_out(prompt, clipped);
+    chat_prompt = prompt_logprobs_out(prompts[0], clipped);
   }
   res.send(200, "application/json",
            endpoint == Endpoint::kChat ? chat_response(m, out, usage, chat_prompt ? &*chat_prompt : nullptr)
                                        : completion_response(m, out, usage));
 }
 
-void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<std::vector<int32_t>>& prompts,
                        const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& res) {
   const size_t n = choices.streams.size();
-  const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
+  int64_t prompt_tokens = 0;
+  for (const std::vector<int32_t>& p : prompts) prompt_tokens += static_cast<int64_t>(p.size());
   const ResponseMeta m = meta(endpoint);
   const bool usage = req.include_usage;
   const auto chunk = [&](const ChoiceDelta& d, bool first) {
@@ -433,7 +448,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const st
   std::vector<int> calls(n, 0);
   std::vector<size_t> text_bytes(n, 0);
   std::vector<int64_t> completion_tokens(n, 0);
-  int64_t cached_tokens = 0;
+  std::vector<int64_t> cached_tokens(n, 0);
   std::vector<bool> finished(n, false);
   // Completions' echo and prompt_logprobs go in a choice's first chunk; with logprobs they wait
   // for the engine's prompt logprobs, which come before the first generated token.
@@ -453,7 +468,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const st
       const size_t i = static_cast<size_t>(gi);
       RequestUpdate& part = parts[i];
       completion_tokens[i] = part.completion_tokens;
-      cached_tokens = std::max(cached_tokens, part.cached_tokens);
+      cached_tokens[i] = std::max(cached_tokens[i], part.cached_tokens);
       if (!part.error.empty()) {
         ok = res.write(error_chunk(server_error(part.error)));
         failed = true;
@@ -472,7 +487,7 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const st
       d.logprobs = logprobs_text(part.tokens);
       const bool with_prompt = !prompt_sent[i] && (!prompt_scored || part.prompt_logprobs_ready);
       if (with_prompt) {
-        add_prompt_parts(req, prompt, part.prompt_logprobs, &d);
+        add_prompt_parts(req, prompts[i / static_cast<size_t>(req.n)], part.prompt_logprobs, &d);
         prompt_sent[i] = true;
       }
       d.text_offset = text_bytes[i];
@@ -493,7 +508,12 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const st
   if (ok && done == n && usage) {
     int64_t completion = 0;
     for (int64_t c : completion_tokens) completion += c;
-    ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion, cached_tokens}));
+    int64_t cached = 0;  // each prompt's best over its n choices
+    const size_t per = static_cast<size_t>(req.n);
+    for (size_t p = 0; p * per < n; ++p)
+      cached += *std::max_element(cached_tokens.begin() + static_cast<std::ptrdiff_t>(p * per),
+                                  cached_tokens.begin() + static_cast<std::ptrdiff_t>((p + 1) * per));
+    ok = res.write(usage_chunk(m, endpoint, Usage{prompt_tokens, completion, cached}));
   }
   if (done < n) {
     choices.cancel();  // client gone, a write failed, or an engine error: free the KV now

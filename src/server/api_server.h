@@ -96,14 +96,16 @@ class ApiServer {
     // waits up to one poll slice when none had anything. Returns the choices that gave output.
     std::vector<int> take(std::vector<RequestUpdate>& updates, const std::vector<bool>& finished) const;
   };
-  void stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+  // `prompts`: each prompt's ids; choice i answers prompts[i / req.n].
+  void stream(Endpoint endpoint, const GenerationRequest& req, const std::vector<std::vector<int32_t>>& prompts,
               const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& response);
-  void whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<int32_t>& prompt,
+  void whole(Endpoint endpoint, const GenerationRequest& req, const std::vector<std::vector<int32_t>>& prompts,
              const std::optional<ChatOutputOptions>& parse, const Choices& choices, HttpResponse& response);
-  // The prompt's token ids; *prompt_opens_think: a chat prompt that ends inside <think>.
+  // Prompt `index`'s token ids (chat: the rendered messages); *prompt_opens_think: a chat prompt
+  // that ends inside <think>.
   void tokenize_route(const HttpRequest& req, HttpResponse& res);    // POST /tokenize
   void detokenize_route(const HttpRequest& req, HttpResponse& res);  // POST /detokenize
-  std::optional<ApiError> tokenize(const GenerationRequest& req, std::vector<int32_t>* ids,
+  std::optional<ApiError> tokenize(const GenerationRequest& req, size_t index, std::vector<int32_t>* ids,
                                    bool* prompt_opens_think) const;
   // How a chat response is parsed (nullopt: its text is all content, as for completions).
   std::optional<ChatOutputOptions> output_parsing(const GenerationRequest& req, bool prompt_opens_think) const;

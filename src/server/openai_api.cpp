@@ -330,24 +330,40 @@ std::optional<ApiError> read_token_ids(const json& arr, std::vector<int32_t>* ou
 }
 
 // A string, a token id array, or a one-element array of either (n prompts are not supported).
-std::optional<ApiError> read_prompt(const json& body, GenerationRequest* out) {
-  const json* v = field(body, "prompt");
-  if (v == nullptr) return invalid_request("'prompt' is required", "prompt");
-  const json* p = v;
-  if (v->is_array() && v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) p = &(*v)[0];
-  if (p->is_string()) {
-    out->prompt = p->get<std::string>();
-    if (out->prompt.empty()) return invalid_request("'prompt' must not be empty", "prompt");
+// One prompt: text, or an array of token ids.
+std::optional<ApiError> read_one_prompt(const json& p, GenerationRequest::Prompt* out) {
+  if (p.is_string()) {
+    out->text = p.get<std::string>();
+    if (out->text.empty()) return invalid_request("'prompt' must not be empty", "prompt");
     return std::nullopt;
   }
-  if (p->is_array()) {
-    if (p->empty()) return invalid_request("'prompt' must not be empty", "prompt");
-    if ((*p)[0].is_string() || (*p)[0].is_array())
-      return invalid_request("only one prompt per request is supported", "prompt");
-    out->prompt_is_ids = true;
-    return read_token_ids(*p, &out->prompt_ids);
+  if (p.is_array() && !p.empty() && !p[0].is_string() && !p[0].is_array()) {
+    out->is_ids = true;
+    return read_token_ids(p, &out->ids);
   }
-  return wrong_type("prompt", "a string or an array of token ids", *v);
+  if (p.is_array() && p.empty()) return invalid_request("'prompt' must not be empty", "prompt");
+  return wrong_type("prompt", "a string or an array of token ids", p);
+}
+
+// "prompt": a string, an array of token ids, or a batch (an array of strings or of token-id
+// arrays). A batch takes one choice per prompt at least, so its size is bounded by max_choices.
+std::optional<ApiError> read_prompt(const json& body, const ApiLimits& limits, GenerationRequest* out) {
+  const json* v = field(body, "prompt");
+  if (v == nullptr) return invalid_request("'prompt' is required", "prompt");
+  out->prompts.clear();
+  const bool batch = v->is_array() && !v->empty() && ((*v)[0].is_string() || (*v)[0].is_array());
+  if (!batch) {
+    out->prompts.emplace_back();
+    return read_one_prompt(*v, &out->prompts.back());
+  }
+  if (v->size() > static_cast<size_t>(limits.max_choices))
+    return invalid_request(fmt::format("a batch of {} prompts; at most {}", v->size(), limits.max_choices), "prompt");
+  for (const json& p : *v) {
+    if (!p.is_string() && !p.is_array()) return wrong_type("prompt", "a batch of strings or of token-id arrays", p);
+    out->prompts.emplace_back();
+    if (auto e = read_one_prompt(p, &out->prompts.back())) return e;
+  }
+  return std::nullopt;
 }
 
 std::optional<ApiError> read_logprobs(const json& body, const ApiLimits& limits, GenerationRequest* out) {
@@ -639,7 +655,8 @@ std::optional<ApiError> parse_tokenize_request(std::string_view body, const ApiL
     if (auto e = read_tools(doc, limits, &r)) return e;
   } else {
     r.endpoint = Endpoint::kCompletion;
-    if (auto e = read_prompt(doc, &r)) return e;
+    if (auto e = read_prompt(doc, limits, &r)) return e;
+    if (r.prompts.size() != 1) return invalid_request("/tokenize takes one prompt, not a batch", "prompt");
   }
   *out = std::move(r);
   return std::nullopt;
@@ -674,7 +691,7 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
     if (auto e = read_messages(doc, limits, &r)) return e;
     if (auto e = read_tools(doc, limits, &r)) return e;
   } else {
-    if (auto e = read_prompt(doc, &r)) return e;
+    if (auto e = read_prompt(doc, limits, &r)) return e;
   }
   // max_completion_tokens is the chat API's newer name; either may be given.
   std::optional<int64_t> max_tokens, max_completion_tokens;
@@ -693,6 +710,10 @@ std::optional<ApiError> parse_request(Endpoint endpoint, std::string_view body, 
   std::optional<int64_t> n;
   if (auto e = read_int(doc, "n", 1, limits.max_choices, &n)) return e;
   r.n = static_cast<int>(n.value_or(1));
+  if (r.prompts.size() * static_cast<size_t>(r.n) > static_cast<size_t>(limits.max_choices))
+    return invalid_request(fmt::format("{} prompts x n = {} is {} choices; at most {}", r.prompts.size(), r.n,
+                                       r.prompts.size() * static_cast<size_t>(r.n), limits.max_choices),
+                           "n");
   if (auto e = read_sampling(doc, &r)) return e;
   if (auto e = read_logprobs(doc, limits, &r)) return e;
   if (endpoint == Endpoint::kCompletion) {

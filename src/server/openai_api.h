@@ -90,10 +90,15 @@ struct GenerationRequest {
   nlohmann::ordered_json tools = nullptr;
   ToolChoice tool_choice = ToolChoice::kNone;
   bool parallel_tool_calls = true;  // false: at most one call is returned
-  // Completions: the prompt as text, or as token ids when prompt_is_ids.
-  std::string prompt;
-  std::vector<int32_t> prompt_ids;
-  bool prompt_is_ids = false;
+  // Completions: the prompts, each as text or as token ids. One, or a batch (OpenAI's array of
+  // strings or of token arrays, at most ApiLimits::max_choices choices in all): choice p * n + j is
+  // the j-th sample of prompt p, and usage counts every prompt once.
+  struct Prompt {
+    std::string text;
+    std::vector<int32_t> ids;
+    bool is_ids = false;
+  };
+  std::vector<Prompt> prompts;
   std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens; unset: up to the context
   std::vector<std::string> stop;
   // vLLM's extensions: generation also stops at these ids (like eos: the id is not returned), and

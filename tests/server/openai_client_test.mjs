@@ -325,6 +325,22 @@ test('tokenize and detokenize; refused fields; echo and prompt_logprobs; include
     const mine = Object.values(pl[i]).find((e) => e.decoded_token === lp.tokens[i]);
     assert.ok(mine && Math.abs(mine.logprob - lp.token_logprobs[i]) < 1e-5, `position ${i}`);
   }
+  // A batch of token-id prompts, as lm-evaluation-harness sends them: choice i answers prompt i
+  // (each echoed, each choice equal to the prompt sent alone), usage counts every prompt.
+  const batch = [r.json.tokens, r.json.tokens.slice(0, 2), [7, 8, 9]];
+  const many = await client.completions.create({ model: MODEL, prompt: batch, max_tokens: 1, temperature: 0, logprobs: 1,
+                                                 echo: true });
+  assert.equal(many.choices.length, 3);
+  assert.equal(many.usage.prompt_tokens, batch.reduce((s, p) => s + p.length, 0));
+  for (const c of many.choices) {
+    const alone = await client.completions.create({ model: MODEL, prompt: batch[c.index], max_tokens: 1, temperature: 0,
+                                                    logprobs: 1, echo: true });
+    assert.equal(c.text, alone.choices[0].text, `choice ${c.index}`);
+    assert.deepEqual(c.logprobs.token_logprobs, alone.choices[0].logprobs.token_logprobs, `choice ${c.index}`);
+    assert.equal(c.logprobs.tokens.length, batch[c.index].length + 1);
+  }
+  const two = await client.completions.create({ model: MODEL, prompt: ['one', 'two'], max_tokens: 2, n: 2, seed: 3 });
+  assert.deepEqual(two.choices.map((c) => c.index), [0, 1, 2, 3]);
   // include_stop_str_in_output keeps the stop string: the same greedy text cut after it.
   const full = (await client.completions.create({ model: MODEL, prompt, max_tokens: 12, temperature: 0, ignore_eos: true })).choices[0].text;
   // The stop string: an ASCII character (one byte, so no cut through a UTF-8 sequence: the tiny
