@@ -113,7 +113,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     check(r.tool_choice == ToolChoice::kNone || !r.tools.is_null());
   } else {
-    check(r.prompt_is_ids ? !r.prompt_ids.empty() : !r.prompt.empty());
     check(r.tools.is_null() && r.tool_choice == ToolChoice::kNone);
   }
   // Request text echoed into responses (stop strings as text, the model name) stays valid JSON.
