@@ -228,6 +228,9 @@ Status run(ServeOptions& o) {
   http.serve();  // returns after stop(), once connections drained (engine.stop() below fails the rest)
   engine.stop();
   waiter.join();
+  // A failed runner (--ep: its ranks out of step) ends the process with an error, so the launcher
+  // or mpirun also ends follower ranks that may still wait inside a collective.
+  if (!engine.alive()) return Error("the model runner failed while serving (the reason is in the log above)");
   return Ok{};
 }
 
@@ -261,7 +264,7 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--prompt-logprob-rows", o->runner.prompt_logprob_rows,
                   "cuda: logits rows a step may compute for prompt logprobs (echo with logprobs, prompt_logprobs), "
                   "beyond one per sequence; each holds a vocab-sized fp32 row on the GPU; 0 refuses such requests "
-                  "(default 128)");
+                  "(default 128). cpu: no effect (a prompt chunk's rows are computed as its tokens)");
   cmd->add_option("--block-size", o->runner.block_size, "tokens per KV block")->capture_default_str();
   cmd->add_option("--max-queue", o->max_queue, "waiting requests before answering 429")->capture_default_str();
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 past it)")->capture_default_str();

@@ -31,17 +31,24 @@ Result<uint8_t*> HostStagedCommunicator::scratch(size_t bytes) {
     return Error::format("a host-staged collective of {} bytes, more than the {} this communicator stages", bytes,
                          kMaxBytes);
   if (bytes <= scratch_bytes_) return scratch_;
-  // Geometric growth: a run of slowly growing steps allocates O(log) times, not every step.
-  const size_t want = std::min(kMaxBytes, std::max(bytes, 2 * scratch_bytes_));
+  // Geometric growth: a run of slowly growing collectives allocates O(log) times, not every call.
+  MOEBIUS_TRY(reserve(std::min(kMaxBytes, std::max(bytes, 2 * scratch_bytes_))));
+  return scratch_;
+}
+
+Status HostStagedCommunicator::reserve(size_t bytes) {
+  if (bytes <= scratch_bytes_) return Ok{};
   MOEBIUS_TRY(cuda_status(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
   if (scratch_ != nullptr) MOEBIUS_TRY(cuda_status(cudaFree(scratch_), "cudaFree"));
   scratch_ = nullptr;
   scratch_bytes_ = 0;
   void* p = nullptr;
-  MOEBIUS_TRY(cuda_status(cudaMalloc(&p, want), "cudaMalloc (host-staged collective scratch)"));
+  if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess)
+    return Error::format("CUDA cudaMalloc of {} MiB for the data-parallel collectives failed: {}", bytes >> 20,
+                         cudaGetErrorString(e));
   scratch_ = static_cast<uint8_t*>(p);
-  scratch_bytes_ = want;
-  return scratch_;
+  scratch_bytes_ = bytes;
+  return Ok{};
 }
 
 Status HostStagedCommunicator::all_gather(const void* send, void* recv, size_t bytes) {

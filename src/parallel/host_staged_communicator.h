@@ -5,9 +5,9 @@
 // back and synchronizes the stream (the host acts on them next). Not for the MoE's dispatch: that
 // stays on the device and in CUDA graphs (moe/moe_layer_ep_cuda.h).
 //
-// The scratch grows to the largest collective seen (a step's messages and wanted logits rows,
-// bounded by the runner's limits) and is never shrunk; one collective of more than kMaxBytes is an
-// error, not an allocation. Calls must not overlap the stream's capture or another thread's use of
+// The scratch is sized once with reserve() from the runner's limits (a step's messages and wanted
+// logits rows); a larger collective still grows it (never shrunk), and one of more than kMaxBytes
+// is an error, not an allocation. Calls must not overlap the stream's capture or another thread's use of
 // the same NCCL communicator (the DP protocol runs between forwards, which end in a synchronize).
 #pragma once
 
@@ -40,6 +40,9 @@ class HostStagedCommunicator final : public Communicator {
   Status all_to_all_v(const void* send, std::span<const size_t> send_bytes, std::span<const size_t> send_offsets,
                       void* recv, std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets) override;
   Status barrier() override;
+  // Allocates the scratch for collectives of up to `bytes` (send + receive) now, so later calls of
+  // at most that size never allocate. Errors name the size.
+  Status reserve(size_t bytes);
 
  private:
   // The scratch at >= bytes (cudaMalloc outside any capture).

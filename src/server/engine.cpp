@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <future>
 #include <optional>
+#include <system_error>
 
 #include "core/log.h"
 #include "tokenizer/streaming_decoder.h"
@@ -507,19 +508,27 @@ void Engine::schedule(std::vector<Seq*>& batch, std::vector<int>& chunk) {
       continue;
     }
     const int64_t budget_left = budget;
-    bool placed = false;
+    bool placed = false, rows_short = false, blocks_short = false;
     int64_t n = 0;
     for (int pool : admission_order(prefixes)) {
+      // A prompt scored for its logprobs needs logits rows on the pool: none left there this step.
+      if (needs_prompt_logits(s) && spare[static_cast<size_t>(pool)] == 0) {
+        rows_short = true;
+        continue;
+      }
       start_from_prefix_cache(s, pool);
       n = std::min(s.pending(), budget_left);
       if (needs_prompt_logits(s)) n = std::min(n, spare[static_cast<size_t>(pool)]);
-      if (n > 0 && pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
+      if (pools_[static_cast<size_t>(pool)]->ensure(s.blocks, s.computed + n, l.block_size).ok()) {
         placed = true;
         break;
       }
+      blocks_short = true;
       release_kv(s);  // the cached prefix it took on that pool
     }
-    if (!placed && needs_prompt_logits(s)) {  // perhaps only the logits rows are short: the next may fit
+    // Only the logits rows were short: later arrivals may run meanwhile (it goes first next step).
+    // Short of blocks, admission stops here as for any sequence, so arrival order holds.
+    if (!placed && rows_short && !blocks_short) {
       ++w;
       continue;
     }
@@ -745,9 +754,15 @@ void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, const float* r
   constexpr int64_t kRowsPerThread = 8;  // below this a thread's start costs more than it saves
   const int64_t threads = std::clamp<int64_t>(scored / kRowsPerThread, 1, std::max(1u, std::thread::hardware_concurrency()));
   std::vector<std::thread> workers;
-  for (int64_t t = 1; t < threads; ++t)
-    workers.emplace_back(score, scored * t / threads, scored * (t + 1) / threads);
+  int64_t started = 1;  // ranges 1..started-1 run on workers; a thread that cannot start runs here
+  try {
+    for (; started < threads; ++started)
+      workers.emplace_back(score, scored * started / threads, scored * (started + 1) / threads);
+  } catch (const std::system_error& e) {
+    log_warn("prompt logprobs: scoring on {} threads, not {} ({})", started, threads, e.what());
+  }
   score(0, scored / threads);
+  for (int64_t t = started; t < threads; ++t) score(scored * t / threads, scored * (t + 1) / threads);
   for (std::thread& w : workers) w.join();
   if (first + count >= P) {
     s.stream->publish_prompt_logprobs(std::move(s.prompt_lp));

@@ -98,7 +98,7 @@ class CudaRunner final : public StepRunner {
     if (dp_) part_.set_data_parallel();
   }
   // Data parallel: the followers return from their step loop (after a failure they may be stuck
-  // in a collective; the launcher ends them when this process exits).
+  // in a collective; `serve` then exits with an error, and the launcher or mpirun ends them).
   ~CudaRunner() override {
     if (dp_ && broken_.ok()) (void)dp_->driver->stop();
   }
@@ -194,8 +194,10 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx) : std::min<int64_t>(ctx, 8192));
   co.max_seqs = o.max_seqs;
   co.max_tokens = dp.step_tokens;
-  // One row per sequence, plus the prompt-logprob rows (all of them may land on one rank).
-  co.max_logit_rows = o.max_seqs + std::max(0, o.prompt_logprob_rows);
+  // One row per sequence, plus the prompt-logprob rows (all of them may land on one rank). A step
+  // never has more rows than tokens, so the step's tokens cap it.
+  co.max_logit_rows = static_cast<int>(
+      std::min<int64_t>(int64_t{o.max_seqs} + std::max(0, o.prompt_logprob_rows), co.max_tokens));
   co.block_size = o.block_size;
   co.num_blocks = o.num_blocks;
   co.graph_batches = o.graph_batches;
@@ -210,7 +212,7 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   return co;
 }
 
-RunnerLimits runner_limits(const model::Qwen3MoeCuda& m) {
+RunnerLimits runner_limits(const model::Qwen3MoeCuda& m, const RunnerOptions& o) {
   RunnerLimits l;
   l.block_size = m.block_size();
   l.num_blocks = m.num_blocks();
@@ -218,20 +220,39 @@ RunnerLimits runner_limits(const model::Qwen3MoeCuda& m) {
   l.max_step_tokens = m.max_tokens();
   l.max_seqs = m.max_seqs() * m.ep_size();
   l.kv_pools = m.ep_size();
-  l.max_all_logits_rows = std::min(m.max_logit_rows() - m.max_seqs(), m.max_tokens());
+  // A rank's rows: one per sequence without all_logits, one per token of one with it, so at most
+  // min(max_seqs + these, step tokens) = its max_logit_rows.
+  l.max_all_logits_rows = std::min(std::max(0, o.prompt_logprob_rows), m.max_tokens());
   return l;
 }
 
 // The host-staged communicator over the model's NCCL one, after checking that every rank holds
 // the same limits (the first DP collective: a rank that cannot match fails them all at start-up).
+// Its device scratch is allocated here for the largest collective the limits allow, so a step
+// never allocates (an allocation failing on one rank mid-step would leave the others waiting in
+// NCCL): rank 0's logits gather, (N - 1) ranks x max_logit_rows x V fp32, or a follower's own rows,
+// plus the step messages (ids and block tables, a few hundred KiB).
 Result<std::unique_ptr<parallel::Communicator>> dp_communicator(const RunnerOptions& o, model::Qwen3MoeCuda& m,
                                                                 const RunnerLimits& l) {
 #ifdef MOEBIUS_HAS_NCCL
   auto* nccl = dynamic_cast<parallel::NcclCommunicator*>(o.ep_comm.get());
   if (nccl == nullptr) return Error("data-parallel serving on the CUDA backend runs over NCCL").in_field("--ep");
-  std::unique_ptr<parallel::Communicator> c(new parallel::HostStagedCommunicator(*nccl, m.stream()));
+  auto c = std::make_unique<parallel::HostStagedCommunicator>(*nccl, m.stream());
+  const uint64_t N = static_cast<uint64_t>(nccl->size());
+  const uint64_t row_bytes = static_cast<uint64_t>(m.config().vocab_size) * sizeof(float);
+  const uint64_t rows = static_cast<uint64_t>(m.max_logit_rows()) * (nccl->rank() == 0 ? N - 1 : 1);
+  const uint64_t messages = 2 * (uint64_t{64} + static_cast<uint64_t>(l.max_step_tokens) * 4 +
+                                 static_cast<uint64_t>(l.max_seqs) * (64 + static_cast<uint64_t>(m.max_blocks_per_seq()) * 4));
+  const uint64_t need = std::max(rows * row_bytes, messages) + 4096;
+  if (need > parallel::HostStagedCommunicator::kMaxBytes)
+    return Error::format("rank {} would exchange {} MiB of logits rows a step ({} rows of {} ids), more than the {} MiB "
+                         "the host-staged collectives allow; lower --max-running or --prompt-logprob-rows",
+                         nccl->rank(), need >> 20, rows, m.config().vocab_size,
+                         parallel::HostStagedCommunicator::kMaxBytes >> 20)
+        .in_field("--ep");
+  MOEBIUS_TRY(c->reserve(static_cast<size_t>(need)));
   MOEBIUS_TRY(dp_check_same_limits(*c, l));
-  return c;
+  return std::unique_ptr<parallel::Communicator>(std::move(c));
 #else
   (void)o, (void)m, (void)l;
   return Error("this build of moebius has no NCCL; expert parallelism on the CUDA backend needs it").in_field("--ep");
@@ -245,7 +266,7 @@ Status run_ep_follower(const RunnerOptions& o) {
     return Error("a follower rank needs --backend cuda and its worker communicator").in_field("--ep");
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
-  const RunnerLimits l = runner_limits(*m);
+  const RunnerLimits l = runner_limits(*m, o);
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<parallel::Communicator> comm, dp_communicator(o, *m, l));
   CudaPart part(*m);
   part.set_data_parallel();
@@ -255,7 +276,7 @@ Status run_ep_follower(const RunnerOptions& o) {
 Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
-  const RunnerLimits l = runner_limits(*m);
+  const RunnerLimits l = runner_limits(*m, o);
   std::unique_ptr<DpState> dp;
   if (o.ep_comm) {
     dp = std::make_unique<DpState>();
