@@ -357,6 +357,12 @@ print(f"prefix cache: the second request found {cached} of {b['usage']['prompt_t
       f"greedy texts {'agree' if same else 'DIFFER'}")
 sys.exit(0 if cached >= 16 else 1)
 PY
+  # echo with logprobs (lm-evaluation-harness's scoring request): the prompt's logprobs come from
+  # the CUDA runner's all-logits rows; the first is null, the rest are finite and <= 0.
+  curl -sf "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"tiny-qwen3-moe","prompt":[[5,17,2,99,41,7],[3,4]],"max_tokens":1,"temperature":0,"logprobs":1,"echo":true}' |
+    python3 -c 'import json,sys; r=json.load(sys.stdin); lp=[c["logprobs"]["token_logprobs"] for c in r["choices"]]
+print("echo logprobs:", lp); sys.exit(0 if all(l[0] is None and all(x <= 0 for x in l[1:]) for l in lp) else 1)' &&
   curl -sf "http://127.0.0.1:$port/metrics" | grep -i -E "kv|prefix"
   local rc=$?
   kill $pid; wait $pid
@@ -364,6 +370,40 @@ PY
   return $rc
 }
 command -v curl >/dev/null && step serve-tiny-cuda serve_tiny_cuda
+
+# serve --backend cuda --ep N (data parallel, [TAG_SERVE_DP]) where the machine has N GPUs: four
+# concurrent greedy completions, each equal to the single-GPU server's text, and /metrics showing
+# sequences on more than one rank. Skipped on one GPU (the one-rank protocol runs in the GPU tests).
+serve_dp_cuda() {
+  local gpus n port pid texts want got
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  [ "$gpus" -ge 2 ] || { echo "serve --ep skipped: $gpus GPU(s)"; return 0; }
+  texts() {  # port -> the four greedy texts, one per line, in prompt order
+    for p in 1 2 3 4; do
+      curl -sf "http://127.0.0.1:$1/v1/completions" -H 'Content-Type: application/json' \
+        -d "{\"model\":\"tiny-qwen3-moe\",\"prompt\":[$p,$((p * 7)),$((p * 13))],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" \
+        > "$OUT/serve-dp.$1.$p.json" &
+    done
+    wait
+    for p in 1 2 3 4; do python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["choices"][0]["text"].encode().hex())' "$OUT/serve-dp.$1.$p.json"; done
+  }
+  for n in 1 2 4; do
+    [ "$gpus" -ge $n ] || continue
+    port=$((18130 + n))
+    "$BUILD/moebius" serve --model tests/data/tiny-qwen3-moe --tokenizer tests/data/tiny-serve --backend cuda \
+      --ep $n --max-running 4 --port $port > "$OUT/serve-dp-$n.server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 150); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+    got=$(texts $port) || { kill $pid; return 1; }
+    [ $n -gt 1 ] && curl -sf "http://127.0.0.1:$port/metrics" | grep dp_rank_sequences
+    kill $pid; wait $pid
+    if [ $n = 1 ]; then want=$got; else
+      [ "$got" = "$want" ] || { echo "--ep $n texts differ from --ep 1"; echo "$got"; echo "$want"; return 1; }
+      echo "serve --ep $n: the four greedy texts equal the single-GPU server's"
+    fi
+  done
+}
+command -v curl >/dev/null && step serve-dp-cuda serve_dp_cuda
 
 # moebius serve under load: the Qwen3-30B-A3B geometry with dummy NVFP4 experts (no checkpoint),
 # the real Qwen3 tokenizer ($MOEBIUS_QWEN3_TOKENIZER_DIR), and `bench serve`: 64 streamed requests
