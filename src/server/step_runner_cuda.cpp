@@ -89,6 +89,7 @@ class CudaPart final : public DpPart {
 struct DpState {
   std::unique_ptr<parallel::Communicator> comm;  // host-staged, over the model's NCCL communicator
   std::unique_ptr<DpStepDriver> driver;          // rank 0
+  uint64_t scratch_bytes = 0;                    // the host-staged collectives' device scratch
 };
 
 class CudaRunner final : public StepRunner {
@@ -115,8 +116,10 @@ class CudaRunner final : public StepRunner {
         "cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}{}\n{}", config().num_hidden_layers,
         config().vocab_size, limits_.max_context, limits_.num_blocks, limits_.block_size, dp_ ? " per rank" : "",
         dp_ ? fmt::format("; data parallel over {} expert-parallel GPUs ({} of {} experts per layer on each), up to {} "
-                          "sequences and {} tokens a step",
-                          N, config().num_experts / N, config().num_experts, limits_.max_seqs, limits_.max_step_tokens)
+                          "sequences and {} tokens a step; this rank's step-message scratch {:.1f} MiB (GPU, beside the "
+                          "plan below)",
+                          N, config().num_experts / N, config().num_experts, limits_.max_seqs, limits_.max_step_tokens,
+                          static_cast<double>(dp_->scratch_bytes) / (1 << 20))
             : std::string(),
         model::format_memory_plan(model_->memory_plan()));
   }
@@ -233,7 +236,7 @@ RunnerLimits runner_limits(const model::Qwen3MoeCuda& m, const RunnerOptions& o)
 // NCCL): rank 0's logits gather, (N - 1) ranks x max_logit_rows x V fp32, or a follower's own rows,
 // plus the step messages (ids and block tables, a few hundred KiB).
 Result<std::unique_ptr<parallel::Communicator>> dp_communicator(const RunnerOptions& o, model::Qwen3MoeCuda& m,
-                                                                const RunnerLimits& l) {
+                                                                const RunnerLimits& l, uint64_t* scratch_bytes) {
 #ifdef MOEBIUS_HAS_NCCL
   auto* nccl = dynamic_cast<parallel::NcclCommunicator*>(o.ep_comm.get());
   if (nccl == nullptr) return Error("data-parallel serving on the CUDA backend runs over NCCL").in_field("--ep");
@@ -251,10 +254,11 @@ Result<std::unique_ptr<parallel::Communicator>> dp_communicator(const RunnerOpti
                          parallel::HostStagedCommunicator::kMaxBytes >> 20)
         .in_field("--ep");
   MOEBIUS_TRY(c->reserve(static_cast<size_t>(need)));
+  *scratch_bytes = need;
   MOEBIUS_TRY(dp_check_same_limits(*c, l));
   return std::unique_ptr<parallel::Communicator>(std::move(c));
 #else
-  (void)o, (void)m, (void)l;
+  (void)o, (void)m, (void)l, (void)scratch_bytes;
   return Error("this build of moebius has no NCCL; expert parallelism on the CUDA backend needs it").in_field("--ep");
 #endif
 }
@@ -267,7 +271,8 @@ Status run_ep_follower(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCudaOptions co, cuda_options(o));
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(o.source, co));
   const RunnerLimits l = runner_limits(*m, o);
-  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<parallel::Communicator> comm, dp_communicator(o, *m, l));
+  uint64_t scratch = 0;
+  MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<parallel::Communicator> comm, dp_communicator(o, *m, l, &scratch));
   CudaPart part(*m);
   part.set_data_parallel();
   return follow_dp_steps(*comm, part, m->config().vocab_size);
@@ -280,7 +285,7 @@ Result<std::unique_ptr<StepRunner>> load_cuda_runner(const RunnerOptions& o) {
   std::unique_ptr<DpState> dp;
   if (o.ep_comm) {
     dp = std::make_unique<DpState>();
-    MOEBIUS_ASSIGN_OR_RETURN(dp->comm, dp_communicator(o, *m, l));
+    MOEBIUS_ASSIGN_OR_RETURN(dp->comm, dp_communicator(o, *m, l, &dp->scratch_bytes));
     dp->driver = std::make_unique<DpStepDriver>(*dp->comm, m->config().vocab_size);
   }
   return std::unique_ptr<StepRunner>(new CudaRunner(std::move(m), l, std::move(dp)));
