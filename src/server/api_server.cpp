@@ -233,24 +233,30 @@ std::string ApiServer::token_text(int32_t id) const {
   return std::string(tokenizer_->token_bytes(static_cast<tokenizer::TokenId>(id)));
 }
 
-std::vector<TokenLogprob> ApiServer::logprobs_text(const std::vector<GeneratedToken>& tokens) const {
+namespace {
+// How many of an entry's top alternatives a request asked for: the engine computes the largest k
+// any part of the request wants, and each part shows its own.
+size_t top_shown(const GeneratedToken& t, size_t max_top) { return std::min(t.top.size(), max_top); }
+}  // namespace
+
+std::vector<TokenLogprob> ApiServer::logprobs_text(const std::vector<GeneratedToken>& tokens, size_t max_top) const {
   std::vector<TokenLogprob> out;
   for (const GeneratedToken& t : tokens) {
     TokenLogprob lp{token_text(t.id), t.logprob, {}};
-    for (const auto& [id, p] : t.top) lp.top.emplace_back(token_text(id), p);
+    for (size_t r = 0; r < top_shown(t, max_top); ++r) lp.top.emplace_back(token_text(t.top[r].first), t.top[r].second);
     out.push_back(std::move(lp));
   }
   return out;
 }
 
 PromptLogprobs ApiServer::prompt_logprobs_out(const std::vector<int32_t>& prompt,
-                                              const std::vector<GeneratedToken>& computed) const {
+                                              const std::vector<GeneratedToken>& computed, size_t max_top) const {
   PromptLogprobs out;
   out.emplace_back(std::nullopt);  // the first token has no context
   for (size_t i = 0; i < computed.size() && i + 1 < prompt.size(); ++i) {
     const GeneratedToken& t = computed[i];
     std::vector<PromptLogprob> ids{{t.id, t.logprob, t.rank, token_text(t.id)}};
-    for (size_t r = 0; r < t.top.size(); ++r)
+    for (size_t r = 0; r < top_shown(t, max_top); ++r)
       if (t.top[r].first != t.id)
         ids.push_back({t.top[r].first, t.top[r].second, static_cast<int64_t>(r + 1), token_text(t.top[r].first)});
     out.emplace_back(std::move(ids));
@@ -269,20 +275,13 @@ void ApiServer::add_prompt_parts(const GenerationRequest& req, const std::vector
       TokenLogprob first{token_text(prompt[0]), 0.0f, {}};
       first.has_logprob = false;
       lps.push_back(std::move(first));
-      // The engine's entries, clipped to the prompt's top_logprobs alternatives.
-      for (TokenLogprob& t : logprobs_text(computed)) {
-        if (t.top.size() > static_cast<size_t>(req.top_logprobs)) t.top.resize(static_cast<size_t>(req.top_logprobs));
-        lps.push_back(std::move(t));
-      }
+      for (TokenLogprob& t : logprobs_text(computed, static_cast<size_t>(req.top_logprobs))) lps.push_back(std::move(t));
       d->logprobs.insert(d->logprobs.begin(), lps.begin(), lps.end());
     }
   }
   if (req.prompt_logprobs >= 0 && req.endpoint == Endpoint::kCompletion) {
     d->want_prompt_logprobs = true;
-    std::vector<GeneratedToken> clipped = computed;
-    for (GeneratedToken& t : clipped)
-      if (t.top.size() > static_cast<size_t>(req.prompt_logprobs)) t.top.resize(static_cast<size_t>(req.prompt_logprobs));
-    d->prompt_logprobs = prompt_logprobs_out(prompt, clipped);
+    d->prompt_logprobs = prompt_logprobs_out(prompt, computed, static_cast<size_t>(req.prompt_logprobs));
   }
 }
 
@@ -413,10 +412,7 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
   // Chat's prompt_logprobs sit at the top level (vLLM): the prompt is the same for every choice.
   std::optional<PromptLogprobs> chat_prompt;
   if (endpoint == Endpoint::kChat && req.prompt_logprobs >= 0) {
-    std::vector<GeneratedToken> clipped = u[0].prompt_logprobs;
-    for (GeneratedToken& t : clipped)
-      if (t.top.size() > static_cast<size_t>(req.prompt_logprobs)) t.top.resize(static_cast<size_t>(req.prompt_logprobs));
-    chat_prompt = prompt_logprobs_out(prompts[0], clipped);
+    chat_prompt = prompt_logprobs_out(prompts[0], u[0].prompt_logprobs, static_cast<size_t>(req.prompt_logprobs));
   }
   res.send(200, "application/json",
            endpoint == Endpoint::kChat ? chat_response(m, out, usage, chat_prompt ? &*chat_prompt : nullptr)

@@ -110,13 +110,17 @@ class ApiServer {
   // How a chat response is parsed (nullopt: its text is all content, as for completions).
   std::optional<ChatOutputOptions> output_parsing(const GenerationRequest& req, bool prompt_opens_think) const;
   EngineRequest engine_request(const GenerationRequest& req, std::vector<int32_t> ids) const;
-  std::vector<TokenLogprob> logprobs_text(const std::vector<GeneratedToken>& tokens) const;
+  // Each entry with at most max_top alternatives.
+  std::vector<TokenLogprob> logprobs_text(const std::vector<GeneratedToken>& tokens,
+                                          size_t max_top = SIZE_MAX) const;
   // What an answer puts before its first generated token: completions' echo (the prompt's text and,
   // with logprobs, its tokens' logprobs, the first null) and vLLM's prompt_logprobs. `computed`:
   // the engine's prompt logprobs (tokens 1..P-1), when it was asked for them.
   void add_prompt_parts(const GenerationRequest& req, const std::vector<int32_t>& prompt,
                         const std::vector<GeneratedToken>& computed, ChoiceDelta* out) const;
-  PromptLogprobs prompt_logprobs_out(const std::vector<int32_t>& prompt, const std::vector<GeneratedToken>& computed) const;
+  // The first prompt token gets null; each other gets its logprob, rank and at most max_top alternatives.
+  PromptLogprobs prompt_logprobs_out(const std::vector<int32_t>& prompt, const std::vector<GeneratedToken>& computed,
+                                     size_t max_top) const;
   std::string token_text(int32_t id) const;
   ResponseMeta meta(Endpoint endpoint);
 
