@@ -56,6 +56,12 @@ Status validate_sampler_params(const SamplerParams& params);
 inline constexpr float kMaxOpenAiPenalty = 2.0f;
 inline constexpr float kMaxLogitBias = 100.0f;
 
+// A candidate token: its logit after the temperature, and its id.
+struct ScaledLogit {
+  float s;
+  int32_t id;
+};
+
 // Index of the largest logit, the lowest index on ties. NaNs are never chosen. `logits` non-empty.
 int32_t argmax(std::span<const float> logits);
 
@@ -70,14 +76,23 @@ class Sampler {
   // the first sample(); ids outside the row are ignored when the penalty is applied.
   void observe_prompt(std::span<const int32_t> ids);
 
-  // One token id in [0, V). Errors for an empty row, a NaN, every logit -inf, or a logit_bias id
-  // outside [0, V). Advances the RNG (except in greedy mode) and records the id as output (when
-  // a penalty needs it).
+  // One token id in [0, V). Errors for an empty row, a NaN or +inf logit, one the temperature
+  // scales past float's range, every logit -inf, or a logit_bias id outside [0, V). Advances the
+  // RNG (except in greedy mode) and records the id as output (when a penalty needs it).
+  // Equal, draw for draw, to sample_reference(), without sorting the row.
   Result<int32_t> sample(std::span<const float> logits);
 
+  // The steps above written out literally (every candidate scaled and sorted), for tests.
+  Result<int32_t> sample_reference(std::span<const float> logits);
+
   // The candidates left after the adjustments and steps 1-4 with their renormalized
-  // probabilities, most probable first (ties: lowest id first). Exposed for tests; sample() draws
-  // from exactly this list. Records nothing.
+  // probabilities, most probable first (ties: lowest id first). Exposed for tests; both sample
+  // paths draw from exactly this list. Records nothing.
+  // The arithmetic, which both paths share bit for bit: s = logit * (1 / T) in float; each
+  // weight w = e^(s - max s) in double; the softmax sums (all of top-k's survivors, then the kept
+  // ones) add the weights in ascending id order; top-p accumulates w / sum in the sampling order;
+  // min-p keeps w >= min_p; a candidate's probability is float(w / kept sum), and the draw walks
+  // those floats' cumulative sum (double) in the sampling order until it exceeds u.
   Result<std::vector<std::pair<int32_t, float>>> candidates(std::span<const float> logits);
 
   // The row after the adjustments a-c: `logits` itself when every one is off or has nothing to
@@ -87,13 +102,17 @@ class Sampler {
  private:
   explicit Sampler(const SamplerParams& params) : params_(params), rng_(params.seed) {}
 
+  double next_uniform();    // the draw's u in [0, 1)
+  void record(int32_t id);  // the penalties' output history
+
   bool tracks_output() const {
     return params_.repetition_penalty != 1.0f || params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f;
   }
 
   SamplerParams params_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int32_t>> scratch_;  // (scaled logit, id)
+  std::vector<ScaledLogit> scratch_;     // sample(): the sampling order's first elements
+  std::vector<ScaledLogit> id_scratch_;  // sample(): a set sorted by id for its weight sum
   std::vector<float> adjusted_;                      // [V] the penalized row
   std::unordered_set<int32_t> prompt_ids_;          // repetition penalty only
   std::unordered_map<int32_t, int32_t> output_counts_;  // id -> times sampled
