@@ -376,6 +376,37 @@ TEST(Engine, SeededSamplingIsReproducible) {
   EXPECT_NE(ia, ic);
 }
 
+// The draws of a step run on the pool's threads: eight sampled requests (own seeds and filters,
+// logprobs, min_tokens masking) running together give each its solo tokens and logprobs.
+TEST(Engine, ConcurrentSampledRequestsMatchSolo) {
+  auto engine = make_engine(8, 64);
+  std::vector<EngineRequest> reqs;
+  for (int i = 0; i < 8; ++i) {
+    EngineRequest r = greedy(prompt_for(i), 10 + i);
+    r.sampling.temperature = 0.5f + 0.2f * static_cast<float>(i);
+    r.sampling.top_k = i % 3 == 0 ? 0 : 5 * i;
+    r.sampling.top_p = i % 2 == 0 ? 1.0f : 0.9f;
+    r.sampling.seed = 100 + static_cast<uint64_t>(i);
+    r.top_logprobs = i % 4 == 1 ? 2 : -1;
+    r.min_tokens = i % 4 == 2 ? 5 : 0;
+    reqs.push_back(r);
+  }
+  std::vector<RequestUpdate> solo;
+  for (const EngineRequest& r : reqs) solo.push_back(drain(*engine->submit(r).stream));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const EngineRequest& r : reqs) streams.push_back(engine->submit(r).stream);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    RequestUpdate u = drain(*streams[i]);
+    EXPECT_EQ(u.error, "") << i;
+    EXPECT_EQ(ids_of(u), ids_of(solo[i])) << "request " << i;
+    ASSERT_EQ(u.tokens.size(), solo[i].tokens.size()) << i;
+    for (size_t t = 0; t < u.tokens.size(); ++t) {
+      EXPECT_EQ(u.tokens[t].logprob, solo[i].tokens[t].logprob) << i << " " << t;
+      EXPECT_EQ(u.tokens[t].top, solo[i].tokens[t].top) << i << " " << t;
+    }
+  }
+}
+
 TEST(Engine, EosStops) {
   // The first greedy token is made an eos id: the request stops at once with no completion.
   const auto prompt = prompt_for(6);

@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "core/log.h"
+#include "core/thread_pool.h"
 #include "tokenizer/streaming_decoder.h"
 
 namespace moebius::server {
@@ -679,6 +680,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   }
   const size_t V = static_cast<size_t>(vocab_size());
   size_t row = 0;
+  std::vector<std::pair<Seq*, const float*>> next;  // the sequences that get a token, and its row
   for (size_t i = 0; i < batch.size(); ++i) {
     Seq& s = *batch[i];
     const int64_t first = s.computed;
@@ -687,11 +689,21 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     if (seqs[i].all_logits) {  // a row per token; the last is also the next token's when the prompt ends
       on_prompt_rows(s, first, chunk[i], logits_.data() + row * V);
       row += static_cast<size_t>(chunk[i]);
-      if (seqs[i].want_logits) on_token(s, logits_.data() + (row - 1) * V);
+      if (seqs[i].want_logits) next.emplace_back(&s, logits_.data() + (row - 1) * V);
     } else if (seqs[i].want_logits) {
-      on_token(s, logits_.data() + (row++) * V);
+      next.emplace_back(&s, logits_.data() + (row++) * V);
     }
   }
+  // The draws touch only their own sequence's sampler and row, so they run on the pool's threads;
+  // a row costs ~0.1-1 ms (docs/PERF.md), a decode step of 64 sequences tens of ms on one thread.
+  // What they lead to (the stream, the metrics, finishing) stays on the engine thread, in order.
+  std::vector<Draw> draws(next.size());
+  const auto draw_one = [&](int64_t j) {
+    draws[static_cast<size_t>(j)] = draw(*next[static_cast<size_t>(j)].first, next[static_cast<size_t>(j)].second);
+  };
+  if (next.size() > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(next.size()), draw_one);
+  else if (next.size() == 1) draw_one(0);
+  for (size_t j = 0; j < next.size(); ++j) on_token(*next[j].first, std::move(draws[j]));
 }
 
 bool Engine::needs_prompt_logits(const Seq& s) { return s.req.prompt_logprobs >= 0 && !s.prompt_lp_sent; }
@@ -775,7 +787,9 @@ void Engine::emit(Seq& s, const std::string& text, GeneratedToken* token) {
   s.stream->publish(text, token, false, "", "", s.prompt_len, s.generated, s.cached_tokens);
 }
 
-void Engine::on_token(Seq& s, const float* logits) {
+// The token of `s` from its logits row, and its logprobs when the request wants them. Runs on a
+// pool thread: it reads the sequence's request and counters and advances only its sampler.
+Engine::Draw Engine::draw(Seq& s, const float* logits) const {
   const size_t V = static_cast<size_t>(vocab_size());
   const std::vector<int32_t>& eos = options_.eos_ids;
   const std::vector<int32_t>& stop_ids = s.req.stop_token_ids;
@@ -783,20 +797,34 @@ void Engine::on_token(Seq& s, const float* logits) {
   // the logprobs stay the model's.
   const bool early = s.generated < s.req.min_tokens;
   std::span<const float> row(logits, V);
+  thread_local std::vector<float> masked;
   if (early && ((!s.req.ignore_eos && !eos.empty()) || !stop_ids.empty())) {
-    masked_logits_.assign(logits, logits + V);
+    masked.assign(logits, logits + V);
     if (!s.req.ignore_eos)
       for (int32_t id : eos)
-        if (id >= 0 && static_cast<size_t>(id) < V) masked_logits_[static_cast<size_t>(id)] = -INFINITY;
-    for (int32_t id : stop_ids) masked_logits_[static_cast<size_t>(id)] = -INFINITY;
-    row = masked_logits_;
+        if (id >= 0 && static_cast<size_t>(id) < V) masked[static_cast<size_t>(id)] = -INFINITY;
+    for (int32_t id : stop_ids) masked[static_cast<size_t>(id)] = -INFINITY;
+    row = masked;
   }
-  auto sampled = s.sampler->sample(row);
+  Draw d;
+  Result<int32_t> sampled = s.sampler->sample(row);
   if (!sampled.ok()) {
-    finish(s, "", "sampling failed: " + sampled.error().what());
+    d.error = sampled.error().what();
+    return d;
+  }
+  d.id = *sampled;
+  if (s.req.top_logprobs >= 0) d.logprobs = token_logprobs(logits, V, d.id, s.req.top_logprobs);
+  return d;
+}
+
+void Engine::on_token(Seq& s, Draw d) {
+  const std::vector<int32_t>& eos = options_.eos_ids;
+  const std::vector<int32_t>& stop_ids = s.req.stop_token_ids;
+  if (d.id < 0) {
+    finish(s, "", "sampling failed: " + d.error);
     return;
   }
-  const int32_t id = *sampled;
+  const int32_t id = d.id;
   const auto now = Clock::now();
   const double since = std::chrono::duration<double>(now - (s.generated == 0 ? s.arrival : s.last_token)).count();
   (s.generated == 0 ? metrics_.ttft : metrics_.itl).observe(since);
@@ -809,11 +837,9 @@ void Engine::on_token(Seq& s, const float* logits) {
   s.tokens.push_back(id);
   ++s.generated;
   ++metrics_.generation_tokens_total;
-  std::optional<GeneratedToken> lp;
-  if (s.req.top_logprobs >= 0) lp = token_logprobs(logits, V, id, s.req.top_logprobs);
   std::string text = s.decoder->feed(static_cast<tokenizer::TokenId>(id));
   StopMatcher::Out out = match_stops(s, text);
-  emit(s, out.text, lp ? &*lp : nullptr);
+  emit(s, out.text, d.logprobs ? &*d.logprobs : nullptr);
   if (out.stopped) finish(s, "stop", "");
   else if (s.generated >= s.req.max_tokens || static_cast<int64_t>(s.tokens.size()) >= max_context_)
     finish(s, "length", "");

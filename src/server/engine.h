@@ -52,6 +52,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_set>
@@ -227,7 +228,15 @@ class Engine {
   void schedule(std::vector<Seq*>& batch, std::vector<int>& chunk);
   void preempt(size_t running_index);
   void run_step(const std::vector<Seq*>& batch, const std::vector<int>& chunk);
-  void on_token(Seq& seq, const float* logits);
+  // A sequence's next token: drawn from its logits row (any thread), then applied (the engine
+  // thread: the stream, stops, metrics).
+  struct Draw {
+    int32_t id = -1;  // -1: sampling failed, `error` says why
+    std::string error;
+    std::optional<GeneratedToken> logprobs;
+  };
+  Draw draw(Seq& seq, const float* logits) const;
+  void on_token(Seq& seq, Draw draw);
   // Prompt logprobs: whether the sequence's next chunk must return every token's logits, and
   // what one step's rows of it give.
   static bool needs_prompt_logits(const Seq& seq);
@@ -265,7 +274,6 @@ class Engine {
   EngineOptions options_;
   int64_t max_context_ = 0;
   EngineMetrics metrics_;
-  std::vector<float> masked_logits_;  // on_token's row with the ending ids masked (min_tokens)
 
   // Shared with submit() and RequestStream::cancel().
   std::shared_ptr<RequestStream::Wake> wake_;
