@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace moebius::model {
 
@@ -92,17 +94,78 @@ using Scaled = ScaledLogit;
 // The sampling order: most probable first, equal scaled logits by ascending id, so it is total.
 bool before(const Scaled& a, const Scaled& b) { return a.s > b.s || (a.s == b.s && a.id < b.id); }
 
-// The softmax weight of a scaled logit relative to the largest, w = e^(s - max) in (0, 1] (0 when
-// s is -inf or underflows). Every weight of a row is this call's value, whichever path asks.
-double weight(float s, float mx) { return std::exp(static_cast<double>(s) - static_cast<double>(mx)); }
+// The softmax weight of a scaled logit relative to the largest, w = e^d with d = s - max <= 0, in
+// float: Cody-Waite range reduction d = n ln2 + r (|r| <= ln2 / 2) and Cephes' degree-6 polynomial
+// for e^r (relative error ~1e-7), times 2^n built in the exponent bits; d below -87 (and -inf,
+// a masked logit) gives 0. Written once as a template over float and a vector of floats (GCC's
+// vector extension; SSE2 on baseline x86-64) with the same IEEE operations in the same order, so
+// a lane's result equals the scalar call's bit for bit: the row's weight sum runs 8 ids at a time
+// and everything else one at a time. No fused multiply-add: the build is ISO C++ for baseline
+// x86-64, which has none, so the weights are the same on every machine.
+template <typename F, typename I>
+F exp_weight_t(F d) {
+  const F lim = F{} - 87.0f;
+  const auto live = d >= lim;            // all-ones where e^d is a normal float
+  d = live ? d : lim;                    // keeps the reduction finite; masked below
+  const F shift = F{} + 12582912.0f;    // 1.5 * 2^23: adding it rounds to the nearest integer
+  const F n = (d * 1.44269504088896341f + shift) - shift;
+  const F r = (d - n * 0.693359375f) - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  I bits;
+  if constexpr (std::is_same_v<F, float>) bits = (static_cast<I>(n) + 127) << 23;
+  else bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const F w = p * scale;
+  return live ? w : F{};
+}
 
-// The sum of the weights of `set`, in ascending id order: a fixed order that neither path has to
-// sort the whole row for, so both get the same bits. Reorders `set`.
+// 16-byte vectors: the width baseline x86-64 has (wider ones would change the calling ABI by flags).
+using Floats4 = float __attribute__((vector_size(16)));
+using Ints4 = int32_t __attribute__((vector_size(16)));
+using Doubles2 = double __attribute__((vector_size(16)));
+
+double weight(float s, float mx) { return static_cast<double>(exp_weight_t<float, int32_t>(s - mx)); }
+
+// The softmax sums: 8 partial sums in double, partial j adding the weights of ids = j (mod 8) in
+// ascending id order, then combined as ((0+1)+(2+3))+((4+5)+(6+7)). A fixed order that the row's
+// pass runs 8 ids a step and a small set one id at a time, so both paths get the same bits (a
+// masked or underflowing id adds +0, which changes no partial).
+double combine_partials(const double (&part)[8]) {
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// The sum over `set` (reordered by id).
 double weight_sum_by_id(std::vector<Scaled>& set, float mx) {
   std::sort(set.begin(), set.end(), [](const Scaled& a, const Scaled& b) { return a.id < b.id; });
-  double sum = 0.0;
-  for (const Scaled& c : set) sum += weight(c.s, mx);
-  return sum;
+  double part[8] = {};
+  for (const Scaled& c : set) part[c.id & 7] += weight(c.s, mx);
+  return combine_partials(part);
+}
+
+// The sum over the row's live ids, s = x * inv_t, 8 ids per step (two vectors of 4).
+double row_weight_sum(std::span<const float> logits, float inv_t, float mx) {
+  Doubles2 acc[4] = {};  // partials 0-1, 2-3, 4-5, 6-7
+  const size_t V = logits.size(), full = V / 8 * 8;
+  for (size_t i = 0; i < full; i += 8) {
+    Floats4 x[2];
+    std::memcpy(x, logits.data() + i, sizeof x);
+    for (int h = 0; h < 2; ++h) {
+      const Floats4 w = exp_weight_t<Floats4, Ints4>(x[h] * inv_t - mx);  // -inf * inv_t - mx = -inf: 0
+      acc[2 * h] += __builtin_convertvector(__builtin_shufflevector(w, w, 0, 1), Doubles2);
+      acc[2 * h + 1] += __builtin_convertvector(__builtin_shufflevector(w, w, 2, 3), Doubles2);
+    }
+  }
+  double part[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+  for (size_t i = full; i < V; ++i)
+    if (logits[i] != -INFINITY) part[i & 7] += weight(logits[i] * inv_t, mx);
+  return combine_partials(part);
 }
 
 // The row checks of both paths: an error names the first bad logit (the adjustments never make
@@ -110,7 +173,15 @@ double weight_sum_by_id(std::vector<Scaled>& set, float mx) {
 Status check_raw_row(std::span<const float> raw) {
   if (raw.empty()) return Error("empty logits row");
   // A NaN or +inf means a broken forward pass: refuse it rather than sample around it (+inf would
-  // make every weight e^(x - inf) NaN).
+  // make every weight e^(x - inf) NaN). First a branch-free pass on the bits (exponent all ones:
+  // NaN or +-inf; -inf, a masked token, is fine), then the first culprit for the message.
+  uint32_t bad = 0;
+  for (const float x : raw) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    bad |= static_cast<uint32_t>((u & 0x7fffffffu) >= 0x7f800000u) & static_cast<uint32_t>(u != 0xff800000u);
+  }
+  if (bad == 0) return Ok{};
   for (size_t i = 0; i < raw.size(); ++i) {
     if (std::isnan(raw[i])) return Error::format("logit {} is NaN", i);
     if (raw[i] == INFINITY) return Error::format("logit {} is +inf", i);
@@ -124,29 +195,80 @@ Error overflow_error(size_t i, float t) {
   return Error::format("logit {} overflows float at temperature {}", i, t);
 }
 
-// The largest scaled logit and the count of live (not -inf) ones, in one pass; `overflow` is the
-// first live logit the temperature scales to +-inf (else the row's size). A function of its own so
-// that the maximum stays in a register (sample()'s lambdas take the locals' addresses).
+// The band depths below the largest scaled logit by which sample() extends the sampling order
+// when top-k is off (the last band is everything below the deepest).
+constexpr float kBandDepth[] = {4.0f, 8.0f, 16.0f, 32.0f, 64.0f};
+
+// sample()'s one pass over the row: the largest scaled logit, the count of live (not -inf)
+// logits, the first live one the temperature scales to +-inf (`overflow`, else the row's size),
+// and the first candidates of the sampling order, unsorted:
+//   top_k > 0: the top_k best (all live ones when there are no more), kept in a buffer of
+//     2 top_k (at least 256) that nth_element compacts whenever it fills; after the first
+//     compaction only a logit above the k-th best so far can enter (a later id that ties it comes
+//     after it in the order);
+//   top_k == 0: the first band, s >= max - kBandDepth[0], collected against the running maximum
+//     (a rising maximum only raises the bar) and trimmed to the final one at the end.
+// One pass instead of three because the passes, not the sorting, are the cost at Qwen3's 151,936
+// ids; the branch that collects is rarely taken, so the loop runs at about a cycle per id.
 struct RowScan {
   float mx = -INFINITY;
   size_t live = 0;
   size_t overflow;
 };
-RowScan scan_row(std::span<const float> logits, float inv_t) {
+RowScan first_pass(std::span<const float> logits, float inv_t, size_t top_k, std::vector<Scaled>& out) {
   RowScan r{.overflow = logits.size()};
+  out.clear();
   float mx = -INFINITY;
   size_t live = 0;
-  for (size_t i = 0; i < logits.size(); ++i) {
-    const float x = logits[i];
-    if (x == -INFINITY) continue;
-    const float s = x * inv_t;
-    if (std::isinf(s)) {
-      r.overflow = i;
-      break;
+  const size_t cap = std::max<size_t>(2 * top_k, 256);
+  float bar = -INFINITY;  // a candidate must scale at least this (top-k: above it once full)
+  bool full = false;
+  // The row in blocks of 256 ids whose candidates go to a local array first: the inner loop calls
+  // nothing, so the maximum, the count and the bar stay in registers (a push_back in the loop
+  // kept them in memory: a store and a load per id).
+  constexpr size_t kBlock = 256;
+  Scaled found[kBlock];
+  for (size_t b = 0; b < logits.size(); b += kBlock) {
+    const size_t e = std::min(logits.size(), b + kBlock);
+    size_t nf = 0;
+    for (size_t i = b; i < e; ++i) {
+      const float x = logits[i];
+      if (x == -INFINITY) continue;
+      const float s = x * inv_t;
+      if (std::isinf(s)) {
+        r.overflow = i;
+        return r;
+      }
+      ++live;
+      if (top_k > 0) {
+        mx = std::max(mx, s);
+        if (!full || s > bar) found[nf++] = {s, static_cast<int32_t>(i)};
+      } else if (s >= bar) {
+        found[nf++] = {s, static_cast<int32_t>(i)};
+        if (s > mx) {
+          mx = s;
+          bar = mx - kBandDepth[0];
+        }
+      }
     }
-    ++live;
-    mx = std::max(mx, s);
+    for (size_t j = 0; j < nf; ++j) {
+      // top-k: the block's candidates were checked against the bar of its start; a compaction
+      // inside the block raises it, so they are checked again as they enter.
+      if (top_k > 0 && full && !(found[j].s > bar)) continue;
+      out.push_back(found[j]);
+      if (top_k > 0 && out.size() == cap) {
+        std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(top_k - 1), out.end(), before);
+        out.resize(top_k);
+        bar = out[top_k - 1].s;
+        full = true;
+      }
+    }
   }
+  if (top_k > 0 && out.size() > top_k) {
+    std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(top_k - 1), out.end(), before);
+    out.resize(top_k);
+  }
+  if (top_k == 0) std::erase_if(out, [&](const Scaled& c) { return !(c.s >= bar); });
   r.mx = mx;
   r.live = live;
   return r;
@@ -262,52 +384,27 @@ Result<int32_t> Sampler::sample(std::span<const float> raw) {
   }
   const size_t V = logits.size();
   const float inv_t = 1.0f / params_.temperature;
-  const RowScan scan = scan_row(logits, inv_t);
+  std::vector<Scaled>& order = scratch_;  // the sampling order's first `order.size()` elements
+  const size_t top_k = static_cast<size_t>(params_.top_k);
+  const RowScan scan = first_pass(logits, inv_t, top_k, order);
   if (scan.overflow < V) return overflow_error(scan.overflow, params_.temperature);
   if (scan.live == 0) return Error("every logit is -inf");
   const float mx = scan.mx;
-  const size_t live = scan.live;
-
-  std::vector<Scaled>& order = scratch_;  // the sampling order's first `order.size()` elements
-  order.clear();
+  std::sort(order.begin(), order.end(), before);
   double total = 0.0;
-  size_t n = live;
-  bool whole = true;  // `order` holds all n candidates
-  if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < live) {
-    n = static_cast<size_t>(params_.top_k);
-    const size_t cap = std::max<size_t>(2 * n, 256);
-    bool full = false;
-    float floor_s = -INFINITY;  // once full: the k-th best so far; a later id must scale above it
-    for (size_t i = 0; i < V; ++i) {
-      const float x = logits[i];
-      if (x == -INFINITY) continue;
-      const float s = x * inv_t;
-      if (full && !(s > floor_s)) continue;
-      order.push_back({s, static_cast<int32_t>(i)});
-      if (order.size() == cap) {
-        std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(), before);
-        order.resize(n);
-        floor_s = order[n - 1].s;
-        full = true;
-      }
-    }
-    if (order.size() > n) {
-      std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n - 1), order.end(), before);
-      order.resize(n);
-    }
-    std::sort(order.begin(), order.end(), before);
+  size_t n = scan.live;
+  bool whole = top_k > 0;  // `order` holds all n candidates (top-k's, or every live one)
+  size_t band = 1;         // the next band to extract
+  float ceiling = mx - kBandDepth[0];  // every extracted candidate scales at least this; the rest below
+  if (top_k > 0) {
+    n = std::min(n, top_k);
     id_scratch_ = order;
     total = weight_sum_by_id(id_scratch_, mx);
   } else {
-    for (size_t i = 0; i < V; ++i)
-      if (logits[i] != -INFINITY) total += weight(logits[i] * inv_t, mx);
-    whole = false;
+    total = row_weight_sum(logits, inv_t, mx);
   }
 
   // Extends `order` by the next band of the sampling order; false when it already holds all n.
-  constexpr float kBandDepth[] = {4.0f, 8.0f, 16.0f, 32.0f, 64.0f};
-  size_t band = 0;
-  float ceiling = INFINITY;  // every extracted candidate scales at least this; the rest below it
   const auto extend = [&]() -> bool {
     if (whole) return false;
     const bool last = band == std::size(kBandDepth);
