@@ -181,6 +181,38 @@ TEST(Sampler, FastPathDrawsAsTheReference) {
   EXPECT_GT(draws, 10000);
 }
 
+// The weights are a float exp (sampler.cpp): the candidates' probabilities must still be the
+// softmax's to float precision, over scaled logits spanning the whole range that does not
+// underflow (s - max down to -87), and a weight below that is 0.
+TEST(Sampler, ProbabilitiesMatchADoubleSoftmax) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> spread(-87.0f, 0.0f);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> row(300);
+    for (float& x : row) x = spread(rng);
+    row[7] = 0.0f;
+    const float T = trial % 2 == 0 ? 1.0f : 0.9f;
+    Sampler s = make({.temperature = T});
+    auto c = s.candidates(row);
+    ASSERT_TRUE(c.ok());
+    double mx = -INFINITY, z = 0.0;
+    for (float x : row) mx = std::max(mx, static_cast<double>(x * (1.0f / T)));
+    for (float x : row) z += std::exp(static_cast<double>(x * (1.0f / T)) - mx);
+    for (const auto& [id, p] : *c) {
+      const double want = std::exp(static_cast<double>(row[static_cast<size_t>(id)] * (1.0f / T)) - mx) / z;
+      // (below e^-87 ~ 1.6e-38 relative to the max a weight is 0)
+      ASSERT_NEAR(p, want, 4e-7 * want + 2e-38) << "trial " << trial << " id " << id;
+    }
+  }
+  // Far below the max: weight 0, so never drawn; the rest renormalize to 1.
+  Sampler s = make({});
+  auto c = s.candidates(std::vector<float>{0.0f, -100.0f, 0.0f});
+  ASSERT_TRUE(c.ok());
+  ASSERT_EQ(c->size(), 3u);
+  EXPECT_EQ((*c)[0].second, 0.5f);
+  EXPECT_EQ((*c)[2].second, 0.0f);
+}
+
 TEST(Sampler, InfiniteOrOverflowingLogitsAreRefused) {
   Sampler s = make({.temperature = 1.0f});
   auto inf = s.sample(std::vector<float>{1.0f, INFINITY});
