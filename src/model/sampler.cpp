@@ -1,10 +1,11 @@
 #include "model/sampler.h"
 
+#include "model/softmax_weights.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 namespace moebius::model {
 
@@ -94,79 +95,16 @@ using Scaled = ScaledLogit;
 // The sampling order: most probable first, equal scaled logits by ascending id, so it is total.
 bool before(const Scaled& a, const Scaled& b) { return a.s > b.s || (a.s == b.s && a.id < b.id); }
 
-// The softmax weight of a scaled logit relative to the largest, w = e^d with d = s - max <= 0, in
-// float: Cody-Waite range reduction d = n ln2 + r (|r| <= ln2 / 2) and Cephes' degree-6 polynomial
-// for e^r (relative error ~1e-7), times 2^n built in the exponent bits; d below -87 (and -inf,
-// a masked logit) gives 0. Written once as a template over float and a vector of floats (GCC's
-// vector extension; SSE2 on baseline x86-64) with the same IEEE operations in the same order, so
-// a lane's result equals the scalar call's bit for bit: the row's weight sum runs 8 ids at a time
-// and everything else one at a time. No fused multiply-add: the build is ISO C++ for baseline
-// x86-64, which has none, so the weights are the same on every machine.
-template <typename F, typename I>
-F exp_weight_t(F d) {
-  const F lim = F{} - 87.0f;
-  const auto live = d >= lim;            // all-ones where e^d is a normal float
-  d = live ? d : lim;                    // keeps the reduction finite; masked below
-  const F shift = F{} + 12582912.0f;    // 1.5 * 2^23: adding it rounds to the nearest integer
-  const F n = (d * 1.44269504088896341f + shift) - shift;
-  const F r = (d - n * 0.693359375f) - n * -2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  I bits;
-  if constexpr (std::is_same_v<F, float>) bits = (static_cast<I>(n) + 127) << 23;
-  else bits = (__builtin_convertvector(n, I) + 127) << 23;
-  F scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const F w = p * scale;
-  return live ? w : F{};
-}
-
-// 16-byte vectors: the width baseline x86-64 has (wider ones would change the calling ABI by flags).
-using Floats4 = float __attribute__((vector_size(16)));
-using Ints4 = int32_t __attribute__((vector_size(16)));
-using Doubles2 = double __attribute__((vector_size(16)));
-
-double weight(float s, float mx) { return static_cast<double>(exp_weight_t<float, int32_t>(s - mx)); }
-
-// The softmax sums: 8 partial sums in double, partial j adding the weights of ids = j (mod 8) in
-// ascending id order, then combined as ((0+1)+(2+3))+((4+5)+(6+7)). A fixed order that the row's
-// pass runs 8 ids a step and a small set one id at a time, so both paths get the same bits (a
-// masked or underflowing id adds +0, which changes no partial).
-double combine_partials(const double (&part)[8]) {
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-}
+double weight(float s, float mx) { return static_cast<double>(exp_weight(s - mx)); }
 
 // The sum over `set` (reordered by id).
 double weight_sum_by_id(std::vector<Scaled>& set, float mx) {
   std::sort(set.begin(), set.end(), [](const Scaled& a, const Scaled& b) { return a.id < b.id; });
   double part[8] = {};
   for (const Scaled& c : set) part[c.id & 7] += weight(c.s, mx);
-  return combine_partials(part);
+  return combine_partial_sums(part);
 }
 
-// The sum over the row's live ids, s = x * inv_t, 8 ids per step (two vectors of 4).
-double row_weight_sum(std::span<const float> logits, float inv_t, float mx) {
-  Doubles2 acc[4] = {};  // partials 0-1, 2-3, 4-5, 6-7
-  const size_t V = logits.size(), full = V / 8 * 8;
-  for (size_t i = 0; i < full; i += 8) {
-    Floats4 x[2];
-    std::memcpy(x, logits.data() + i, sizeof x);
-    for (int h = 0; h < 2; ++h) {
-      const Floats4 w = exp_weight_t<Floats4, Ints4>(x[h] * inv_t - mx);  // -inf * inv_t - mx = -inf: 0
-      acc[2 * h] += __builtin_convertvector(__builtin_shufflevector(w, w, 0, 1), Doubles2);
-      acc[2 * h + 1] += __builtin_convertvector(__builtin_shufflevector(w, w, 2, 3), Doubles2);
-    }
-  }
-  double part[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
-  for (size_t i = full; i < V; ++i)
-    if (logits[i] != -INFINITY) part[i & 7] += weight(logits[i] * inv_t, mx);
-  return combine_partials(part);
-}
 
 // The row checks of both paths: an error names the first bad logit (the adjustments never make
 // one: their factors and terms are finite, a penalized logit is clamped finite, -inf stays -inf).
@@ -401,7 +339,7 @@ Result<int32_t> Sampler::sample(std::span<const float> raw) {
     id_scratch_ = order;
     total = weight_sum_by_id(id_scratch_, mx);
   } else {
-    total = row_weight_sum(logits, inv_t, mx);
+    total = exp_weight_sum(logits, inv_t, mx);
   }
 
   // Extends `order` by the next band of the sampling order; false when it already holds all n.

@@ -9,6 +9,7 @@
 
 #include "core/log.h"
 #include "core/thread_pool.h"
+#include "model/softmax_weights.h"
 #include "tokenizer/streaming_decoder.h"
 
 namespace moebius::server {
@@ -711,19 +712,18 @@ bool Engine::needs_prompt_logits(const Seq& s) { return s.req.prompt_logprobs >=
 namespace {
 
 // log-softmax of the chosen id, its rank (1 + the ids with a larger logit) and the k most likely
-// ids (ties: the smaller id first), from the raw logits. Two passes over V plus a k-entry
-// insertion list: a prompt's logprobs run this once per prompt token on the engine thread.
+// ids (ties: the smaller id first), from the raw logits. Passes over V (the maximum and the rank,
+// the softmax sum 8 ids a step: model/softmax_weights.h) plus a k-entry insertion list: a
+// prompt's logprobs run this once per prompt token.
 GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) {
   float mx = -INFINITY;
-  for (size_t i = 0; i < V; ++i) mx = std::max(mx, logits[i]);
-  double sum = 0.0;
   int64_t above = 0;
   const float chosen = logits[id];
   for (size_t i = 0; i < V; ++i) {
-    sum += std::exp(static_cast<double>(logits[i]) - mx);
+    mx = std::max(mx, logits[i]);
     above += logits[i] > chosen ? 1 : 0;
   }
-  const double lse = mx + std::log(sum);
+  const double lse = mx + std::log(model::exp_weight_sum(std::span<const float>(logits, V), 1.0f, mx));
   GeneratedToken t;
   t.id = id;
   t.logprob = static_cast<float>(logits[id] - lse);
