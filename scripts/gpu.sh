@@ -450,6 +450,17 @@ bench_serve_run() {  # URL NAME SERVER_LOG OUT
                END {printf "shared prefix 896 of 1024: %d of %d input tokens cached, %.0f output tok/s, TTFT p50 %.0f ms\n",
                     cached, in_tok, tps, ttft}' "$shared"
   rm -f "$shared"
+  # The first load again, sampled with top-k off (temperature 0.7, top-p 0.9): the host's draw per
+  # sequence and step (model/sampler.h) against greedy's argmax; its TPOT against the first run's.
+  local sampled
+  sampled=$(mktemp)
+  "$BUILD/moebius" bench serve --url "$url" --model $name --dataset random --input-len 1024 --output-len 128 \
+    --num-prompts 64 --max-concurrency 16 --vocab-size 151000 --temperature 0.7 --top-k -1 --top-p 0.9 \
+    >"$sampled" || { cat "$sampled"; return 1; }
+  awk -F': *' '/^Successful requests:/ {ok = $2} /^Output token throughput/ {tps = $2} /^Median TPOT/ {tpot = $2}
+               END {printf "sampled (T 0.7, top-k off, top-p 0.9): %d/64 ok, %.0f output tok/s, TPOT p50 %.2f ms\n",
+                    ok, tps, tpot}' "$sampled"
+  rm -f "$sampled"
   # Summary row: requests completed, output tok/s, median TTFT and TPOT; fails unless all 64 completed.
   awk -F': *' '/^Successful requests:/ {ok = $2} /^Output token throughput/ {tps = $2}
                /^Median TTFT/ {ttft = $2} /^Median TPOT/ {tpot = $2}

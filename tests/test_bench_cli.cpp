@@ -63,6 +63,9 @@ TEST(BenchServeCli, BadOptionsNameTheOption) {
   // Checked before any connection is made.
   expect_error("bench serve --model m --input-len 10 --shared-prefix-len 11", "--shared-prefix-len");
   expect_error("bench serve --model m --input-len 10 --shared-prefix-len -1", "--shared-prefix-len");
+  expect_error("bench serve --model m --temperature -1", "--temperature");
+  expect_error("bench serve --model m --top-k -2", "--top-k");
+  expect_error("bench serve --model m --top-p 0", "--top-p");
 }
 
 TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {

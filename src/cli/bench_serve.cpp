@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,6 +56,11 @@ struct BenchServeOptions {
   uint64_t seed = 1;
   std::string api_key;
   std::string output_file;
+  // Sampling of every request (vLLM's bench serve flags): greedy by default; the filters are sent
+  // only when given, so the server's defaults (generation_config.json) apply otherwise.
+  double temperature = 0.0;
+  std::optional<int> top_k;  // -1: off
+  std::optional<double> top_p;
 };
 
 struct RequestResult {
@@ -86,9 +92,11 @@ RequestResult run_one(const server::HttpUrl& url, const std::string& base, const
                       const std::vector<int32_t>& prompt, const std::vector<std::string>& headers, Clock::time_point t0) {
   RequestResult r;
   r.input_tokens = static_cast<int64_t>(prompt.size());
-  const json body = {{"model", o.model},          {"prompt", prompt}, {"max_tokens", o.output_len},
-                     {"temperature", 0.0},        {"stream", true},   {"ignore_eos", true},
-                     {"stream_options", {{"include_usage", true}}}};
+  json body = {{"model", o.model},           {"prompt", prompt}, {"max_tokens", o.output_len},
+               {"temperature", o.temperature}, {"stream", true},   {"ignore_eos", true},
+               {"stream_options", {{"include_usage", true}}}};
+  if (o.top_k) body["top_k"] = *o.top_k;
+  if (o.top_p) body["top_p"] = *o.top_p;
   const auto start = Clock::now();
   r.start = std::chrono::duration<double>(start - t0).count();
   auto last = start;
@@ -221,6 +229,10 @@ Status run(const BenchServeOptions& o) {
   row("Backend:", "moebius");
   row("Traffic request rate:", std::isinf(o.request_rate) ? "inf" : fmt::format("{}", o.request_rate));
   row("Max request concurrency:", o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "not set");
+  row("Sampling:", o.temperature == 0.0 ? std::string("greedy")
+                                        : fmt::format("temperature {}, top_k {}, top_p {}", o.temperature,
+                                                      o.top_k ? std::to_string(*o.top_k) : "server default",
+                                                      o.top_p ? fmt::format("{}", *o.top_p) : "server default"));
   row("Successful requests:", std::to_string(ok));
   num("Benchmark duration (s):", duration);
   row("Total input tokens:", std::to_string(in_tok));
@@ -304,6 +316,13 @@ void register_bench_serve(CLI::App& bench) {
   cmd->add_option("--seed", o->seed, "prompt RNG seed")->capture_default_str();
   cmd->add_option("--api-key", o->api_key, "sent as 'Authorization: Bearer KEY'");
   cmd->add_option("--output-file", o->output_file, "write the results as JSON");
+  cmd->add_option("--temperature", o->temperature, "sampling temperature of every request; 0: greedy")
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
+  cmd->add_option("--top-k", o->top_k, "top_k of every request (-1: off); not sent unless given")
+      ->check(CLI::Range(-1, 1 << 30));
+  cmd->add_option("--top-p", o->top_p, "top_p of every request, in (0, 1]; not sent unless given")
+      ->check(CLI::Range(1e-9, 1.0));
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

@@ -554,9 +554,11 @@ test('bench serve reports every request', async ({ url }) => {
   const out = path.join(dir, 'bench.json');
   const r = spawnSync(args.bin, ['bench', 'serve', '--url', url, '--model', MODEL, '--dataset', 'random', '--input-len', '16',
                                  '--output-len', '8', '--num-prompts', '12', '--request-rate', '200', '--max-concurrency', '4',
-                                 '--vocab-size', '512', '--output-file', out], { encoding: 'utf8', timeout: 60000 });
+                                 '--vocab-size', '512', '--output-file', out, '--temperature', '0.8', '--top-k', '-1',
+                                 '--top-p', '0.9'], { encoding: 'utf8', timeout: 60000 });
   assert.equal(r.status, 0, r.stderr);
   assert.match(r.stdout, /Serving Benchmark Result/);
+  assert.match(r.stdout, /Sampling: +temperature 0.8, top_k -1, top_p 0.9/);
   const j = JSON.parse(fs.readFileSync(out, 'utf8'));
   fs.rmSync(dir, { recursive: true, force: true });
   assert.equal(j.completed, 12);
