@@ -1,4 +1,4 @@
-// `moebius bench moe`, `bench generate`, `bench attention` and `bench serve` through the real binary: their options' bad values get
+// `moebius bench moe`, `bench generate`, `bench attention`, `bench serve` and `bench engine` through the real binary: their options' bad values get
 // a clear error that names the option and a non-zero exit, before any device or weight work starts
 // (the CUDA backend's options are validated on machines without a GPU too).
 #include <gtest/gtest.h>
@@ -66,6 +66,21 @@ TEST(BenchServeCli, BadOptionsNameTheOption) {
   expect_error("bench serve --model m --temperature -1", "--temperature");
   expect_error("bench serve --model m --top-k -2", "--top-k");
   expect_error("bench serve --model m --top-p 0", "--top-p");
+}
+
+// bench engine on the tiny serving tokenizer: every request completes and the per-step split is
+// printed; bad options and a missing tokenizer are named.
+TEST(BenchEngineCli, RunsAndNamesBadOptions) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  const std::string tok = testing::test_data_dir() + "/tiny-serve";
+  const CliRun r = run_moebius("bench engine --tokenizer " + tok + " --seqs 4 --requests 6 --output-len 9 "
+                               "--temperature 0.8 --top-p 0.9 --logprobs 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("output tokens 54,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("per step:"), std::string::npos) << r.out;
+  expect_error("bench engine --tokenizer " + tok + " --seqs 0", "--seqs");
+  expect_error("bench engine --tokenizer " + tok + " --top-p 2", "--top-p");
+  expect_error("bench engine --tokenizer /nonexistent", "/nonexistent");
 }
 
 TEST(BenchMoeCli, CpuBackendRunsASmallGeometry) {

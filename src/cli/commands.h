@@ -30,6 +30,8 @@ void register_bench_generate(CLI::App& bench);
 void register_bench_ep(CLI::App& bench);
 // `moebius bench serve`: load-test an OpenAI-compatible server (bench_serve.cpp).
 void register_bench_serve(CLI::App& bench);
+// `moebius bench engine`: the serving engine's host time per step, no model (bench_engine.cpp).
+void register_bench_engine(CLI::App& bench);
 void register_generate(CLI::App& app);  // `moebius generate`: sample text from a model (generate.cpp)
 // `moebius eval logprobs`: the teacher-forced logprob oracle (eval.cpp).
 void register_eval(CLI::App& app);

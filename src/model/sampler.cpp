@@ -179,7 +179,9 @@ RowScan first_pass(std::span<const float> logits, float inv_t, size_t top_k, std
       }
       ++live;
       if (top_k > 0) {
-        mx = std::max(mx, s);
+        // The maximum is taken from the k best at the end (the largest always enters, or an
+        // equal one with a smaller id already has): a max per id here was a store and a load
+        // per id, GCC keeping it in memory.
         if (!full || s > bar) found[nf++] = {s, static_cast<int32_t>(i)};
       } else if (s >= bar) {
         found[nf++] = {s, static_cast<int32_t>(i)};
@@ -206,6 +208,8 @@ RowScan first_pass(std::span<const float> logits, float inv_t, size_t top_k, std
     std::nth_element(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(top_k - 1), out.end(), before);
     out.resize(top_k);
   }
+  if (top_k > 0)
+    for (const Scaled& c : out) mx = std::max(mx, c.s);
   if (top_k == 0) std::erase_if(out, [&](const Scaled& c) { return !(c.s >= bar); });
   r.mx = mx;
   r.live = live;
