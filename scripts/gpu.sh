@@ -467,6 +467,18 @@ bench_serve_run() {  # URL NAME SERVER_LOG OUT
                END {printf "%d/64 ok, %.0f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.2f ms\n", ok, tps, ttft, tpot;
                     exit (ok == 64 ? 0 : 1)}' "$out"
 }
+# The serving engine's host time per decode step (no GPU work: a synthetic model answers at once)
+# on this machine's cores, 64 sequences of Qwen3's vocabulary: greedy, sampled with top-k off, and
+# Qwen3's generation_config sampling (docs/PERF.md, session 22).
+bench_engine() {
+  local a
+  for a in "" "--temperature 0.7 --top-p 0.9" "--temperature 0.6 --top-k 20 --top-p 0.95" "--logprobs 1"; do
+    "$BUILD/moebius" bench engine --tokenizer "$MOEBIUS_QWEN3_TOKENIZER_DIR" --seqs 64 --output-len 64 $a | sed -n '1p;3p' || return 1
+  done
+}
+if [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ]; then
+  step bench-engine bench_engine
+fi
 if [ -n "${MOEBIUS_QWEN3_TOKENIZER_DIR:-}" ] && command -v curl >/dev/null; then
   step bench-serve bench_serve_dummy
 else
