@@ -4,8 +4,9 @@
 // peaked, language-model-like row: a Gaussian bulk and a few ids far above it, rotated per row so
 // the drawn tokens vary), so what is timed is the engine's own work between two forward passes on a
 // GPU: scheduling, the draws (model/sampler.h), logprobs, detokenization, stop strings and the
-// streams. The runner's copy of the rows into the engine's buffer (what the CUDA runner does after
-// its read-back, on the thread pool) is timed apart. N requests of --prompt-len ids and
+// streams. The rows stay in the runner's pool (StepRunner::step_rows), as the CUDA runner's stay in
+// its pinned read-back; --copy-rows copies them into the engine's buffer instead, on the thread
+// pool, as a runner without step_rows does (timed apart). N requests of --prompt-len ids and
 // --output-len tokens (ignore_eos) are submitted at once; with --seqs running at a time, every step
 // after the prefills is a decode step of N sequences.
 //
@@ -43,13 +44,14 @@ struct BenchEngineOptions {
   int top_k = 0;
   double top_p = 1.0;
   int logprobs = -1;  // top logprobs per token; -1: none
+  bool copy_rows = false;
 };
 
 // Rows of a language-model-like distribution over V ids; each step's rows are copied out of a
 // pool of kPoolRows.
 class SyntheticRunner final : public server::StepRunner {
  public:
-  SyntheticRunner(int64_t vocab, int max_seqs, int max_context) {
+  SyntheticRunner(int64_t vocab, int max_seqs, int max_context, bool copy_rows) : copy_rows_(copy_rows) {
     config_.vocab_size = vocab;
     limits_.block_size = 16;
     limits_.max_context = max_context;
@@ -83,6 +85,17 @@ class SyntheticRunner final : public server::StepRunner {
     copy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return Ok{};
   }
+  // As the CUDA runner on one GPU: the rows stay where the model left them (here, the pool).
+  Status step_rows(std::span<const server::RunnerSeq> seqs, std::vector<float>& scratch,
+                   std::vector<const float*>& rows) override {
+    if (copy_rows_) return StepRunner::step_rows(seqs, scratch, rows);
+    const size_t V = static_cast<size_t>(config_.vocab_size);
+    rows.clear();
+    for (const server::RunnerSeq& s : seqs)
+      for (size_t r = 0; r < server::logits_rows(s); ++r) rows.push_back(pool_.data() + ((rows.size() + step_) % kPoolRows) * V);
+    ++step_;
+    return Ok{};
+  }
   void release(int64_t) override {}
   bool shares_kv_blocks() const override { return true; }
   Result<std::unique_ptr<server::StagedWeights>> stage_weights(const std::string&) const override {
@@ -94,6 +107,7 @@ class SyntheticRunner final : public server::StepRunner {
 
  private:
   static constexpr size_t kPoolRows = 61;
+  bool copy_rows_;
   model::Qwen3MoeConfig config_;
   server::RunnerLimits limits_;
   std::vector<float> pool_;
@@ -105,7 +119,7 @@ Status run(const BenchEngineOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer tok, tokenizer::BpeTokenizer::load(o.tokenizer + "/tokenizer.json"));
   const int64_t V = static_cast<int64_t>(tok.vocab_size());
   const int requests = o.requests > 0 ? o.requests : o.seqs;
-  auto runner = std::make_unique<SyntheticRunner>(V, o.seqs, o.prompt_len + o.output_len + 16);
+  auto runner = std::make_unique<SyntheticRunner>(V, o.seqs, o.prompt_len + o.output_len + 16, o.copy_rows);
   SyntheticRunner* synthetic = runner.get();
   server::EngineOptions eo;
   eo.max_queue = requests;
@@ -172,6 +186,8 @@ void register_bench_engine(CLI::App& bench) {
   cmd->add_option("--top-p", o->top_p, "in (0, 1]")->check(CLI::Range(1e-9, 1.0))->capture_default_str();
   cmd->add_option("--logprobs", o->logprobs, "top logprobs per token (-1: none)")->check(CLI::Range(-1, 20))
       ->capture_default_str();
+  cmd->add_flag("--copy-rows", o->copy_rows, "the runner copies its rows into the engine's buffer (a runner without "
+                                              "step_rows) instead of leaving them in place");
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

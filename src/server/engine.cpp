@@ -660,7 +660,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     r.want_logits = s.computed + chunk[i] == static_cast<int64_t>(s.tokens.size());
     r.all_logits = needs_prompt_logits(s);
   }
-  Status st = runner_->step(seqs, logits_);
+  Status st = runner_->step_rows(seqs, logits_, rows_);
   ++metrics_.steps_total;
   if (const std::optional<offload::ModelCacheStats> c = runner_->expert_cache_stats()) {
     metrics_.expert_cache_on = true;
@@ -679,7 +679,6 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     }
     return;
   }
-  const size_t V = static_cast<size_t>(vocab_size());
   size_t row = 0;
   std::vector<std::pair<Seq*, const float*>> next;  // the sequences that get a token, and its row
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -688,11 +687,11 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
     s.computed += chunk[i];
     publish_computed_blocks(s);  // before on_token, which may finish s and release its blocks
     if (seqs[i].all_logits) {  // a row per token; the last is also the next token's when the prompt ends
-      on_prompt_rows(s, first, chunk[i], logits_.data() + row * V);
+      on_prompt_rows(s, first, chunk[i], std::span<const float* const>(rows_).subspan(row, static_cast<size_t>(chunk[i])));
       row += static_cast<size_t>(chunk[i]);
-      if (seqs[i].want_logits) next.emplace_back(&s, logits_.data() + (row - 1) * V);
+      if (seqs[i].want_logits) next.emplace_back(&s, rows_[row - 1]);
     } else if (seqs[i].want_logits) {
-      next.emplace_back(&s, logits_.data() + (row++) * V);
+      next.emplace_back(&s, rows_[row++]);
     }
   }
   // The draws touch only their own sequence's sampler and row, so they run on the pool's threads;
@@ -752,7 +751,7 @@ GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) 
 // Qwen3's 151,936 ids (two passes in double, measured on the CI machine's CPU), so a chunk's rows are
 // split over the machine's cores while the engine thread waits: the next step cannot start before
 // they are scored anyway (the rows live in the step's logits buffer).
-void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, const float* rows) {
+void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, std::span<const float* const> rows) {
   const size_t V = static_cast<size_t>(vocab_size());
   const int64_t P = s.prompt_len;
   s.prompt_lp.resize(static_cast<size_t>(P - 1));
@@ -760,7 +759,7 @@ void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, const float* r
   const auto score = [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       s.prompt_lp[static_cast<size_t>(first + j)] =
-          token_logprobs(rows + static_cast<size_t>(j) * V, V, s.tokens[static_cast<size_t>(first + j + 1)],
+          token_logprobs(rows[static_cast<size_t>(j)], V, s.tokens[static_cast<size_t>(first + j + 1)],
                          s.req.prompt_logprobs);
   };
   constexpr int64_t kRowsPerThread = 8;  // below this a thread's start costs more than it saves

@@ -240,7 +240,7 @@ class Engine {
   // Prompt logprobs: whether the sequence's next chunk must return every token's logits, and
   // what one step's rows of it give.
   static bool needs_prompt_logits(const Seq& seq);
-  void on_prompt_rows(Seq& seq, int64_t first, int64_t count, const float* rows);
+  void on_prompt_rows(Seq& seq, int64_t first, int64_t count, std::span<const float* const> rows);
   void finish(Seq& seq, const std::string& reason, const std::string& error);
   std::unique_ptr<Seq> make_seq(EngineRequest request, std::string* error) const;
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
@@ -292,7 +292,8 @@ class Engine {
   std::vector<std::unique_ptr<model::BlockAllocator>> pools_;
   bool prefix_caching_ = false;
   uint64_t weights_version_ = 0;  // the prefix chains' root (BlockAllocator::root_chain)
-  std::vector<float> logits_;
+  std::vector<float> logits_;        // the step's rows, for runners that copy them (StepRunner::step_rows)
+  std::vector<const float*> rows_;   // the step's rows, wherever they lie
   std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> rate_window_;
 
   std::thread thread_;

@@ -72,6 +72,18 @@ class StepRunner {
   // Runs one step. `logits` receives [R, V] fp32, the sequences' logits_rows() in order.
   // Errors leave every sequence's cache as it was before the step's tokens.
   virtual Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) = 0;
+  // The same step, with the rows left where they lie: row r (the sequences' logits_rows() in
+  // order) at rows[r], V floats, valid until the next call. The default runs step() into
+  // `scratch`; a runner whose forward already holds the rows in host memory (cuda: the pinned
+  // read-back) points into it and saves the engine a copy of every row.
+  virtual Status step_rows(std::span<const RunnerSeq> seqs, std::vector<float>& scratch,
+                           std::vector<const float*>& rows) {
+    MOEBIUS_TRY(step(seqs, scratch));
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    rows.clear();
+    for (size_t r = 0; r * V < scratch.size(); ++r) rows.push_back(scratch.data() + r * V);
+    return Ok{};
+  }
   // The sequence is gone (finished, cancelled or preempted): drop whatever the runner keeps for it
   // (the runners here keep nothing: the block tables are the cache state).
   virtual void release(int64_t id) = 0;

@@ -73,28 +73,37 @@ class CudaPart final : public DpPart {
       return model_.ep_empty_step();
     }
     const size_t V = static_cast<size_t>(model_.config().vocab_size);
+    std::vector<const float*> rows;
+    MOEBIUS_TRY(forward_rows(rows));
+    // The kept rows into the caller's buffer, on the pool's threads: a decode step of 64 sequences
+    // is 39 MB of Qwen3 logits, several ms for one thread's memcpy. The buffer keeps its size from
+    // step to step, so resize() zero-fills only when a step returns more rows than any before.
+    logits.resize(rows.size() * V);
+    const auto copy = [&](int64_t j) {
+      std::memcpy(logits.data() + static_cast<size_t>(j) * V, rows[static_cast<size_t>(j)], V * sizeof(float));
+    };
+    if (rows.size() > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(rows.size()), copy);
+    else if (rows.size() == 1) copy(0);
+    return Ok{};
+  }
+
+  // After prepare(): the forward, its logits read back into host memory of the part's own, and
+  // `rows` pointed at the kept ones (valid until the next forward).
+  Status forward_rows(std::vector<const float*>& rows) {
+    const size_t V = static_cast<size_t>(model_.config().vocab_size);
     float* all = pinned_.data() != nullptr ? pinned_.as<float>() : nullptr;
     if (all == nullptr) {
       all_.resize(batch_.logit_rows.size() * V);
       all = all_.data();
     }
     MOEBIUS_TRY(model_.forward(batch_, all));
-    // The kept rows into the caller's buffer, on the pool's threads: a decode step of 64 sequences
-    // is 39 MB of Qwen3 logits, several ms for one thread's memcpy. The buffer keeps its size from
-    // step to step, so resize() zero-fills only when a step returns more rows than any before.
-    logits.resize(rows_ * V);
-    std::vector<std::pair<size_t, size_t>> moves;  // (source row, destination row) of each kept row
-    for (size_t i = 0, src = 0, dst = 0; i < steps_.size(); src += row_count_[i], ++i)
+    rows.clear();
+    for (size_t i = 0, src = 0; i < steps_.size(); src += row_count_[i], ++i)
       if (keep_[i])
-        for (size_t r = 0; r < row_count_[i]; ++r) moves.emplace_back(src + r, dst++);
-    const auto copy = [&](int64_t j) {
-      const auto [src, dst] = moves[static_cast<size_t>(j)];
-      std::memcpy(logits.data() + dst * V, all + src * V, V * sizeof(float));
-    };
-    if (moves.size() > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(moves.size()), copy);
-    else if (moves.size() == 1) copy(0);
+        for (size_t r = 0; r < row_count_[i]; ++r) rows.push_back(all + (src + r) * V);
     return Ok{};
   }
+  bool empty() const { return steps_.empty(); }
 
   void set_data_parallel() { data_parallel_ = true; }
 
@@ -148,6 +157,16 @@ class CudaRunner final : public StepRunner {
                           static_cast<double>(dp_->scratch_bytes) / (1 << 20))
             : std::string(),
         model::format_memory_plan(model_->memory_plan()));
+  }
+
+  // One GPU: the engine reads the rows in the pinned read-back, no copy. Data parallel: the rows
+  // are gathered from the ranks into `scratch` (the default).
+  Status step_rows(std::span<const RunnerSeq> seqs, std::vector<float>& scratch,
+                   std::vector<const float*>& rows) override {
+    if (dp_) return StepRunner::step_rows(seqs, scratch, rows);
+    size_t n = 0;
+    MOEBIUS_TRY(part_.prepare(seqs, &n));
+    return part_.forward_rows(rows);
   }
 
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {

@@ -10,7 +10,9 @@
 //
 // One rank (a one-rank NCCL communicator on GPU 0) runs the whole protocol: the limits check, the
 // step messages and logits through host staging, an empty part. EP = 2 and 4 need that many GPUs
-// (NCCL puts one rank on one GPU) and skip otherwise. Gtest filter: 'HostStaged*:CudaDpRunner.*'.
+// (NCCL puts one rank on one GPU) and skip otherwise. The plain runner's step_rows (the engine's
+// call, rows read in place) is checked against its step(). Gtest filter:
+// 'HostStaged*:CudaDpRunner.*:CudaRunner.*'.
 #include "gpu/gpu_test_util.h"  // first: it makes fmt compile under nvcc
 
 #include <gtest/gtest.h>
@@ -151,10 +153,19 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 // A serving script over `ranks` pools, as the engine would run it: prefills, decodes, a chunk
 // without logits, a new sequence, a preempted one starting over, a rank with no sequences in a
 // step (always with 4 ranks: sequence k runs on rank (k - 1) % ranks), and steps of 1 to 3
-// sequences. Returns every step's logits, concatenated.
-std::vector<float> run_script(StepRunner& runner, int ranks) {
+// sequences. Returns every step's logits, concatenated. rows_view: through StepRunner::step_rows
+// (the engine's call) instead of step().
+std::vector<float> run_script(StepRunner& runner, int ranks, bool rows_view = false) {
   std::vector<float> all, logits;
+  std::vector<const float*> rows;
   auto step = [&](std::vector<RunnerSeq> seqs, size_t want_rows) {
+    if (rows_view) {
+      const Status st = runner.step_rows(seqs, logits, rows);
+      EXPECT_TRUE(st.ok()) << st.error().what();
+      EXPECT_EQ(rows.size(), want_rows);
+      for (const float* r : rows) all.insert(all.end(), r, r + kVocab);
+      return;
+    }
     const Status st = runner.step(seqs, logits);
     EXPECT_TRUE(st.ok()) << st.error().what();
     EXPECT_EQ(logits.size(), want_rows * kVocab);
@@ -184,6 +195,18 @@ std::vector<float> plain_runner_script(int ranks) {
   EXPECT_TRUE(runner.ok()) << runner.error().what();
   if (!runner.ok()) return {};
   return run_script(**runner, ranks);
+}
+
+// The engine's call, step_rows: on one GPU the rows are read in the runner's pinned read-back,
+// with no copy; they must be step()'s bits exactly (the same batches through the same kernels).
+TEST(CudaRunner, StepRowsViewEqualsStepBitForBit) {
+  const std::vector<float> want = plain_runner_script(1);
+  ASSERT_FALSE(want.empty());
+  auto runner = load_runner(tiny_options(nullptr));
+  ASSERT_TRUE(runner.ok()) << runner.error().what();
+  const std::vector<float> got = run_script(**runner, 1, /*rows_view=*/true);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
 }
 
 // A sequence past the context on rank `rank` is refused by every rank before any forward, the
