@@ -5,7 +5,6 @@
 #include <filesystem>
 #include <future>
 #include <optional>
-#include <system_error>
 
 #include "core/log.h"
 #include "core/thread_pool.h"
@@ -747,34 +746,21 @@ GeneratedToken token_logprobs(const float* logits, size_t V, int32_t id, int k) 
 }  // namespace
 
 // Rows [first, first + count) of a prompt's all-logits chunk: row j predicts token first + j + 1.
-// The prompt's logprobs are delivered when its last chunk has run. A row costs ~0.7-1.3 ms over
-// Qwen3's 151,936 ids (two passes in double, measured on the CI machine's CPU), so a chunk's rows are
-// split over the machine's cores while the engine thread waits: the next step cannot start before
-// they are scored anyway (the rows live in the step's logits buffer).
+// The prompt's logprobs are delivered when its last chunk has run. The chunk's rows are scored on
+// the thread pool while the engine thread waits: the next step cannot start before they are
+// scored anyway (the rows live in the runner's or the engine's buffer until then).
 void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, std::span<const float* const> rows) {
   const size_t V = static_cast<size_t>(vocab_size());
   const int64_t P = s.prompt_len;
   s.prompt_lp.resize(static_cast<size_t>(P - 1));
   const int64_t scored = std::max<int64_t>(0, std::min(count, P - 1 - first));  // rows with a next prompt token
-  const auto score = [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      s.prompt_lp[static_cast<size_t>(first + j)] =
-          token_logprobs(rows[static_cast<size_t>(j)], V, s.tokens[static_cast<size_t>(first + j + 1)],
-                         s.req.prompt_logprobs);
+  // A row costs ~0.4-0.7 ms (docs/PERF.md): the rows run on the pool's threads.
+  const auto score = [&](int64_t j) {
+    s.prompt_lp[static_cast<size_t>(first + j)] = token_logprobs(
+        rows[static_cast<size_t>(j)], V, s.tokens[static_cast<size_t>(first + j + 1)], s.req.prompt_logprobs);
   };
-  constexpr int64_t kRowsPerThread = 8;  // below this a thread's start costs more than it saves
-  const int64_t threads = std::clamp<int64_t>(scored / kRowsPerThread, 1, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> workers;
-  int64_t started = 1;  // ranges 1..started-1 run on workers; a thread that cannot start runs here
-  try {
-    for (; started < threads; ++started)
-      workers.emplace_back(score, scored * started / threads, scored * (started + 1) / threads);
-  } catch (const std::system_error& e) {
-    log_warn("prompt logprobs: scoring on {} threads, not {} ({})", started, threads, e.what());
-  }
-  score(0, scored / threads);
-  for (int64_t t = started; t < threads; ++t) score(scored * t / threads, scored * (t + 1) / threads);
-  for (std::thread& w : workers) w.join();
+  if (scored > 1) ThreadPool::global().parallel_for(0, scored, score);
+  else if (scored == 1) score(0);
   if (first + count >= P) {
     s.stream->publish_prompt_logprobs(std::move(s.prompt_lp));
     s.prompt_lp.clear();
