@@ -109,6 +109,8 @@ TEST(Sampler, TopKTopPMinPKeepTheRightTokens) {
 TEST(Sampler, RejectsBadParametersAndLogits) {
   EXPECT_FALSE(Sampler::create({.temperature = -0.1f}).ok());
   EXPECT_FALSE(Sampler::create({.temperature = NAN}).ok());
+  EXPECT_FALSE(Sampler::create({.temperature = 1e-40f}).ok());  // 1 / T overflows
+  EXPECT_TRUE(Sampler::create({.temperature = 1e-37f}).ok());
   EXPECT_FALSE(Sampler::create({.top_k = -1}).ok());
   EXPECT_FALSE(Sampler::create({.top_p = 0.0f}).ok());
   EXPECT_FALSE(Sampler::create({.top_p = 1.5f}).ok());

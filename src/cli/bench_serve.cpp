@@ -229,10 +229,10 @@ Status run(const BenchServeOptions& o) {
   row("Backend:", "moebius");
   row("Traffic request rate:", std::isinf(o.request_rate) ? "inf" : fmt::format("{}", o.request_rate));
   row("Max request concurrency:", o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "not set");
-  row("Sampling:", o.temperature == 0.0 ? std::string("greedy")
-                                        : fmt::format("temperature {}, top_k {}, top_p {}", o.temperature,
-                                                      o.top_k ? std::to_string(*o.top_k) : "server default",
-                                                      o.top_p ? fmt::format("{}", *o.top_p) : "server default"));
+  row("Sampling:", fmt::format("{}, top_k {}, top_p {}",
+                               o.temperature == 0.0 ? std::string("greedy") : fmt::format("temperature {}", o.temperature),
+                               o.top_k ? std::to_string(*o.top_k) : "server default",
+                               o.top_p ? fmt::format("{}", *o.top_p) : "server default"));
   row("Successful requests:", std::to_string(ok));
   num("Benchmark duration (s):", duration);
   row("Total input tokens:", std::to_string(in_tok));
@@ -317,7 +317,7 @@ void register_bench_serve(CLI::App& bench) {
   cmd->add_option("--api-key", o->api_key, "sent as 'Authorization: Bearer KEY'");
   cmd->add_option("--output-file", o->output_file, "write the results as JSON");
   cmd->add_option("--temperature", o->temperature, "sampling temperature of every request; 0: greedy")
-      ->check(CLI::Range(0.0, 100.0))
+      ->check(CLI::Range(0.0, 2.0))
       ->capture_default_str();
   cmd->add_option("--top-k", o->top_k, "top_k of every request (-1: off); not sent unless given")
       ->check(CLI::Range(-1, 1 << 30));

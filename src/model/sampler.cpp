@@ -12,6 +12,10 @@ namespace moebius::model {
 Status validate_sampler_params(const SamplerParams& p) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
     return Error::format("must be a finite number >= 0 (0 = greedy), got {}", p.temperature).in_field("--temperature");
+  // Sampling multiplies by 1 / T: a temperature so small that it overflows (a denormal) would
+  // scale a logit of 0 to NaN.
+  if (p.temperature > 0.0f && !std::isfinite(1.0f / p.temperature))
+    return Error::format("must be 0 (greedy) or at least {:g}, got {:g}", FLT_MIN, p.temperature).in_field("--temperature");
   if (p.top_k < 0) return Error::format("must be >= 0 (0 = off), got {}", p.top_k).in_field("--top-k");
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
     return Error::format("must be in (0, 1] (1 = off), got {}", p.top_p).in_field("--top-p");
@@ -366,7 +370,7 @@ Result<int32_t> Sampler::sample(std::span<const float> raw) {
   };
   // The i-th candidate of the sampling order (i < n), extending as needed.
   const auto at = [&](size_t i) -> const Scaled& {
-    while (i >= order.size()) extend();
+    while (i >= order.size()) MOEBIUS_ASSERT(extend(), "sampling order exhausted at {} of {} candidates", i, n);
     return order[i];
   };
 

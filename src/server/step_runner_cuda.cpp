@@ -76,8 +76,8 @@ class CudaPart final : public DpPart {
     std::vector<const float*> rows;
     MOEBIUS_TRY(forward_rows(rows));
     // The kept rows into the caller's buffer, on the pool's threads: a decode step of 64 sequences
-    // is 39 MB of Qwen3 logits, several ms for one thread's memcpy. The buffer keeps its size from
-    // step to step, so resize() zero-fills only when a step returns more rows than any before.
+    // is 39 MB of Qwen3 logits, several ms for one thread's memcpy. (resize() zero-fills the rows
+    // beyond the previous step's; the engine reads rows in place through step_rows instead.)
     logits.resize(rows.size() * V);
     const auto copy = [&](int64_t j) {
       std::memcpy(logits.data() + static_cast<size_t>(j) * V, rows[static_cast<size_t>(j)], V * sizeof(float));
