@@ -104,6 +104,11 @@ class CudaPart final : public DpPart {
     return Ok{};
   }
   bool empty() const { return steps_.empty(); }
+  // The read-back's size at most (max_logit_rows x V fp32), and whether it is pinned.
+  size_t readback_bytes() const {
+    return static_cast<size_t>(model_.max_logit_rows()) * static_cast<size_t>(model_.config().vocab_size) * sizeof(float);
+  }
+  bool readback_pinned() const { return pinned_.data() != nullptr; }
 
   void set_data_parallel() { data_parallel_ = true; }
 
@@ -148,8 +153,11 @@ class CudaRunner final : public StepRunner {
   std::string describe() const override {
     const int N = model_->ep_size();
     return fmt::format(
-        "cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}{}\n{}", config().num_hidden_layers,
-        config().vocab_size, limits_.max_context, limits_.num_blocks, limits_.block_size, dp_ ? " per rank" : "",
+        "cuda backend: {} layers, vocab {}, context {}, KV pool {} blocks of {} tokens{}; logits read-back {:.1f} MiB "
+        "{}{}\n{}",
+        config().num_hidden_layers, config().vocab_size, limits_.max_context, limits_.num_blocks, limits_.block_size,
+        dp_ ? " per rank" : "", static_cast<double>(part_.readback_bytes()) / (1 << 20),
+        part_.readback_pinned() ? "pinned (host)" : "pageable (host; no pinned memory could be had)",
         dp_ ? fmt::format("; data parallel over {} expert-parallel GPUs ({} of {} experts per layer on each), up to {} "
                           "sequences and {} tokens a step; this rank's step-message scratch {:.1f} MiB (GPU, beside the "
                           "plan below)",
