@@ -79,8 +79,7 @@ class SyntheticRunner final : public server::StepRunner {
       const size_t src = (static_cast<size_t>(r) + step_) % kPoolRows;
       std::memcpy(logits.data() + static_cast<size_t>(r) * V, pool_.data() + src * V, V * sizeof(float));
     };
-    if (rows > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(rows), copy);
-    else if (rows == 1) copy(0);
+    ThreadPool::global().parallel_for(0, static_cast<int64_t>(rows), copy);
     ++step_;
     copy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return Ok{};

@@ -36,7 +36,8 @@ class ThreadPool {
 
   // Calls fn(i) for every i in [begin, end), split into at most size() contiguous chunks, and
   // waits. The calling thread runs one chunk itself and then helps run queued jobs while it
-  // waits, so a parallel_for nested inside a pool task cannot deadlock. The
+  // waits, so a parallel_for nested inside a pool task cannot deadlock. A range of one index
+  // runs on the calling thread with no hand-off, so callers need no special case for it. The
   // first exception thrown by any fn is rethrown here after all chunks finish.
   void parallel_for(int64_t begin, int64_t end, const std::function<void(int64_t)>& fn);
 

@@ -700,8 +700,7 @@ void Engine::run_step(const std::vector<Seq*>& batch, const std::vector<int>& ch
   const auto draw_one = [&](int64_t j) {
     draws[static_cast<size_t>(j)] = draw(*next[static_cast<size_t>(j)].first, next[static_cast<size_t>(j)].second);
   };
-  if (next.size() > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(next.size()), draw_one);
-  else if (next.size() == 1) draw_one(0);
+  ThreadPool::global().parallel_for(0, static_cast<int64_t>(next.size()), draw_one);
   for (size_t j = 0; j < next.size(); ++j) on_token(*next[j].first, std::move(draws[j]));
 }
 
@@ -759,8 +758,7 @@ void Engine::on_prompt_rows(Seq& s, int64_t first, int64_t count, std::span<cons
     s.prompt_lp[static_cast<size_t>(first + j)] = token_logprobs(
         rows[static_cast<size_t>(j)], V, s.tokens[static_cast<size_t>(first + j + 1)], s.req.prompt_logprobs);
   };
-  if (scored > 1) ThreadPool::global().parallel_for(0, scored, score);
-  else if (scored == 1) score(0);
+  ThreadPool::global().parallel_for(0, scored, score);
   if (first + count >= P) {
     s.stream->publish_prompt_logprobs(std::move(s.prompt_lp));
     s.prompt_lp.clear();

@@ -43,9 +43,7 @@ class CudaPart final : public DpPart {
     // driver's staging buffer at a fraction of the PCIe rate, and a decode step of 64 sequences
     // returns 39 MB of Qwen3 logits. Without pinned memory (a locked-memory limit) the vector
     // below serves, slower.
-    const size_t bytes = static_cast<size_t>(model.max_logit_rows()) *
-                         static_cast<size_t>(model.config().vocab_size) * sizeof(float);
-    if (auto b = Buffer::allocate(MemoryKind::kPinnedHost, bytes); b.ok()) pinned_ = std::move(b).value();
+    if (auto b = Buffer::allocate(MemoryKind::kPinnedHost, readback_bytes()); b.ok()) pinned_ = std::move(b).value();
     else log_warn("logits read-back: no pinned host memory ({}); using pageable memory", b.error().what());
   }
 
@@ -82,8 +80,7 @@ class CudaPart final : public DpPart {
     const auto copy = [&](int64_t j) {
       std::memcpy(logits.data() + static_cast<size_t>(j) * V, rows[static_cast<size_t>(j)], V * sizeof(float));
     };
-    if (rows.size() > 1) ThreadPool::global().parallel_for(0, static_cast<int64_t>(rows.size()), copy);
-    else if (rows.size() == 1) copy(0);
+    ThreadPool::global().parallel_for(0, static_cast<int64_t>(rows.size()), copy);
     return Ok{};
   }
 
@@ -103,7 +100,6 @@ class CudaPart final : public DpPart {
         for (size_t r = 0; r < row_count_[i]; ++r) rows.push_back(all + (src + r) * V);
     return Ok{};
   }
-  bool empty() const { return steps_.empty(); }
   // The read-back's size at most (max_logit_rows x V fp32), and whether it is pinned.
   size_t readback_bytes() const {
     return static_cast<size_t>(model_.max_logit_rows()) * static_cast<size_t>(model_.config().vocab_size) * sizeof(float);
