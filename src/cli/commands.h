@@ -17,6 +17,9 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
                          offload::ExpertCacheFlags* expert_cache);
 // --ep N (expert parallelism, docs/EXPERT_PARALLEL.md).
 void add_ep_option(CLI::App* cmd, int* ep);
+// --ceilings auto|table|measure: the HBM and bf16 ceilings a benchmark's ratios divide by
+// (runtime/device_ceilings.h).
+void add_ceilings_option(CLI::App* cmd, std::string* mode);
 
 // `moebius bench moe`: time one MoE layer on a backend.
 void register_bench_moe(CLI::App& bench);
@@ -26,6 +29,8 @@ void register_bench_attention(CLI::App& bench);
 void register_bench_gemv(CLI::App& bench);
 // `moebius bench generate`: the whole CUDA model, prefill and decode tok/s (bench_generate.cpp).
 void register_bench_generate(CLI::App& bench);
+// `moebius bench ceilings`: this GPU's HBM, GEMM and host-link ceilings (bench_ceilings.cpp).
+void register_bench_ceilings(CLI::App& bench);
 // `moebius bench ep`: the expert-parallel MoE layer on N GPUs (bench_ep.cpp).
 void register_bench_ep(CLI::App& bench);
 // `moebius bench serve`: load-test an OpenAI-compatible server (bench_serve.cpp).

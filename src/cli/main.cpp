@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   moebius::cli::register_bench_serve(*bench);
   moebius::cli::register_bench_engine(*bench);
   moebius::cli::register_bench_ep(*bench);
+  moebius::cli::register_bench_ceilings(*bench);
   moebius::cli::register_generate(app);
   moebius::cli::register_eval(app);
   moebius::cli::register_serve(app);
