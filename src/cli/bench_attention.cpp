@@ -9,12 +9,12 @@
 //            are < 1% at these sizes and not counted). Several
 //            cache copies ("sets", like layers) are captured back to back so that the bytes touched
 //            per replay exceed 200 MB and the 50 MB L2 cannot serve a replay from the previous one.
-//            Reported: us per launch, GB/s, and the fraction of 4.57 TB/s (the H200's measured HBM
-//            read rate, docs/PERF.md).
+//            Reported: us per launch, GB/s, and the fraction of the device's HBM read rate
+//            (--ceilings: the H200's measured 4.57 TB/s on an H200, else measured at start).
 //   prefill  batch fresh prompts of `context` tokens (q_len = context, causal). Counted flops:
 //            QK^T and PV over the causal triangle, 4 * nh * hd * context * (context + 1) / 2 per
-//            sequence. Reported: us, TFLOP/s and the fraction of 791 TFLOP/s (bf16 dense peak used
-//            by bench moe). Configurations over 65536 tokens are skipped.
+//            sequence. Reported: us, TFLOP/s and the fraction of the bf16 dense peak (791 TFLOP/s
+//            on the H200, as bench moe). Configurations over 65536 tokens are skipped.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -37,6 +37,7 @@
 #include "cli/graph_timer.h"
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
+#include "runtime/device_ceilings.h"
 #endif
 
 namespace moebius::cli {
@@ -54,8 +55,7 @@ struct BenchAttentionOptions {
   int max_splits = 0;  // decode: 0 = the planner's choice, else this many splits at most
   std::string merge = "auto";  // decode: auto (the planner's), cluster or workspace
   uint64_t seed = 1;
-  double hbm_bytes_per_s = 4.57e12;
-  double bf16_flops_per_s = 791e12;
+  std::string ceilings = "auto";  // runtime::device_ceilings
 };
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -84,11 +84,13 @@ Status run(const BenchAttentionOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> contexts, parse_int_list(o.context, "--context", 1 << 20));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> batches, parse_int_list(o.batch, "--batch", 4096));
   if (!cuda_available()) return Error("no CUDA device is visible");
+  MOEBIUS_ASSIGN_OR_RETURN(const runtime::DeviceCeilings ceilings, runtime::device_ceilings(o.ceilings));
   const bool decode = o.mode == "decode";
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("moebius bench attention  %s (%s)  nh=%d nkv=%d hd=%d block=%d\n", o.mode.c_str(), prop.name, o.heads,
-              o.kv_heads, o.head_dim, o.block_size);
+  std::printf("moebius bench attention  %s (%s)  nh=%d nkv=%d hd=%d block=%d; ceilings %.2f TB/s, %.0f TFLOP/s (%s)\n",
+              o.mode.c_str(), prop.name, o.heads, o.kv_heads, o.head_dim, o.block_size,
+              ceilings.hbm_read_bytes_per_s / 1e12, ceilings.bf16_flops_per_s / 1e12, ceilings.source.c_str());
   if (decode)
     std::printf("%8s %6s %5s %7s %5s %5s %10s %10s %9s %8s\n", "context", "batch", "sets", "splits", "part", "merge",
                 "us", "KV MB", "GB/s", "of HBM");
@@ -192,12 +194,12 @@ Status run(const BenchAttentionOptions& o) {
         const char* merge = split.splits == 1 ? "-" : (plan.cluster_merge ? "clus" : "ws");
         std::printf("%8lld %6lld %5d %7d %5d %5s %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
                     static_cast<long long>(batch), sets, split.splits, split.partition, merge, us, kv_bytes / 1e6, gbs,
-                    100.0 * gbs * 1e9 / o.hbm_bytes_per_s);
+                    100.0 * gbs * 1e9 / ceilings.hbm_read_bytes_per_s);
       } else {
         const double flops = 2.0 * o.heads * o.head_dim * static_cast<double>(ctx) * (ctx + 1) * batch;
         const double tf = flops / (us * 1e-6) / 1e12;
         std::printf("%8lld %6lld %10.2f %10.2f %9.1f %7.1f%%\n", static_cast<long long>(ctx),
-                    static_cast<long long>(batch), us, flops / 1e9, tf, 100.0 * tf * 1e12 / o.bf16_flops_per_s);
+                    static_cast<long long>(batch), us, flops / 1e9, tf, 100.0 * tf * 1e12 / ceilings.bf16_flops_per_s);
       }
       std::fflush(stdout);
       for (void* p : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q), static_cast<void*>(out),
@@ -237,6 +239,7 @@ void register_bench_attention(CLI::App& bench) {
                   "decode: how splits merge: auto (the planner's choice), cluster (shared memory of a thread-block "
                   "cluster) or workspace (global memory, the last split)")
       ->capture_default_str();
+  add_ceilings_option(cmd, &opts->ceilings);
   cmd->final_callback([opts] {
     Status s = run(*opts);
     if (!s.ok()) {

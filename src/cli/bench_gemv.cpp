@@ -6,7 +6,8 @@
 //   lm_head  x [M, H]       -> [M, V]                 fp32 out   (2048 -> 151936)
 //
 // Counted bytes: the weight (N K bf16) + x (M K bf16) + y (M N, 2 or 4 bytes). Reported: us per
-// call, GB/s and the fraction of 4.57 TB/s (the H200's measured HBM read rate, docs/PERF.md).
+// call, GB/s and the fraction of the HBM read rate (--ceilings: 4.57 TB/s on the H200, docs/PERF.md;
+// measured at start on other GPUs).
 // Several weight copies ("sets") rotate so that the bytes touched per graph replay exceed 200 MB
 // and the 50 MB L2 cannot serve a call from the previous replay; timed by CUDA-graph replay
 // between CUDA events.
@@ -43,6 +44,7 @@
 #include "kernels/dense_gemv.cuh"
 #include "kernels/fill.cuh"
 #include "runtime/dense_gemm.h"
+#include "runtime/device_ceilings.h"
 #endif
 
 namespace moebius::cli {
@@ -54,7 +56,7 @@ struct BenchGemvOptions {
   std::string tokens = "1,4,16";
   int iters = 20;
   uint64_t seed = 1;
-  double hbm_bytes_per_s = 4.57e12;
+  std::string ceilings = "auto";  // runtime::device_ceilings
 };
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -87,10 +89,11 @@ Status run(const BenchGemvOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::named_qwen3_moe_config(o.geometry));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<Shape> shapes, shapes_of(config, o.shapes));
   MOEBIUS_ASSIGN_OR_RETURN(std::vector<int64_t> tokens, parse_int_list(o.tokens, "--tokens", 64));
+  MOEBIUS_ASSIGN_OR_RETURN(const runtime::DeviceCeilings ceilings, runtime::device_ceilings(o.ceilings));
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("moebius bench gemv  %s (%s)  y[M,N] = x[M,K] W[N,K]^T, bf16 weights; %% of %.2f TB/s\n",
-              o.geometry.c_str(), prop.name, o.hbm_bytes_per_s / 1e12);
+  std::printf("moebius bench gemv  %s (%s)  y[M,N] = x[M,K] W[N,K]^T, bf16 weights; %% of %.2f TB/s (%s)\n",
+              o.geometry.c_str(), prop.name, ceilings.hbm_read_bytes_per_s / 1e12, ceilings.source.c_str());
   std::printf("%-8s %3s %7s %6s %5s %9s | %8s %7s %6s | %8s %6s | %8s %7s %6s\n", "shape", "M", "N", "K", "sets", "MB",
               "gemv us", "GB/s", "of HBM", "alone us", "of HBM", "cublas us", "GB/s", "of HBM");
 
@@ -159,7 +162,7 @@ Status run(const BenchGemvOptions& o) {
         for (int i = 0; i < sets; ++i) call(cublas.get(), i);
       });
       auto gbs = [&](double us) { return bytes / (us * 1e-6) / 1e9; };
-      auto pct = [&](double us) { return 100.0 * bytes / (us * 1e-6) / o.hbm_bytes_per_s; };
+      auto pct = [&](double us) { return 100.0 * bytes / (us * 1e-6) / ceilings.hbm_read_bytes_per_s; };
       std::printf("%-8s %3d %7d %6d %5d %9.2f | %8.2f %7.0f %5.1f%% | %8.2f %5.1f%% | %8.2f %7.0f %5.1f%%\n",
                   sh.name.c_str(), M, sh.N, sh.K, sets, bytes / 1e6, gemv_us, gbs(gemv_us), pct(gemv_us), alone_us,
                   pct(alone_us), cublas_us, gbs(cublas_us), pct(cublas_us));
@@ -191,6 +194,7 @@ void register_bench_gemv(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--iters", opts->iters, "graph replays timed per configuration")->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed")->capture_default_str();
+  add_ceilings_option(cmd, &opts->ceilings);
   cmd->final_callback([opts] {
     Status s = run(*opts);
     if (!s.ok()) {

@@ -13,7 +13,8 @@
 //
 // Counted bytes: decode reads Qwen3MoeCuda::decode_weight_bytes() per token (dense weights,
 // routers, top_k experts per MoE layer, lm_head) plus C * kv_bytes_per_context_token() of KV
-// cache. The floor is bytes / 4.57 TB/s (the H200's measured HBM read rate, docs/PERF.md);
+// cache. The floor is bytes / the HBM read rate (--ceilings: the H200's measured 4.57 TB/s on an
+// H200, docs/PERF.md; measured at start on other GPUs);
 // "% floor" is floor time / measured time. Prefill reads every weight once per forward
 // (total_weight_bytes), so its bytes floor is weak (prefill is compute-bound); it is printed for
 // completeness.
@@ -53,6 +54,7 @@
 #include "kernels/cuda_check.h"
 #include "model/block_allocator.h"
 #include "model/qwen3_moe_cuda.h"
+#include "runtime/device_ceilings.h"
 #endif
 
 namespace moebius::cli {
@@ -68,7 +70,7 @@ struct BenchGenerateOptions {
   int decode_steps = 64;
   int group_size = 128;
   uint64_t seed = 1;
-  double hbm_bytes_per_s = 4.57e12;
+  std::string ceilings = "auto";
   bool no_autotune = false;
   std::string gpu_memory_budget;
   std::string placement_file;
@@ -107,6 +109,8 @@ Status run(const BenchGenerateOptions& o) {
                          config.max_position_embeddings)
         .in_field("--context");
 
+  // Before the model loads: measuring needs free device memory.
+  MOEBIUS_ASSIGN_OR_RETURN(const runtime::DeviceCeilings ceilings, runtime::device_ceilings(o.ceilings));
   model::Qwen3MoeCudaOptions co;
   co.experts_format = experts;
   co.experts_group_size = o.group_size;
@@ -134,8 +138,8 @@ Status run(const BenchGenerateOptions& o) {
   std::fputs(model::format_memory_plan(m->memory_plan()).c_str(), stdout);
   const double wbytes = static_cast<double>(m->decode_weight_bytes());
   const double kv_per_ctx = static_cast<double>(m->kv_bytes_per_context_token());
-  std::printf("decode weight bytes per token: %.2f MB; KV bytes per context token: %.1f KB; floor %.2f TB/s\n",
-              wbytes / 1e6, kv_per_ctx / 1e3, o.hbm_bytes_per_s / 1e12);
+  std::printf("decode weight bytes per token: %.2f MB; KV bytes per context token: %.1f KB; floor %.2f TB/s (%s)\n",
+              wbytes / 1e6, kv_per_ctx / 1e3, ceilings.hbm_read_bytes_per_s / 1e12, ceilings.source.c_str());
 
   std::mt19937 rng(static_cast<uint32_t>(o.seed));
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(config.vocab_size - 1));
@@ -201,7 +205,7 @@ Status run(const BenchGenerateOptions& o) {
                                       100.0 * per_token * tok_s / 1e9 / o.pcie_gbps));
     }
     const double bytes = static_cast<double>(m->total_weight_bytes()) * std::ceil(double(o.prefill) / m->max_tokens());
-    const double floor_s = bytes / o.hbm_bytes_per_s;
+    const double floor_s = bytes / ceilings.hbm_read_bytes_per_s;
     std::printf("%-8s %8d %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", "prefill", o.prefill, tok_s,
                 1e6 * best / o.prefill, bytes / o.prefill / 1e6, bytes / best / 1e9, o.prefill / floor_s,
                 100.0 * floor_s / best);
@@ -257,7 +261,7 @@ Status run(const BenchGenerateOptions& o) {
     const double ctx_mid = static_cast<double>(C) + kWarmup + o.decode_steps / 2.0;
     for (const bool with_kv : {false, true}) {
       const double bytes = wbytes + (with_kv ? kv_per_ctx * ctx_mid : 0.0);
-      const double floor_s = bytes / o.hbm_bytes_per_s;
+      const double floor_s = bytes / ceilings.hbm_read_bytes_per_s;
       std::printf("%-8s %8lld %10.1f %10.2f %10.2f %10.1f %9.1f %8.1f%%\n", with_kv ? "  +kv" : "decode",
                   static_cast<long long>(C), tok_s, 1e6 * secs / o.decode_steps, bytes / 1e6, bytes * tok_s / 1e9,
                   1.0 / floor_s, 100.0 * floor_s * tok_s);
@@ -314,6 +318,7 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--max-resident-experts", o->max_resident_experts,
                   "at most this many experts per layer on the GPU (compare placements at one residency)");
   cmd->add_option("--pcie-gbps", o->pcie_gbps, "host-to-device rate the PCIe rows compare with")->capture_default_str();
+  add_ceilings_option(cmd, &o->ceilings);
   cmd->final_callback([o] {
     Status s = run(*o);
     if (!s.ok()) {

@@ -34,6 +34,7 @@ struct BenchMoeOptions {
   int block_m = 0;
   std::string routing = "auto";
   std::string expert_kernels = "separate";
+  std::string ceilings = "auto";
   uint64_t seed = 1;
 };
 
@@ -76,12 +77,14 @@ Status run_bench_moe(const BenchMoeOptions& o) {
           .in_field("--expert-kernels");
     c.fused_experts = o.expert_kernels == "fused";
     c.seed = o.seed;
+    c.ceilings = o.ceilings;
     return run_bench_moe_cuda(c);
   }
   if (o.combine != "fp32") return Error("the CPU backend has only the fp32 combine").in_field("--combine");
   if (o.gemm_path != "auto") return Error("the CPU backend has one expert path").in_field("--gemm-path");
   if (o.block_m != 0) return Error("the CPU backend has no GEMM tiles").in_field("--block-m");
   if (o.routing != "auto") return Error("the CPU backend has one routing path").in_field("--routing");
+  if (o.ceilings != "auto") return Error("the CPU backend prints no ratio to a device ceiling").in_field("--ceilings");
   if (o.expert_kernels != "separate")
     return Error("the CPU backend has one expert path").in_field("--expert-kernels");
   if (o.backend != "cpu") return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
@@ -172,6 +175,7 @@ void register_bench_moe(CLI::App& bench) {
                   "cuda only: separate (GEMM1, GEMM2 and combine kernels) or fused (one persistent kernel "
                   "where the layer allows it: decode, capacity <= 8, nvfp4/int4/int2, sm_90)")
       ->capture_default_str();
+  add_ceilings_option(cmd, &opts->ceilings);
   cmd->final_callback([opts] {
     Status s = run_bench_moe(*opts);
     if (!s.ok()) {

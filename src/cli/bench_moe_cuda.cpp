@@ -32,6 +32,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/fill.cuh"
 #include "moe/moe_layer_cuda.h"
+#include "runtime/device_ceilings.h"
 
 namespace moebius::cli {
 
@@ -61,6 +62,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(moe::MoeGemmPath gemm_path, parse_gemm_path(o.gemm_path));
   const MoeGeometry& g = o.geometry;
   const cpu::MoeShape shape{g.hidden, g.intermediate, g.num_experts, g.top_k};
+  MOEBIUS_ASSIGN_OR_RETURN(const runtime::DeviceCeilings ceilings, runtime::device_ceilings(o.ceilings));
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("moebius bench moe  backend=cuda (%s)  geometry=%s (H=%lld I=%lld E=%d k=%d)  format=%s%s  combine=%s"
@@ -71,7 +73,8 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
                   ? (" g=" + std::to_string(o.group_size)).c_str()
                   : "",
               o.atomic_combine ? "atomic-bf16" : "fp32-deterministic", o.gemm_path.c_str());
-  std::printf("floors: HBM %.2f TB/s, bf16 %.0f TFLOP/s\n", o.hbm_bytes_per_s / 1e12, o.bf16_flops_per_s / 1e12);
+  std::printf("floors: HBM %.2f TB/s, bf16 %.0f TFLOP/s (%s)\n", ceilings.hbm_read_bytes_per_s / 1e12,
+              ceilings.bf16_flops_per_s / 1e12, ceilings.source.c_str());
   std::printf("%7s %7s %4s %5s %10s %8s %9s %9s %9s %9s %8s\n", "tokens", "path", "bm", "sets", "us/layer", "touched", "MB",
               "GB/s", "TFLOP/s", "floor us", "x floor");
 
@@ -148,7 +151,7 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
     touched /= n_sets;
     const double bytes = touched * static_cast<double>(sets[0]->expert_bytes()) + 2.0 * g.num_experts * g.hidden;
     const double flops = 2.0 * T * g.top_k * 3.0 * g.hidden * g.intermediate + 2.0 * T * g.hidden * g.num_experts;
-    const double floor_us = 1e6 * std::max(bytes / o.hbm_bytes_per_s, flops / o.bf16_flops_per_s);
+    const double floor_us = 1e6 * std::max(bytes / ceilings.hbm_read_bytes_per_s, flops / ceilings.bf16_flops_per_s);
     std::printf("%7lld %7s %4d %5d %10.2f %8.1f %9.2f %9.1f %9.1f %9.2f %8.2f\n", static_cast<long long>(T),
                 moe::moe_gemm_path_name(sets[0]->gemm_path()), sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);

@@ -21,9 +21,7 @@ struct BenchMoeCudaOptions {
   bool separate_routing = false;   // the three routing kernels even where the fused one applies
   bool fused_experts = false;      // the fused experts kernel where the layer allows it
   uint64_t seed = 1;
-  // Physical floors measured on the H200 here (docs/PERF.md).
-  double hbm_bytes_per_s = 4.57e12;
-  double bf16_flops_per_s = 791e12;
+  std::string ceilings = "auto";  // runtime::device_ceilings: the floors' HBM rate and bf16 peak
 };
 
 Status run_bench_moe_cuda(const BenchMoeCudaOptions& o);
