@@ -54,6 +54,11 @@ Status HostStagedCommunicator::reserve(size_t bytes) {
 Status HostStagedCommunicator::all_gather(const void* send, void* recv, size_t bytes) {
   const size_t n = static_cast<size_t>(size());
   if (bytes == 0) return Ok{};
+  // The send slot plus n receive slots; checked before the multiplication can wrap.
+  if (bytes > kMaxBytes / (n + 1))
+    return Error::format("a host-staged all_gather of {} bytes from each of {} ranks, more than the {} this communicator "
+                         "stages",
+                         bytes, n, kMaxBytes);
   MOEBIUS_ASSIGN_OR_RETURN(uint8_t * d, scratch(bytes * (n + 1)));
   uint8_t* d_recv = d + bytes;
   MOEBIUS_TRY(cuda_status(cudaMemcpyAsync(d, send, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync"));

@@ -110,11 +110,14 @@ Status staged_collectives(int rank, parallel::NcclCommunicator& nccl) {
         if (i >= ro[src] && i < ro[src] + rb[src]) want = static_cast<uint8_t>(src * 16 + static_cast<size_t>(rank));
       if (recv[i] != want) return Error::format("rank {}: all_to_all_v byte {} is {}, want {}", rank, i, recv[i], want);
     }
-    // Past the cap: an error on every rank (all pass the same size), nothing sent.
+    // Past the cap: an error on every rank (all pass the same size), nothing sent. One byte past
+    // it: at the cap itself the collective is legal and would read kMaxBytes of `send`.
     std::vector<size_t> huge(n, 0), zero(n, 0);
-    huge[0] = parallel::HostStagedCommunicator::kMaxBytes;
+    huge[0] = parallel::HostStagedCommunicator::kMaxBytes + 1;
     if (c.all_to_all_v(send.data(), huge, zero, recv.data(), zero, zero).ok())
       return Error::format("rank {}: a {}-byte collective was not refused", rank, huge[0]);
+    if (c.all_gather(mine, all.data(), parallel::HostStagedCommunicator::kMaxBytes / n).ok())
+      return Error::format("rank {}: an all_gather past the cap was not refused", rank);
     return c.barrier();
   }();
   CUDA_CHECK(cudaStreamDestroy(s));
