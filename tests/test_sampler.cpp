@@ -135,7 +135,7 @@ TEST(Sampler, FastPathDrawsAsTheReference) {
   std::normal_distribution<float> gauss(0.0f, 1.0f);
   const size_t sizes[] = {1, 2, 3, 7, 64, 257, 1000, 4099, 40000};
   const float temps[] = {0.25f, 0.7f, 1.0f, 1.9f};
-  const int top_ks[] = {0, 1, 3, 20, 300};
+  const int top_ks[] = {0, 1, 3, 20, 300, 3000};  // 3000: top-k's survivors sorted by radix (sampler.cpp)
   const float top_ps[] = {1.0f, 0.95f, 0.5f, 0.999f};
   const float min_ps[] = {0.0f, 0.05f};
   int draws = 0, rows_tried = 0;

@@ -2,7 +2,8 @@
 //
 // A synthetic runner answers every step at once with logits rows of the tokenizer's vocabulary (a
 // peaked, language-model-like row: a Gaussian bulk and a few ids far above it, rotated per row so
-// the drawn tokens vary), so what is timed is the engine's own work between two forward passes on a
+// the drawn tokens vary; or with --row flat the bulk alone, sigma 1, as a model with random weights
+// or a high temperature gives: sampling's worst case), so what is timed is the engine's own work between two forward passes on a
 // GPU: scheduling, the draws (model/sampler.h), logprobs, detokenization, stop strings and the
 // streams. The rows stay in the runner's pool (StepRunner::step_rows), as the CUDA runner's stay in
 // its pinned read-back; --copy-rows copies them into the engine's buffer instead, on the thread
@@ -45,13 +46,14 @@ struct BenchEngineOptions {
   double top_p = 1.0;
   int logprobs = -1;  // top logprobs per token; -1: none
   bool copy_rows = false;
+  std::string row = "peaked";  // peaked or flat
 };
 
 // Rows of a language-model-like distribution over V ids; each step's rows are copied out of a
 // pool of kPoolRows.
 class SyntheticRunner final : public server::StepRunner {
  public:
-  SyntheticRunner(int64_t vocab, int max_seqs, int max_context, bool copy_rows) : copy_rows_(copy_rows) {
+  SyntheticRunner(int64_t vocab, int max_seqs, int max_context, bool copy_rows, bool flat) : copy_rows_(copy_rows) {
     config_.vocab_size = vocab;
     limits_.block_size = 16;
     limits_.max_context = max_context;
@@ -60,10 +62,10 @@ class SyntheticRunner final : public server::StepRunner {
     limits_.num_blocks = max_seqs * ((max_context + 15) / 16) + 16;
     const size_t V = static_cast<size_t>(vocab);
     std::mt19937 rng(1);
-    std::normal_distribution<float> bulk(0.0f, 2.5f);
+    std::normal_distribution<float> bulk(0.0f, flat ? 1.0f : 2.5f);
     pool_.resize(kPoolRows * V);
     for (float& x : pool_) x = bulk(rng);
-    for (size_t r = 0; r < kPoolRows; ++r)
+    for (size_t r = 0; r < kPoolRows && !flat; ++r)
       for (int j = 0; j < 8; ++j) pool_[r * V + (rng() % V)] = 14.0f + static_cast<float>(j);
   }
   const model::Qwen3MoeConfig& config() const override { return config_; }
@@ -118,7 +120,8 @@ Status run(const BenchEngineOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(tokenizer::BpeTokenizer tok, tokenizer::BpeTokenizer::load(o.tokenizer + "/tokenizer.json"));
   const int64_t V = static_cast<int64_t>(tok.vocab_size());
   const int requests = o.requests > 0 ? o.requests : o.seqs;
-  auto runner = std::make_unique<SyntheticRunner>(V, o.seqs, o.prompt_len + o.output_len + 16, o.copy_rows);
+  auto runner = std::make_unique<SyntheticRunner>(V, o.seqs, o.prompt_len + o.output_len + 16, o.copy_rows,
+                                                 o.row == "flat");
   SyntheticRunner* synthetic = runner.get();
   server::EngineOptions eo;
   eo.max_queue = requests;
@@ -150,8 +153,8 @@ Status run(const BenchEngineOptions& o) {
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t steps = synthetic->steps();
   const double copy = synthetic->copy_seconds();
-  std::printf("bench engine: V %lld, %d requests (%d running), prompt %d, output %d, %s%s, %u threads\n",
-              static_cast<long long>(V), requests, o.seqs, o.prompt_len, o.output_len,
+  std::printf("bench engine: V %lld, %s rows, %d requests (%d running), prompt %d, output %d, %s%s, %u threads\n",
+              static_cast<long long>(V), o.row.c_str(), requests, o.seqs, o.prompt_len, o.output_len,
               o.temperature == 0.0 ? "greedy"
                                    : fmt::format("temperature {}, top_k {}, top_p {}", o.temperature, o.top_k,
                                                  o.top_p)
@@ -184,6 +187,9 @@ void register_bench_engine(CLI::App& bench) {
   cmd->add_option("--top-k", o->top_k, "0: off")->check(CLI::Range(0, 1 << 30))->capture_default_str();
   cmd->add_option("--top-p", o->top_p, "in (0, 1]")->check(CLI::Range(1e-9, 1.0))->capture_default_str();
   cmd->add_option("--logprobs", o->logprobs, "top logprobs per token (-1: none)")->check(CLI::Range(-1, 20))
+      ->capture_default_str();
+  cmd->add_option("--row", o->row, "the rows' shape: peaked (a language model's) or flat (random weights)")
+      ->check(CLI::IsMember({"peaked", "flat"}))
       ->capture_default_str();
   cmd->add_flag("--copy-rows", o->copy_rows, "the runner copies its rows into the engine's buffer (a runner without "
                                               "step_rows) instead of leaving them in place");

@@ -3,9 +3,11 @@
 #include "model/softmax_weights.h"
 
 #include <algorithm>
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 namespace moebius::model {
 
@@ -101,9 +103,70 @@ bool before(const Scaled& a, const Scaled& b) { return a.s > b.s || (a.s == b.s 
 
 double weight(float s, float mx) { return static_cast<double>(exp_weight(s - mx)); }
 
+// Large sets are put in order by a stable LSD radix sort instead of std::sort: a flat row (a high
+// temperature, or random weights) puts most of Qwen3's 151,936 ids into one band of the sampling
+// order and into top-p's nucleus, and sorting ~140k candidates took ~14 ms a row (docs/PERF.md,
+// session 23) against ~1 ms in five counting passes. Below this size std::sort is as fast.
+constexpr size_t kRadixMinSize = 2048;
+
+// Stable sort of v[from, end) by key(c) ascending, `bits` wide, 11 bits a pass (a 2048-entry
+// count fits in L1); a pass whose digit is the same for every element is skipped.
+template <typename Key>
+void radix_sort(std::vector<Scaled>& v, size_t from, Key key, int bits) {
+  constexpr int kDigit = 11;
+  constexpr size_t kBuckets = size_t{1} << kDigit;
+  thread_local std::vector<Scaled> tmp;
+  const size_t n = v.size() - from;
+  tmp.resize(n);
+  Scaled* src = v.data() + from;
+  Scaled* dst = tmp.data();
+  for (int shift = 0; shift < bits; shift += kDigit) {
+    size_t count[kBuckets] = {};
+    for (size_t i = 0; i < n; ++i) ++count[(key(src[i]) >> shift) & (kBuckets - 1)];
+    if (count[(key(src[0]) >> shift) & (kBuckets - 1)] == n) continue;
+    size_t at = 0;
+    for (size_t& c : count) at += std::exchange(c, at);
+    for (size_t i = 0; i < n; ++i) dst[count[(key(src[i]) >> shift) & (kBuckets - 1)]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != v.data() + from) std::copy(src, src + n, v.data() + from);
+}
+
+// Bits of the largest id in v[from, end).
+int id_bits(const std::vector<Scaled>& v, size_t from) {
+  uint32_t all = 0;
+  for (size_t i = from; i < v.size(); ++i) all |= static_cast<uint32_t>(v[i].id);
+  return std::max(1, static_cast<int>(std::bit_width(all)));
+}
+
+// v[from, end) in the sampling order (`before`): by id, then stably by a key that orders the
+// floats descending (+0 and -0 equal, as `before` has them; no NaN reaches here).
+void sort_sampling_order(std::vector<Scaled>& v, size_t from) {
+  if (v.size() - from < kRadixMinSize) {
+    std::sort(v.begin() + static_cast<std::ptrdiff_t>(from), v.end(), before);
+    return;
+  }
+  const auto by_id = [](const Scaled& a, const Scaled& b) { return a.id < b.id; };
+  if (!std::is_sorted(v.begin() + static_cast<std::ptrdiff_t>(from), v.end(), by_id))
+    radix_sort(v, from, [](const Scaled& c) { return static_cast<uint32_t>(c.id); }, id_bits(v, from));
+  radix_sort(
+      v, from,
+      [](const Scaled& c) {
+        uint32_t u;
+        std::memcpy(&u, &c.s, sizeof u);
+        if (c.s == 0.0f) u = 0;
+        const uint32_t ascending = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+        return ~ascending;
+      },
+      32);
+}
+
 // The sum over `set` (reordered by id).
 double weight_sum_by_id(std::vector<Scaled>& set, float mx) {
-  std::sort(set.begin(), set.end(), [](const Scaled& a, const Scaled& b) { return a.id < b.id; });
+  if (set.size() < kRadixMinSize)
+    std::sort(set.begin(), set.end(), [](const Scaled& a, const Scaled& b) { return a.id < b.id; });
+  else
+    radix_sort(set, 0, [](const Scaled& c) { return static_cast<uint32_t>(c.id); }, id_bits(set, 0));
   double part[8] = {};
   for (const Scaled& c : set) part[c.id & 7] += weight(c.s, mx);
   return combine_partial_sums(part);
@@ -336,7 +399,7 @@ Result<int32_t> Sampler::sample(std::span<const float> raw) {
   if (scan.overflow < V) return overflow_error(scan.overflow, params_.temperature);
   if (scan.live == 0) return Error("every logit is -inf");
   const float mx = scan.mx;
-  std::sort(order.begin(), order.end(), before);
+  sort_sampling_order(order, 0);
   double total = 0.0;
   size_t n = scan.live;
   bool whole = top_k > 0;  // `order` holds all n candidates (top-k's, or every live one)
@@ -362,7 +425,7 @@ Result<int32_t> Sampler::sample(std::span<const float> raw) {
       const float s = x * inv_t;
       if (s < ceiling && (last || s >= floor_s)) order.push_back({s, static_cast<int32_t>(i)});
     }
-    std::sort(order.begin() + static_cast<std::ptrdiff_t>(from), order.end(), before);
+    sort_sampling_order(order, from);
     ceiling = floor_s;
     ++band;
     whole = last;
