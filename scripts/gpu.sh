@@ -472,7 +472,7 @@ bench_serve_run() {  # URL NAME SERVER_LOG OUT
 # Qwen3's generation_config sampling (docs/PERF.md, session 22).
 bench_engine() {
   local a
-  for a in "" "--temperature 0.7 --top-p 0.9" "--temperature 0.6 --top-k 20 --top-p 0.95" "--logprobs 1"; do
+  for a in "" "--temperature 0.7 --top-p 0.9" "--temperature 0.7 --top-p 0.9 --row flat" "--temperature 0.6 --top-k 20 --top-p 0.95" "--logprobs 1"; do
     "$BUILD/moebius" bench engine --tokenizer "$MOEBIUS_QWEN3_TOKENIZER_DIR" --seqs 64 --output-len 64 $a | sed -n '1p;3p' || return 1
   done
 }
