@@ -30,6 +30,22 @@ TEST(BenchMoeCli, BadOptionsNameTheOption) {
   expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --block-m 64", "--block-m");
   expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --format int3", "--format");
   expect_error("bench moe --backend cpu --geometry 64,32,8 --tokens 1", "geometry");
+  // The ceilings the ratios divide by: a device's, so not on the CPU backend; named on any machine.
+  expect_error("bench moe --backend cpu --geometry 64,32,8,2 --tokens 1 --ceilings measure", "--ceilings");
+  expect_error("bench moe --backend cuda --geometry 64,32,8,2 --tokens 1 --ceilings fast", "--ceilings");
+  expect_error("bench generate --geometry qwen3-30b-a3b --ceilings fast", "--ceilings");
+  expect_error("bench attention --ceilings fast", "--ceilings");
+  expect_error("bench gemv --ceilings fast", "--ceilings");
+}
+
+// `bench ceilings` needs a GPU: here (CI has none) a clear error and a non-zero exit, never a crash.
+TEST(BenchCeilingsCli, WithoutAGpuIsAClearError) {
+  if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
+  const CliRun probe = run_moebius("bench ceilings --device-mib 64 --host-mib 64 --gemm-n 1024");
+  if (probe.status == 0) GTEST_SKIP() << "a GPU is visible: the GPU machine's run measures it";
+  EXPECT_NE(probe.out.find("CUDA"), std::string::npos) << probe.out;
+  expect_error("bench ceilings --device-mib 0", "--device-mib");
+  expect_error("bench ceilings --gemm-n 1000", "--gemm-n");
 }
 
 TEST(BenchGenerateCli, BadExpertCacheOptionsNameTheOption) {
@@ -80,6 +96,7 @@ TEST(BenchEngineCli, RunsAndNamesBadOptions) {
   EXPECT_NE(r.out.find("per step:"), std::string::npos) << r.out;
   expect_error("bench engine --tokenizer " + tok + " --seqs 0", "--seqs");
   expect_error("bench engine --tokenizer " + tok + " --top-p 2", "--top-p");
+  expect_error("bench engine --tokenizer " + tok + " --row spiky", "--row");
   expect_error("bench engine --tokenizer /nonexistent", "/nonexistent");
 }
 

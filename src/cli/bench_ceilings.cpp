@@ -28,12 +28,20 @@ struct BenchCeilingsOptions {
   int gemm_n = 8192;
 };
 
+// The options, checked in every build so that a bad one is named on machines without a GPU too.
+Status check_options(const BenchCeilingsOptions& o) {
+  if (o.device_mib < 1 || o.device_mib > (int64_t{1} << 20)) return Error("must be 1..1048576").in_field("--device-mib");
+  if (o.host_mib < 1 || o.host_mib > (int64_t{1} << 20)) return Error("must be 1..1048576").in_field("--host-mib");
+  if (o.gemm_n < 256 || o.gemm_n > 32768 || o.gemm_n % 256 != 0)
+    return Error("must be a multiple of 256 in 256..32768").in_field("--gemm-n");
+  return Ok{};
+}
+
 #ifdef MOEBIUS_HAS_CUDA
 
 Status run(const BenchCeilingsOptions& o) {
+  MOEBIUS_TRY(check_options(o));
   if (!cuda_available()) return Error("no CUDA device is visible");
-  if (o.device_mib < 1 || o.device_mib > (int64_t{1} << 20)) return Error("must be 1..1048576").in_field("--device-mib");
-  if (o.host_mib < 1 || o.host_mib > (int64_t{1} << 20)) return Error("must be 1..1048576").in_field("--host-mib");
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("moebius bench ceilings  %s, %d SMs, %.1f GiB; best of several timings each\n", prop.name,
@@ -59,7 +67,10 @@ Status run(const BenchCeilingsOptions& o) {
 
 #else
 
-Status run(const BenchCeilingsOptions&) { return Error("this build of moebius has no CUDA support"); }
+Status run(const BenchCeilingsOptions& o) {
+  MOEBIUS_TRY(check_options(o));
+  return Error("this build of moebius has no CUDA support");
+}
 
 #endif  // MOEBIUS_HAS_CUDA
 

@@ -33,6 +33,7 @@ void add_ceilings_option(CLI::App* cmd, std::string* mode) {
   cmd->add_option("--ceilings", *mode,
                   "cuda: the HBM read rate and bf16 peak the ratios divide by: auto (the H200's measured table on an "
                   "H200, else measured at start), table, or measure")
+      ->check(CLI::IsMember({"auto", "table", "measure"}))
       ->capture_default_str();
 }
 
