@@ -43,7 +43,10 @@ TEST(BenchCeilingsCli, WithoutAGpuIsAClearError) {
   if (!std::filesystem::exists(MOEBIUS_BIN)) GTEST_SKIP() << MOEBIUS_BIN << " not built";
   const CliRun probe = run_moebius("bench ceilings --device-mib 64 --host-mib 64 --gemm-n 1024");
   if (probe.status == 0) GTEST_SKIP() << "a GPU is visible: the GPU machine's run measures it";
-  EXPECT_NE(probe.out.find("CUDA"), std::string::npos) << probe.out;
+  EXPECT_EQ(probe.status, 2) << probe.out;  // CLI::RuntimeError(2): an error, not an abort
+  EXPECT_TRUE(probe.out.find("no CUDA device is visible") != std::string::npos ||
+              probe.out.find("no CUDA support") != std::string::npos)
+      << probe.out;
   expect_error("bench ceilings --device-mib 0", "--device-mib");
   expect_error("bench ceilings --gemm-n 1000", "--gemm-n");
 }

@@ -3,6 +3,7 @@
 #if defined(MOEBIUS_HAS_CUDA) && defined(MOEBIUS_HAS_NCCL)
 
 #include <algorithm>
+#include <cstdint>
 
 namespace moebius::parallel {
 namespace {
@@ -12,11 +13,17 @@ Status cuda_status(cudaError_t e, const char* what) {
   return Error::format("CUDA {} failed: {}", what, cudaGetErrorString(e));
 }
 
-// The bytes a send or receive layout spans: max over peers of offset + bytes (0 when none).
-size_t extent(std::span<const size_t> bytes, std::span<const size_t> offsets) {
+// The bytes a send or receive layout spans: max over peers of offset + bytes (0 when none); an
+// error for a region whose end does not fit size_t (it would wrap to a small extent).
+Result<size_t> extent(std::span<const size_t> bytes, std::span<const size_t> offsets) {
   size_t end = 0;
-  for (size_t p = 0; p < bytes.size(); ++p)
-    if (bytes[p] > 0) end = std::max(end, offsets[p] + bytes[p]);
+  for (size_t p = 0; p < bytes.size(); ++p) {
+    if (bytes[p] == 0) continue;
+    if (offsets[p] > SIZE_MAX - bytes[p])
+      return Error::format("a host-staged region of {} bytes at offset {} ends past the address space", bytes[p],
+                           offsets[p]);
+    end = std::max(end, offsets[p] + bytes[p]);
+  }
   return end;
 }
 
@@ -76,7 +83,12 @@ Status HostStagedCommunicator::all_to_all_v(const void* send, std::span<const si
   if (send_bytes.size() != n || send_offsets.size() != n || recv_bytes.size() != n || recv_offsets.size() != n)
     return Error::format("all_to_all_v over {} ranks got layouts of {}/{}/{}/{} entries", n, send_bytes.size(),
                          send_offsets.size(), recv_bytes.size(), recv_offsets.size());
-  const size_t out = extent(send_bytes, send_offsets), in = extent(recv_bytes, recv_offsets);
+  MOEBIUS_ASSIGN_OR_RETURN(const size_t out, extent(send_bytes, send_offsets));
+  MOEBIUS_ASSIGN_OR_RETURN(const size_t in, extent(recv_bytes, recv_offsets));
+  // Either side alone past the cap is refused here, before the sums below could wrap.
+  if (out > kMaxBytes || in > kMaxBytes)
+    return Error::format("a host-staged collective of {} + {} bytes, more than the {} this communicator stages", out, in,
+                         kMaxBytes);
   // Receives start on a 256-byte boundary after the sends (NCCL's preferred alignment).
   const size_t recv_at = (out + 255) / 256 * 256;
   MOEBIUS_ASSIGN_OR_RETURN(uint8_t * d, scratch(std::max<size_t>(1, recv_at + in)));

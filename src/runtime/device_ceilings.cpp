@@ -135,8 +135,9 @@ Result<DeviceCeilings> device_ceilings(CeilingsMode mode) {
   DeviceCeilings c;
   c.device = prop.name;
   // The table: devices whose ceilings were measured with the functions above and recorded in
-  // docs/PERF.md. Only the H200 so far.
-  const bool in_table = c.device.find("H200") != std::string::npos;
+  // docs/PERF.md. Only the H200 SXM so far, by its exact name: "NVIDIA H200 NVL" (a 600 W card)
+  // and the GH200s (other HBM rates) contain "H200" too, and get measured.
+  const bool in_table = c.device == "NVIDIA H200";
   if (mode == CeilingsMode::kTable && !in_table)
     return Error::format("no table ceilings for '{}' (only the H200 has them); use --ceilings measure", c.device)
         .in_field("--ceilings");

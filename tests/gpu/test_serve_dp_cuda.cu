@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -118,6 +119,14 @@ Status staged_collectives(int rank, parallel::NcclCommunicator& nccl) {
       return Error::format("rank {}: a {}-byte collective was not refused", rank, huge[0]);
     if (c.all_gather(mine, all.data(), parallel::HostStagedCommunicator::kMaxBytes / n).ok())
       return Error::format("rank {}: an all_gather past the cap was not refused", rank);
+    // Sizes whose products or ends wrap size_t to something small: refused, not staged small.
+    if (c.all_gather(mine, all.data(), SIZE_MAX / (n + 1) + 1).ok())
+      return Error::format("rank {}: an all_gather whose size wraps was not refused", rank);
+    std::vector<size_t> wrap_off(n, 0), sixteen(n, 0);
+    wrap_off[0] = SIZE_MAX - 7;
+    sixteen[0] = 16;
+    if (c.all_to_all_v(send.data(), sixteen, wrap_off, recv.data(), zero, zero).ok())
+      return Error::format("rank {}: an all_to_all_v region past the address space was not refused", rank);
     return c.barrier();
   }();
   CUDA_CHECK(cudaStreamDestroy(s));
