@@ -104,9 +104,9 @@ Status run(const BenchGenerateOptions& o) {
   constexpr int kPcieSteps = 8;
   const int64_t max_ctx = *std::max_element(contexts.begin(), contexts.end());
   const int64_t need = std::max<int64_t>(max_ctx + kWarmup + o.decode_steps + kPcieSteps, o.prefill);
-  if (need > config.max_position_embeddings)
+  if (need > config.context_limit())
     return Error::format("context {} + {} steps exceeds the model's {} positions", max_ctx, o.decode_steps,
-                         config.max_position_embeddings)
+                         config.context_limit())
         .in_field("--context");
 
   // Before the model loads: measuring needs free device memory.

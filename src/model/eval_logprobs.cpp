@@ -151,7 +151,7 @@ Status validate_eval_ids(std::span<const int32_t> ids, int64_t vocab, int64_t co
 Result<std::vector<float>> teacher_forced_logprobs(const Qwen3MoeCpu& model, std::span<const int32_t> ids,
                                                    int chunk) {
   const Qwen3MoeConfig& c = model.config();
-  MOEBIUS_TRY(validate_eval_ids(ids, c.vocab_size, c.max_position_embeddings, "input_ids"));
+  MOEBIUS_TRY(validate_eval_ids(ids, c.vocab_size, c.context_limit(), "input_ids"));
   if (chunk < 1) return Error::format("must be >= 1, got {}", chunk).in_field("--chunk");
   const int64_t N = static_cast<int64_t>(ids.size());
   const int64_t V = c.vocab_size;
@@ -215,7 +215,7 @@ Result<std::vector<float>> run_eval_logprobs(const EvalLogprobsOptions& o, std::
   if (o.chunk < 1) return Error::format("must be >= 1, got {}", o.chunk).in_field("--chunk");
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, parse_experts_format(o.experts));
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeConfig config, load_qwen3_moe_config(o.model_dir));
-  MOEBIUS_TRY(validate_eval_ids(ids, config.vocab_size, config.max_position_embeddings, o.ids_field));
+  MOEBIUS_TRY(validate_eval_ids(ids, config.vocab_size, config.context_limit(), o.ids_field));
   [[maybe_unused]] const int64_t N = static_cast<int64_t>(ids.size());
 
 #ifdef MOEBIUS_HAS_CUDA

@@ -108,7 +108,7 @@ Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t
   for (int32_t id : prompt)
     if (id < 0 || id >= c.vocab_size)
       return Error::format("token id {} is outside the vocabulary [0, {})", id, c.vocab_size).in_field("--prompt-ids");
-  const int64_t context = c.max_position_embeddings;
+  const int64_t context = c.context_limit();
   if (static_cast<int64_t>(prompt.size()) > context)
     return Error::format("the prompt has {} tokens; the model's context is {}", prompt.size(), context)
         .in_field("--prompt-ids");
@@ -267,7 +267,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.experts_format = experts;
     const int64_t P = static_cast<int64_t>(o.prompt_ids.size());
     co.max_context = static_cast<int>(
-        std::clamp<int64_t>(P + std::max(o.max_tokens - 1, 0), 1, config.max_position_embeddings));
+        std::clamp<int64_t>(P + std::max(o.max_tokens - 1, 0), 1, config.context_limit()));
     co.max_tokens = static_cast<int>(std::clamp<int64_t>(P, 1, o.prefill_chunk));
     co.max_seqs = 1;
     co.graph_batches = {1};

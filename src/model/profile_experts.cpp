@@ -56,9 +56,9 @@ Result<offload::RoutingProfile> profile_experts(Qwen3MoeCpu& model, const std::v
   const Qwen3MoeConfig& c = model.config();
   offload::RoutingProfile prof = offload::make_profile(c.num_experts, c.num_experts_per_tok);
   for (size_t i = 0; i < prompts.size(); ++i)
-    if (prompts[i].empty() || static_cast<int64_t>(prompts[i].size()) > c.max_position_embeddings)
-      return Error::format("prompt {} has {} tokens; each needs 1 to max_position_embeddings = {}", i,
-                           prompts[i].size(), c.max_position_embeddings);
+    if (prompts[i].empty() || static_cast<int64_t>(prompts[i].size()) > c.context_limit())
+      return Error::format("prompt {} has {} tokens; each needs 1 to the model's {} positions", i,
+                           prompts[i].size(), c.context_limit());
   std::vector<int> moe_layers;
   for (int l = 0; l < c.num_hidden_layers; ++l)
     if (c.is_moe_layer(l)) moe_layers.push_back(l);

@@ -64,6 +64,75 @@ Result<bool> read_bool(const json& j, const char* key, bool dflt) {
 
 constexpr int64_t kMaxInt = int64_t{1} << 30;  // far above any real dimension; keeps products in int64
 
+// An optional number inside the rope scaling object: `dflt` when absent or null, else a finite
+// number >= lo; errors name "<field>.<key>".
+Result<double> read_rope_number(const json& rs, const char* field, const char* key, double dflt, double lo) {
+  const json* v = find(rs, key);
+  if (v == nullptr || v->is_null()) return dflt;
+  if (!v->is_number()) return Error::format("expected a number, got {}", v->dump()).in_field(std::string(field) + "." + key);
+  const double x = v->get<double>();
+  if (!std::isfinite(x) || x < lo)
+    return Error::format("{} is not a finite number >= {}", v->dump(), lo).in_field(std::string(field) + "." + key);
+  return x;
+}
+
+// "rope_parameters" (transformers 5: the type, theta and scaling together) when present, else
+// "rope_scaling" (null or absent: none). Types: default, linear, yarn; the others (dynamic and ntk,
+// which change the frequencies with the sequence length, longrope, llama3) are refused by name.
+Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embeddings) {
+  const char* field = find(j, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling";
+  const json* rs = find(j, field);
+  RopeScaling r;
+  if (rs == nullptr || rs->is_null()) return r;
+  if (!rs->is_object()) return Error::format("expected null or an object, got {}", rs->dump()).in_field(field);
+  const json* type = find(*rs, "rope_type");
+  if (type == nullptr) type = find(*rs, "type");  // transformers' older key
+  const std::string name = type == nullptr ? "default" : type->is_string() ? type->get<std::string>() : "";
+  if (name == "default") return r;
+  if (name != "linear" && name != "yarn")
+    return Error::format("rope scaling {} is not supported (default, linear or yarn)", type->dump()).in_field(field);
+  const std::string f = field;
+  const json* factor = find(*rs, "factor");
+  const json* original = find(*rs, "original_max_position_embeddings");
+  if (original != nullptr && !original->is_null()) {
+    if (!original->is_number_integer() || original->get<int64_t>() < 1 || original->get<int64_t>() > kMaxInt)
+      return Error::format("expected an integer in [1, 2^30], got {}", original->dump())
+          .in_field(f + ".original_max_position_embeddings");
+    r.original_max_position_embeddings = original->get<int64_t>();
+  } else {
+    r.original_max_position_embeddings = max_position_embeddings;
+  }
+  if (name == "linear") {
+    r.type = RopeScaling::Type::kLinear;
+    if (factor == nullptr || factor->is_null()) return Error("linear rope scaling needs a factor").in_field(f + ".factor");
+    MOEBIUS_ASSIGN_OR_RETURN(r.factor, read_rope_number(*rs, field, "factor", 1.0, 1.0));
+    r.original_max_position_embeddings = 0;  // yarn's alone
+    return r;
+  }
+  r.type = RopeScaling::Type::kYarn;
+  // transformers 5: without a factor, the ratio of the two contexts.
+  const double ratio = static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position_embeddings);
+  MOEBIUS_ASSIGN_OR_RETURN(r.factor, read_rope_number(*rs, field, "factor", ratio, 1.0));
+  if (r.factor < 1.0)
+    return Error::format("{} (max_position_embeddings / original_max_position_embeddings) is below 1", r.factor)
+        .in_field(f + ".factor");
+  MOEBIUS_ASSIGN_OR_RETURN(r.attention_factor, read_rope_number(*rs, field, "attention_factor", 0.0, 0.0));
+  if (const json* af = find(*rs, "attention_factor"); af != nullptr && !af->is_null() && r.attention_factor == 0.0)
+    return Error("must be positive").in_field(f + ".attention_factor");
+  // transformers takes `beta or default`, so 0 means the default too.
+  MOEBIUS_ASSIGN_OR_RETURN(r.beta_fast, read_rope_number(*rs, field, "beta_fast", 32.0, 0.0));
+  MOEBIUS_ASSIGN_OR_RETURN(r.beta_slow, read_rope_number(*rs, field, "beta_slow", 1.0, 0.0));
+  if (r.beta_fast == 0.0) r.beta_fast = 32.0;
+  if (r.beta_slow == 0.0) r.beta_slow = 1.0;
+  MOEBIUS_ASSIGN_OR_RETURN(r.mscale, read_rope_number(*rs, field, "mscale", 0.0, 0.0));
+  MOEBIUS_ASSIGN_OR_RETURN(r.mscale_all_dim, read_rope_number(*rs, field, "mscale_all_dim", 0.0, 0.0));
+  if (const json* t = find(*rs, "truncate"); t != nullptr && !t->is_null()) {
+    if (!t->is_boolean()) return Error::format("expected true or false, got {}", t->dump()).in_field(f + ".truncate");
+    r.truncate = t->get<bool>();
+  }
+  return r;
+}
+
 Result<Qwen3MoeConfig> parse_json(const json& j) {
   if (!j.is_object()) return Error("expected a JSON object");
   // Architecture: "architectures": ["Qwen3MoeForCausalLM"]; model_type, when present, must agree.
@@ -98,7 +167,11 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
     return Error::format("num_attention_heads {} x head_dim {} = {} is more than 2^30", heads, head_dim,
                          heads * head_dim)
         .in_field("head_dim");
-  MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(j, "rope_theta", {}));
+  // transformers 5 keeps the base inside rope_parameters.
+  const json* rope_params = find(j, "rope_parameters");
+  const bool theta_inside = find(j, "rope_theta") == nullptr && rope_params != nullptr && rope_params->is_object() &&
+                            find(*rope_params, "rope_theta") != nullptr;
+  MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(theta_inside ? *rope_params : j, "rope_theta", {}));
   // rope_inv_freq computes theta^(-2i/hd) in double and stores floats: below 1 the frequencies grow
   // instead of decaying, past float's range for a tiny base (real models use 1e4 to 1e7).
   if (c.rope_theta < 1.0) return Error::format("{} is below 1", c.rope_theta).in_field("rope_theta");
@@ -110,18 +183,6 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
                          std::numeric_limits<float>::max())
         .in_field("rms_norm_eps");
   c.rms_norm_eps = static_cast<float>(eps);
-
-  // rope_scaling: null/absent, or the explicit no-op {"rope_type": "default"}. Everything else
-  // (yarn, linear, dynamic, ...) changes the rotary frequencies, which we do not implement.
-  if (const json* rs = find(j, "rope_scaling"); rs != nullptr && !rs->is_null()) {
-    if (!rs->is_object()) return Error::format("expected null or an object, got {}", rs->dump()).in_field("rope_scaling");
-    const json* type = find(*rs, "rope_type");
-    if (type == nullptr) type = find(*rs, "type");
-    if (type == nullptr || !type->is_string() || *type != "default")
-      return Error::format("rope scaling {} is not supported (only null or rope_type \"default\")",
-                           type ? type->dump() : rs->dump())
-          .in_field("rope_scaling");
-  }
 
   MOEBIUS_ASSIGN_OR_RETURN(int64_t experts, read_int(j, "num_experts", {}, 0, 1 << 20));
   c.num_experts = static_cast<int>(experts);
@@ -144,6 +205,10 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
   }
   MOEBIUS_ASSIGN_OR_RETURN(c.tie_word_embeddings, read_bool(j, "tie_word_embeddings", false));
   MOEBIUS_ASSIGN_OR_RETURN(c.max_position_embeddings, read_int(j, "max_position_embeddings", 32768, 1, kMaxInt));
+  MOEBIUS_ASSIGN_OR_RETURN(c.rope_scaling, parse_rope_scaling(j, c.max_position_embeddings));
+  if (c.context_limit() > kMaxInt)
+    return Error::format("stretches the context to {} positions, more than 2^30", c.context_limit())
+        .in_field(find(j, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling");
 
   // Refuse what the forward pass would silently get wrong.
   MOEBIUS_ASSIGN_OR_RETURN(bool bias, read_bool(j, "attention_bias", false));
@@ -156,6 +221,37 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
 }
 
 }  // namespace
+
+std::string rope_scaling_text(const RopeScaling& r) {
+  switch (r.type) {
+    case RopeScaling::Type::kDefault:
+      return "default";
+    case RopeScaling::Type::kLinear:
+      return fmt::format("linear (factor {})", r.factor);
+    case RopeScaling::Type::kYarn:
+      return fmt::format("yarn (factor {}, original {}, attention_factor {}, beta {}/{}, mscale {}/{}, truncate {})",
+                         r.factor, r.original_max_position_embeddings, r.attention_factor, r.beta_fast, r.beta_slow,
+                         r.mscale, r.mscale_all_dim, r.truncate);
+  }
+  return "?";
+}
+
+int64_t Qwen3MoeConfig::context_limit() const {
+  double stretched = 0.0;
+  switch (rope_scaling.type) {
+    case RopeScaling::Type::kDefault:
+      return max_position_embeddings;
+    case RopeScaling::Type::kLinear:
+      stretched = static_cast<double>(max_position_embeddings) * rope_scaling.factor;
+      break;
+    case RopeScaling::Type::kYarn:
+      stretched = static_cast<double>(rope_scaling.original_max_position_embeddings) * rope_scaling.factor;
+      break;
+  }
+  // A huge factor saturates (the parser refuses anything past 2^30) instead of overflowing the cast.
+  if (!(stretched < 4.0e18)) return int64_t{4} << 60;
+  return std::max(max_position_embeddings, static_cast<int64_t>(stretched));
+}
 
 bool Qwen3MoeConfig::is_moe_layer(int layer) const {
   const bool forced_dense = std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end();
@@ -188,6 +284,7 @@ Status check_same_config(const Qwen3MoeConfig& a, const Qwen3MoeConfig& b) {
        fmt::format("[{}]", fmt::join(b.mlp_only_layers, ", ")));
   same("tie_word_embeddings", a.tie_word_embeddings, b.tie_word_embeddings);
   same("max_position_embeddings", a.max_position_embeddings, b.max_position_embeddings);
+  same("rope_scaling", rope_scaling_text(a.rope_scaling), rope_scaling_text(b.rope_scaling));
   if (first) return std::move(*first);
   return Ok{};
 }

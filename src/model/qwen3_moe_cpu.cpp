@@ -13,6 +13,7 @@
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "cpu/rope.h"
+#include "model/rope_frequencies.h"
 #include "core/log.h"
 #include "cpu/swiglu.h"
 #include "formats/gptq.h"
@@ -219,6 +220,11 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
   MOEBIUS_ASSIGN_OR_RETURN(w.o_proj, load_linear_weight(k, qc, p + "self_attn.o_proj", H, q_dim));
   MOEBIUS_ASSIGN_OR_RETURN(w.q_norm, load_float_tensor(k, p + "self_attn.q_norm.weight", Shape{hd}));
   MOEBIUS_ASSIGN_OR_RETURN(w.k_norm, load_float_tensor(k, p + "self_attn.k_norm.weight", Shape{hd}));
+  // [TAG_ROPE_ATTENTION_FACTOR] YaRN's attention factor, folded into the norms right before RoPE
+  // (model/rope_frequencies.h); 1 otherwise, and the weights stay as read.
+  if (const float af = rope_frequencies(c).attention_factor; af != 1.0f)
+    for (std::vector<float>* norm : {&w.q_norm, &w.k_norm})
+      for (float& x : *norm) x *= af;
   w.is_moe = c.is_moe_layer(layer);
   if (!w.is_moe) {
     const int64_t I = c.intermediate_size;
@@ -290,7 +296,7 @@ Result<Qwen3MoeCpu> Qwen3MoeCpu::load(const std::string& dir, const Qwen3MoeLoad
     MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeLayerWeights w, load_qwen3_moe_layer(ck, c, m.quant_, l, options));
     m.layers_.push_back(std::move(w));
   }
-  m.inv_freq_ = cpu::rope_inv_freq(c.rope_theta, c.head_dim);
+  m.inv_freq_ = rope_frequencies(c).inv_freq;
   return m;
 }
 
@@ -437,9 +443,8 @@ Status Qwen3MoeCpu::check_batch(std::span<const BatchSeq> seqs) const {
                            cache.num_layers(), cache.num_kv_heads(), cache.head_dim(), c.num_hidden_layers,
                            c.num_key_value_heads, c.head_dim);
     const int64_t p0 = cache.position();
-    if (p0 + T > c.max_position_embeddings)
-      return Error::format("positions up to {} exceed max_position_embeddings {}", p0 + T - 1,
-                           c.max_position_embeddings);
+    if (p0 + T > c.context_limit())
+      return Error::format("positions up to {} exceed the model's {} positions", p0 + T - 1, c.context_limit());
     if (p0 + T > cache.max_tokens())
       return Error::format("KV cache holds at most {} tokens, {} requested", cache.max_tokens(), p0 + T);
     for (int64_t t = 0; t < T; ++t)

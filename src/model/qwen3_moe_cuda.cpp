@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "cpu/rope.h"
+#include "model/rope_frequencies.h"
 #include "formats/safetensors.h"
 #include "kernels/attention.cuh"
 #include "kernels/cuda_check.h"
@@ -144,9 +145,10 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   opt_ = options;
   Qwen3MoeCudaOptions& o = opt_;
   if (o.max_context <= 0) o.max_context = static_cast<int>(std::min<int64_t>(c.max_position_embeddings, 1 << 30));
-  if (o.max_context > c.max_position_embeddings)
-    return Error::format("{} exceeds the model's max_position_embeddings {}", o.max_context,
-                         c.max_position_embeddings)
+  if (o.max_context > c.context_limit())
+    return Error::format("{} exceeds the model's {} positions (max_position_embeddings, stretched by its rope "
+                         "scaling)",
+                         o.max_context, c.context_limit())
         .in_field("max_context");
   if (o.max_seqs < 1) return Error::format("must be >= 1, got {}", o.max_seqs).in_field("max_seqs");
   if (o.max_tokens < o.max_seqs)
@@ -214,7 +216,7 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   final_norm_ = static_cast<float*>(fn);
   MOEBIUS_ASSIGN_OR_RETURN(void* inv, device_alloc(sizeof(float) * hd / 2, &plan_.workspace));
   inv_freq_ = static_cast<float*>(inv);
-  const std::vector<float> inv_freq = cpu::rope_inv_freq(c.rope_theta, hd);
+  const std::vector<float> inv_freq = rope_frequencies(c).inv_freq;
   CUDA_CHECK(cudaMemcpy(inv_freq_, inv_freq.data(), sizeof(float) * inv_freq.size(), cudaMemcpyHostToDevice));
 
   // Per-layer dense weights (the MoE layers are made by load / create_dummy).
@@ -884,14 +886,16 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
     kernels::launch_fill_random_bf16(m->lm_head_, static_cast<size_t>(V * H), scale_for(H), seed++, s);
   const std::vector<float> ones(static_cast<size_t>(std::max(H, hd)), 1.0f);
   CUDA_CHECK(cudaMemcpy(m->final_norm_, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
+  // [TAG_ROPE_ATTENTION_FACTOR] the q/k norms carry YaRN's attention factor (1 otherwise).
+  const std::vector<float> qk_norm(static_cast<size_t>(hd), rope_frequencies(c).attention_factor);
   if (m->opt_.progress) m->opt_.progress(1, total);
   const int64_t q_dim = int64_t{c.num_attention_heads} * hd;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = m->layers_[static_cast<size_t>(l)];
     CUDA_CHECK(cudaMemcpy(L.input_norm, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(L.post_norm, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L.q_norm, ones.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(L.k_norm, ones.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.q_norm, qk_norm.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(L.k_norm, qk_norm.data(), sizeof(float) * hd, cudaMemcpyHostToDevice));
     kernels::launch_fill_random_bf16(L.wqkv, static_cast<size_t>(m->qkv_dim_ * H), scale_for(H), seed++, s);
     kernels::launch_fill_random_bf16(L.wo, static_cast<size_t>(H * q_dim), scale_for(q_dim), seed++, s);
     if (L.is_moe) {
