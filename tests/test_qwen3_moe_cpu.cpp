@@ -144,8 +144,9 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
       {"unknown architecture", [](auto& j) { j["architectures"] = {"LlamaForCausalLM"}; }, "architectures"},
       {"missing architectures", [](auto& j) { j.erase("architectures"); }, "architectures"},
       {"other model_type", [](auto& j) { j["model_type"] = "qwen2_moe"; }, "model_type"},
-      {"yarn rope scaling", [](auto& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }, "rope_scaling"},
-      {"legacy rope scaling key", [](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; }, "rope_scaling"},
+      // Supported rope scaling (linear, yarn) is tested in test_rope_scaling.cpp; the rest is refused.
+      {"dynamic rope scaling", [](auto& j) { j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 4.0}}; }, "rope_scaling"},
+      {"legacy rope scaling key", [](auto& j) { j["rope_scaling"] = {{"type", "llama3"}, {"factor", 2.0}}; }, "rope_scaling"},
       {"heads not a multiple of kv heads", [](auto& j) { j["num_key_value_heads"] = 3; }, "num_key_value_heads"},
       {"odd head_dim", [](auto& j) { j["head_dim"] = 15; }, "head_dim"},
       {"top-k above experts", [](auto& j) { j["num_experts_per_tok"] = 17; }, "num_experts_per_tok"},

@@ -5,10 +5,17 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <system_error>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "formats/safetensors.h"
 #include "test_util.h"
@@ -47,5 +54,53 @@ inline TinyReference load_tiny_reference() {
   std::memcpy(r.decode_logits.data(), dl->data, dl->nbytes());
   return r;
 }
+
+// The tiny fixture with YaRN on, as tools/fixtures/make_rope_scaling_ref.py made
+// reference_yarn.safetensors from it: a directory holding its config.json with kTinyYarnScaling
+// set and a copy of its model.safetensors (removed when this object goes).
+inline constexpr const char* kTinyYarnScaling =
+    R"({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})";
+class TinyYarnFixture {
+ public:
+  TinyYarnFixture() {
+    namespace fs = std::filesystem;
+    dir_ = (fs::temp_directory_path() / ("moebius-tiny-yarn-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(reinterpret_cast<uintptr_t>(this))))
+               .string();
+    fs::create_directories(dir_);
+    std::ifstream in(tiny_fixture_dir() + "/config.json");
+    nlohmann::json cfg = nlohmann::json::parse(in);
+    cfg["rope_scaling"] = nlohmann::json::parse(kTinyYarnScaling);
+    std::ofstream(dir_ + "/config.json") << cfg.dump(2);
+    fs::copy_file(tiny_fixture_dir() + "/model.safetensors", dir_ + "/model.safetensors",
+                  fs::copy_options::overwrite_existing);
+  }
+  ~TinyYarnFixture() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  TinyYarnFixture(const TinyYarnFixture&) = delete;
+  TinyYarnFixture& operator=(const TinyYarnFixture&) = delete;
+  const std::string& dir() const { return dir_; }
+
+  // reference_yarn.safetensors: transformers' fp32 logits of the 20 ids with YaRN on; empty while
+  // the file is absent (it is made on the GPU machine; session 23 had no device time left for it).
+  static std::string reference_path() { return tiny_fixture_dir() + "/reference_yarn.safetensors"; }
+  static std::vector<float> reference_logits() {
+    if (!std::filesystem::exists(reference_path())) return {};
+    auto f = SafetensorsFile::open(reference_path());
+    EXPECT_TRUE(f.ok()) << f.error().what();
+    if (!f.ok()) return {};
+    auto lg = f->get("logits", DType::kF32);
+    EXPECT_TRUE(lg.ok());
+    if (!lg.ok()) return {};
+    std::vector<float> out(static_cast<size_t>(lg->numel()));
+    std::memcpy(out.data(), lg->data, lg->nbytes());
+    return out;
+  }
+
+ private:
+  std::string dir_;
+};
 
 }  // namespace moebius::testing
