@@ -98,6 +98,41 @@ TEST(RopeScalingConfig, LinearDefaultAndTransformers5Parameters) {
   EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kDefault);
 }
 
+// Where transformers 5 looks first: a non-empty rope_scaling over rope_parameters, the theta inside
+// rope_parameters over a top-level one, a top-level original context when the scaling has none.
+TEST(RopeScalingConfig, TransformersPrecedence) {
+  json j = tiny_config();
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e5}};
+  j["rope_scaling"] = json::parse(testing::kTinyYarnScaling);
+  auto c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kYarn);
+  EXPECT_EQ(c->rope_theta, 5e5);
+  j["rope_scaling"] = json::object();  // empty: rope_parameters speaks
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kDefault);
+  j = tiny_config();
+  j["original_max_position_embeddings"] = 128;
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}};
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 128);
+  j["rope_scaling"]["original_max_position_embeddings"] = 128.0;  // a whole-number float is taken
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  j["rope_scaling"]["original_max_position_embeddings"] = 64;  // two different ones: refused
+  c = parse(j);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().field(), "original_max_position_embeddings") << c.error().what();
+  // A null truncate is transformers' falsy None: no truncation.
+  j = tiny_config();
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}, {"truncate", nullptr}};
+  c = parse(j);
+  ASSERT_TRUE(c.ok()) << c.error().what();
+  EXPECT_FALSE(c->rope_scaling.truncate);
+}
+
 TEST(RopeScalingConfig, EverythingElseIsANamedError) {
   struct Case {
     const char* what;
@@ -125,6 +160,8 @@ TEST(RopeScalingConfig, EverythingElseIsANamedError) {
       {"negative beta", {{"rope_type", "yarn"}, {"factor", 2.0}, {"beta_fast", -1}}, "rope_scaling.beta_fast"},
       {"truncate a number", {{"rope_type", "yarn"}, {"factor", 2.0}, {"truncate", 1}}, "rope_scaling.truncate"},
       {"context past 2^30", {{"rope_type", "yarn"}, {"factor", 1e7}}, "rope_scaling"},
+      {"partial rotary factor", {{"rope_type", "yarn"}, {"factor", 2.0}, {"partial_rotary_factor", 0.5}},
+       "rope_scaling.partial_rotary_factor"},
   };
   for (const Case& k : cases) {
     json j = tiny_config();
@@ -134,6 +171,23 @@ TEST(RopeScalingConfig, EverythingElseIsANamedError) {
     EXPECT_EQ(c.error().field(), k.field) << k.what << ": " << c.error().what();
     EXPECT_EQ(c.error().file(), "config.json") << k.what;
   }
+  json j = tiny_config();
+  j["partial_rotary_factor"] = 0.5;
+  auto c = parse(j);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().field(), "partial_rotary_factor");
+  j = tiny_config();
+  j["rope_theta"] = 1.0;  // YaRN's correction range divides by ln(theta)
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}};
+  c = parse(j);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().field(), "rope_scaling") << c.error().what();
+  j = tiny_config();
+  j.erase("rope_theta");
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", "1e6"}};
+  c = parse(j);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().field(), "rope_parameters.rope_theta");
 }
 
 TEST(RopeScalingConfig, AWeightUpdateMustKeepTheScaling) {
@@ -151,7 +205,7 @@ TEST(RopeScalingConfig, AWeightUpdateMustKeepTheScaling) {
 // Every case of a reference file against rope_frequencies: inv_freq within `rel`, the attention
 // factor within 1e-6.
 void expect_cases_match(const json& ref, double rel) {
-  ASSERT_GE(ref["cases"].size(), 7u);
+  ASSERT_GE(ref["cases"].size(), 12u);
   for (const json& k : ref["cases"]) {
     json j = tiny_config();
     j["head_dim"] = k["head_dim"];
@@ -217,13 +271,16 @@ TEST(RopeScalingModel, YarnFoldsTheAttentionFactorIntoTheQkNorms) {
   auto plain = Qwen3MoeCpu::load(testing::tiny_fixture_dir());
   ASSERT_TRUE(plain.ok());
   const float af = rope_frequencies(m->config()).attention_factor;
-  EXPECT_NEAR(af, 1.0 + 0.1 * std::log(4.0), 1e-6);
-  for (size_t l = 0; l < m->layers().size(); ++l)
-    for (size_t i = 0; i < m->layers()[l].q_norm.size(); ++i) {
-      EXPECT_EQ(m->layers()[l].q_norm[i], plain->layers()[l].q_norm[i] * af);
-      EXPECT_EQ(m->layers()[l].k_norm[i], plain->layers()[l].k_norm[i] * af);
-      EXPECT_EQ(m->layers()[l].input_norm[i], plain->layers()[l].input_norm[i]);  // only those two
+  EXPECT_NEAR(af, 1.0 + 0.1 * std::log(2.0), 1e-6);
+  for (size_t l = 0; l < m->layers().size(); ++l) {
+    const Qwen3MoeLayerWeights &a = m->layers()[l], &b = plain->layers()[l];
+    for (size_t i = 0; i < a.q_norm.size(); ++i) {
+      EXPECT_EQ(a.q_norm[i], b.q_norm[i] * af);
+      EXPECT_EQ(a.k_norm[i], b.k_norm[i] * af);
     }
+    EXPECT_EQ(a.input_norm, b.input_norm);  // only those two
+    EXPECT_EQ(a.post_norm, b.post_norm);
+  }
   const testing::TinyReference ref = testing::load_tiny_reference();
   const int T = static_cast<int>(ref.ids.size());
   KvCache cache = m->make_cache();

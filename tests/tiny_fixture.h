@@ -59,7 +59,7 @@ inline TinyReference load_tiny_reference() {
 // reference_yarn.safetensors from it: a directory holding its config.json with kTinyYarnScaling
 // set and a copy of its model.safetensors (removed when this object goes).
 inline constexpr const char* kTinyYarnScaling =
-    R"({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})";
+    R"({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})";
 class TinyYarnFixture {
  public:
   TinyYarnFixture() {

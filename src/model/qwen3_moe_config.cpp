@@ -76,13 +76,28 @@ Result<double> read_rope_number(const json& rs, const char* field, const char* k
   return x;
 }
 
-// "rope_parameters" (transformers 5: the type, theta and scaling together) when present, else
-// "rope_scaling" (null or absent: none). Types: default, linear, yarn; the others (dynamic and ntk,
-// which change the frequencies with the sequence length, longrope, llama3) are refused by name.
-Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embeddings) {
-  const char* field = find(j, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling";
+// Which object holds the scaling, as transformers 5 picks it (`rope_scaling or rope_parameters`): a
+// non-empty "rope_scaling", else "rope_parameters" (transformers 5's type, theta and scaling
+// together). Absent or null: none.
+const char* rope_scaling_field(const json& j) {
+  const json* rs = find(j, "rope_scaling");
+  if (rs != nullptr && !rs->is_null() && !(rs->is_object() && rs->empty())) return "rope_scaling";
+  return find(j, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling";
+}
+
+// Types: default, linear, yarn; the others (dynamic and ntk, which change the frequencies with the
+// sequence length, longrope, llama3) are refused by name, as is a partial rotary dimension.
+Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embeddings, double rope_theta) {
+  const char* field = rope_scaling_field(j);
   const json* rs = find(j, field);
   RopeScaling r;
+  for (const json* holder : {&j, rs}) {
+    if (holder == nullptr || !holder->is_object()) continue;
+    if (const json* prf = find(*holder, "partial_rotary_factor");
+        prf != nullptr && !prf->is_null() && !(prf->is_number() && prf->get<double>() == 1.0))
+      return Error::format("{}: rotating part of each head is not supported (only 1)", prf->dump())
+          .in_field(holder == &j ? std::string("partial_rotary_factor") : std::string(field) + ".partial_rotary_factor");
+  }
   if (rs == nullptr || rs->is_null()) return r;
   if (!rs->is_object()) return Error::format("expected null or an object, got {}", rs->dump()).in_field(field);
   const json* type = find(*rs, "rope_type");
@@ -93,14 +108,30 @@ Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embed
     return Error::format("rope scaling {} is not supported (default, linear or yarn)", type->dump()).in_field(field);
   const std::string f = field;
   const json* factor = find(*rs, "factor");
+  // The pretrained context: the scaling's own, or (transformers 5) a top-level one; both present
+  // and different is refused rather than guessed. A whole-number float (32768.0) is taken.
+  const auto read_original = [](const json* v, const std::string& name) -> Result<int64_t> {
+    const bool whole = v->is_number_integer() || (v->is_number_float() && std::isfinite(v->get<double>()) &&
+                                                  v->get<double>() == std::floor(v->get<double>()));
+    const double x = whole ? v->get<double>() : 0.0;
+    if (!whole || x < 1 || x > static_cast<double>(kMaxInt))
+      return Error::format("expected an integer in [1, 2^30], got {}", v->dump()).in_field(name);
+    return static_cast<int64_t>(x);
+  };
   const json* original = find(*rs, "original_max_position_embeddings");
+  const json* top_original = find(j, "original_max_position_embeddings");
+  r.original_max_position_embeddings = max_position_embeddings;
   if (original != nullptr && !original->is_null()) {
-    if (!original->is_number_integer() || original->get<int64_t>() < 1 || original->get<int64_t>() > kMaxInt)
-      return Error::format("expected an integer in [1, 2^30], got {}", original->dump())
-          .in_field(f + ".original_max_position_embeddings");
-    r.original_max_position_embeddings = original->get<int64_t>();
-  } else {
-    r.original_max_position_embeddings = max_position_embeddings;
+    MOEBIUS_ASSIGN_OR_RETURN(r.original_max_position_embeddings,
+                             read_original(original, f + ".original_max_position_embeddings"));
+  }
+  if (top_original != nullptr && !top_original->is_null()) {
+    MOEBIUS_ASSIGN_OR_RETURN(const int64_t top, read_original(top_original, "original_max_position_embeddings"));
+    if (original != nullptr && !original->is_null() && top != r.original_max_position_embeddings)
+      return Error::format("{} at the top level, {} in {}: which one is meant is unclear", top,
+                           r.original_max_position_embeddings, f)
+          .in_field("original_max_position_embeddings");
+    r.original_max_position_embeddings = top;
   }
   if (name == "linear") {
     r.type = RopeScaling::Type::kLinear;
@@ -110,6 +141,8 @@ Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embed
     return r;
   }
   r.type = RopeScaling::Type::kYarn;
+  // YaRN's correction range divides by ln(theta).
+  if (rope_theta <= 1.0) return Error::format("yarn needs rope_theta above 1, got {}", rope_theta).in_field(f);
   // transformers 5: without a factor, the ratio of the two contexts.
   const double ratio = static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position_embeddings);
   MOEBIUS_ASSIGN_OR_RETURN(r.factor, read_rope_number(*rs, field, "factor", ratio, 1.0));
@@ -126,9 +159,11 @@ Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embed
   if (r.beta_slow == 0.0) r.beta_slow = 1.0;
   MOEBIUS_ASSIGN_OR_RETURN(r.mscale, read_rope_number(*rs, field, "mscale", 0.0, 0.0));
   MOEBIUS_ASSIGN_OR_RETURN(r.mscale_all_dim, read_rope_number(*rs, field, "mscale_all_dim", 0.0, 0.0));
-  if (const json* t = find(*rs, "truncate"); t != nullptr && !t->is_null()) {
-    if (!t->is_boolean()) return Error::format("expected true or false, got {}", t->dump()).in_field(f + ".truncate");
-    r.truncate = t->get<bool>();
+  // transformers reads it with .get("truncate", True): a null is falsy, so no truncation.
+  if (const json* t = find(*rs, "truncate"); t != nullptr) {
+    if (!t->is_boolean() && !t->is_null())
+      return Error::format("expected true, false or null, got {}", t->dump()).in_field(f + ".truncate");
+    r.truncate = t->is_boolean() && t->get<bool>();
   }
   return r;
 }
@@ -167,11 +202,16 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
     return Error::format("num_attention_heads {} x head_dim {} = {} is more than 2^30", heads, head_dim,
                          heads * head_dim)
         .in_field("head_dim");
-  // transformers 5 keeps the base inside rope_parameters.
+  // transformers 5 keeps the base inside rope_parameters, and that one wins over a top-level one.
   const json* rope_params = find(j, "rope_parameters");
-  const bool theta_inside = find(j, "rope_theta") == nullptr && rope_params != nullptr && rope_params->is_object() &&
-                            find(*rope_params, "rope_theta") != nullptr;
-  MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(theta_inside ? *rope_params : j, "rope_theta", {}));
+  const bool theta_inside = rope_params != nullptr && rope_params->is_object() && find(*rope_params, "rope_theta") != nullptr;
+  if (theta_inside) {
+    auto theta = read_float(*rope_params, "rope_theta", {});
+    if (!theta.ok()) return Error(theta.error().message()).in_field("rope_parameters.rope_theta");
+    c.rope_theta = *theta;
+  } else {
+    MOEBIUS_ASSIGN_OR_RETURN(c.rope_theta, read_float(j, "rope_theta", {}));
+  }
   // rope_inv_freq computes theta^(-2i/hd) in double and stores floats: below 1 the frequencies grow
   // instead of decaying, past float's range for a tiny base (real models use 1e4 to 1e7).
   if (c.rope_theta < 1.0) return Error::format("{} is below 1", c.rope_theta).in_field("rope_theta");
@@ -205,10 +245,10 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
   }
   MOEBIUS_ASSIGN_OR_RETURN(c.tie_word_embeddings, read_bool(j, "tie_word_embeddings", false));
   MOEBIUS_ASSIGN_OR_RETURN(c.max_position_embeddings, read_int(j, "max_position_embeddings", 32768, 1, kMaxInt));
-  MOEBIUS_ASSIGN_OR_RETURN(c.rope_scaling, parse_rope_scaling(j, c.max_position_embeddings));
+  MOEBIUS_ASSIGN_OR_RETURN(c.rope_scaling, parse_rope_scaling(j, c.max_position_embeddings, c.rope_theta));
   if (c.context_limit() > kMaxInt)
-    return Error::format("stretches the context to {} positions, more than 2^30", c.context_limit())
-        .in_field(find(j, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling");
+    return Error::format("factor {} stretches the context past 2^30 positions", c.rope_scaling.factor)
+        .in_field(rope_scaling_field(j));
 
   // Refuse what the forward pass would silently get wrong.
   MOEBIUS_ASSIGN_OR_RETURN(bool bias, read_bool(j, "attention_bias", false));
