@@ -7,7 +7,10 @@
 //    (tests/data/tiny-qwen3-moe/reference_yarn.safetensors, same script).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -16,6 +19,7 @@
 #include "model/qwen3_moe_config.h"
 #include "model/qwen3_moe_cpu.h"
 #include "model/rope_frequencies.h"
+#include "server/step_runner.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
 
@@ -315,6 +319,38 @@ TEST(RopeScalingModel, YarnTinyModelMatchesTransformers) {
               from_plain);
   EXPECT_LT(d, kLogitTolerance);
   EXPECT_GT(from_plain, 100 * kLogitTolerance) << "the reference does not tell YaRN from no scaling";
+}
+
+// The serving runners' --max-context: up to the stretched context, an error past it (cpu runner,
+// one rank and data-parallel ranks; the cuda runner calls the same check).
+TEST(RopeScalingModel, MaxContextReachesTheStretchedContextAndNoFurther) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moebius-rope-ctx-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  json j = tiny_config();  // max_position_embeddings 256
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 8.0}, {"original_max_position_embeddings", 64}};  // 512
+  std::ofstream(dir / "config.json") << j.dump();
+  fs::copy_file(testing::tiny_fixture_dir() + "/model.safetensors", dir / "model.safetensors",
+                fs::copy_options::overwrite_existing);
+  for (int ep : {1, 2}) {
+    server::RunnerOptions o;
+    o.source.model_dir = dir.string();
+    o.max_seqs = 2;
+    o.ep = ep;
+    auto dflt = server::load_runner(o);
+    ASSERT_TRUE(dflt.ok()) << dflt.error().what();
+    EXPECT_EQ((*dflt)->limits().max_context, 256) << "ep " << ep;  // the default stays the config's
+    o.max_context = 512;
+    auto stretched = server::load_runner(o);
+    ASSERT_TRUE(stretched.ok()) << stretched.error().what();
+    EXPECT_EQ((*stretched)->limits().max_context, 512) << "ep " << ep;
+    o.max_context = 513;
+    auto past = server::load_runner(o);
+    ASSERT_FALSE(past.ok()) << "ep " << ep;
+    EXPECT_EQ(past.error().field(), "--max-context") << past.error().what();
+    EXPECT_NE(past.error().what().find("512"), std::string::npos) << past.error().what();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -254,7 +254,8 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")
       ->capture_default_str();
   cmd->add_option("--max-context", o->runner.max_context,
-                  "tokens per sequence (default: the model's; cuda: at most 8192)");
+                  "tokens per sequence, at most the model's positions (max_position_embeddings, stretched by rope "
+                  "scaling); default: max_position_embeddings (cuda: at most 8192)");
   cmd->add_option("--max-running", o->runner.max_seqs,
                   "sequences per step (cpu --ep N: per rank, the server runs N times as many)")
       ->capture_default_str();

@@ -12,6 +12,7 @@
 //         buffers they replace, so the graphs stay valid.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -108,6 +109,19 @@ class StepRunner {
   virtual Result<std::unique_ptr<StagedWeights>> stage_weights(const std::string& dir) const = 0;
   virtual void commit_weights(StagedWeights& staged) = 0;
 };
+
+// --max-context against the model's positions (Qwen3MoeConfig::context_limit: max_position_embeddings
+// stretched by rope scaling): 0 takes `fallback` (capped at the limit); a value past the limit is
+// an error naming the flag, not a silent clamp.
+inline Result<int> checked_max_context(int requested, const model::Qwen3MoeConfig& c, int64_t fallback) {
+  if (requested < 0) return Error::format("must be >= 0, got {}", requested).in_field("--max-context");
+  if (requested == 0) return static_cast<int>(std::min<int64_t>(fallback, c.context_limit()));
+  if (requested > c.context_limit())
+    return Error::format("{} is past the model's {} positions (max_position_embeddings {}, rope scaling {})", requested,
+                         c.context_limit(), c.max_position_embeddings, model::rope_scaling_text(c.rope_scaling))
+        .in_field("--max-context");
+  return requested;
+}
 
 struct RunnerOptions {
   model::WeightSource source;   // --model, or --geometry with --load-format dummy (cuda: random weights)

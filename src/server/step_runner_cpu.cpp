@@ -237,10 +237,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeConfig config, model::load_qwen3_moe_config(o.source.model_dir));
     MOEBIUS_TRY(parallel::check_expert_split(config.num_experts, o.ep));
     RunnerLimits l;
-    // --max-context may reach the positions rope scaling stretches the context to; the default is
-    // the config's max_position_embeddings.
-    const int ctx = static_cast<int>(config.context_limit());
-    l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : static_cast<int>(config.max_position_embeddings);
+    MOEBIUS_ASSIGN_OR_RETURN(l.max_context, checked_max_context(o.max_context, config, config.max_position_embeddings));
     l.block_size = o.block_size;
     // [TAG_SERVE_DP] Each rank runs up to --max-running sequences over its own KV pool (--kv-blocks
     // blocks, by default --max-running full contexts), so the engine schedules N times as many.
@@ -263,8 +260,8 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   }
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
   RunnerLimits l;
-  const int ctx = static_cast<int>(m.config().context_limit());
-  l.max_context = o.max_context > 0 ? std::min(o.max_context, ctx) : static_cast<int>(m.config().max_position_embeddings);
+  MOEBIUS_ASSIGN_OR_RETURN(l.max_context,
+                           checked_max_context(o.max_context, m.config(), m.config().max_position_embeddings));
   l.block_size = o.block_size;
   l.max_seqs = o.max_seqs;
   l.max_step_tokens = o.max_step_tokens;

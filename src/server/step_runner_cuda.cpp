@@ -242,10 +242,8 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   co.experts_format = experts;
   // A full-length context for every running sequence would not fit a real model's pool: default
   // to 8192 tokens a sequence unless --max-context says otherwise.
-  // --max-context may reach the positions rope scaling stretches the context to.
-  const int64_t ctx = config.context_limit();
-  co.max_context = static_cast<int>(o.max_context > 0 ? std::min<int64_t>(o.max_context, ctx)
-                                                      : std::min<int64_t>(config.max_position_embeddings, 8192));
+  MOEBIUS_ASSIGN_OR_RETURN(co.max_context, checked_max_context(o.max_context, config,
+                                                                std::min<int64_t>(config.max_position_embeddings, 8192)));
   co.max_seqs = o.max_seqs;
   co.max_tokens = dp.step_tokens;
   // One row per sequence, plus the prompt-logprob rows (all of them may land on one rank). A step
