@@ -11,6 +11,7 @@
 #   1. the CPU test suite from the carried build (shows the carried binaries run there);
 #   2. the CUDA-header parity tests;
 #   3. the GPU op tests (every CUDA kernel against its CPU reference);
+#   3b. moebius bench ceilings: this GPU's HBM, bf16 GEMM and host-link rates, measured now;
 #   4. the CPU MoE benchmark on a small geometry;
 #   5. the CUDA MoE layer, attention and dense GEMV benchmarks;
 #   5b. moebius bench ep: the expert-parallel layer at EP=1, and EP=2/4 where the GPUs exist;
@@ -86,6 +87,10 @@ probes() {  # the dev/cuda hardware probes that answer open questions in docs/PE
   return 0
 }
 step probes probes
+# This GPU's ceilings measured now (moebius bench ceilings): HBM read, bf16 GEMM, pinned copies and
+# mapped reads. On an H200 the benchmarks below divide by the table (4.57 TB/s, 791 TFLOP/s); this
+# row shows whether the table still holds there, and on another GPU what they measure against.
+step ceilings "$BUILD/moebius" bench ceilings
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
 
 # The CUDA MoE layer benchmarks (docs/PERF.md records them): Qwen3-30B-A3B in every format, and
@@ -521,6 +526,7 @@ python3 -c "import transformers" 2>/dev/null && step rope-scaling-ref rope_scali
 [ -f "$OUT/bench-attention.log" ] && cat "$OUT/bench-attention.log"
 [ -f "$OUT/bench-gemv.log" ] && cat "$OUT/bench-gemv.log"
 [ -f "$OUT/probes.log" ] && cat "$OUT/probes.log"
+[ -f "$OUT/ceilings.log" ] && cat "$OUT/ceilings.log"
 [ -f "$OUT/ncu-decode.log" ] && cat "$OUT/ncu-decode.log"
 [ -f "$OUT/ncu-prefill.log" ] && cat "$OUT/ncu-prefill.log"
 [ -f "$OUT/generate-tiny-cuda.log" ] && cat "$OUT/generate-tiny-cuda.log"
