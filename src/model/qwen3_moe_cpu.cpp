@@ -222,7 +222,7 @@ Result<Qwen3MoeLayerWeights> load_qwen3_moe_layer(const std::shared_ptr<const Sa
   MOEBIUS_ASSIGN_OR_RETURN(w.k_norm, load_float_tensor(k, p + "self_attn.k_norm.weight", Shape{hd}));
   // [TAG_ROPE_ATTENTION_FACTOR] YaRN's attention factor, folded into the norms right before RoPE
   // (model/rope_frequencies.h); 1 otherwise, and the weights stay as read.
-  if (const float af = rope_frequencies(c).attention_factor; af != 1.0f)
+  if (const float af = rope_attention_factor(c); af != 1.0f)
     for (std::vector<float>* norm : {&w.q_norm, &w.k_norm})
       for (float& x : *norm) x *= af;
   w.is_moe = c.is_moe_layer(layer);

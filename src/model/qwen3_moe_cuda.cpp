@@ -887,7 +887,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
   const std::vector<float> ones(static_cast<size_t>(std::max(H, hd)), 1.0f);
   CUDA_CHECK(cudaMemcpy(m->final_norm_, ones.data(), sizeof(float) * H, cudaMemcpyHostToDevice));
   // [TAG_ROPE_ATTENTION_FACTOR] the q/k norms carry YaRN's attention factor (1 otherwise).
-  const std::vector<float> qk_norm(static_cast<size_t>(hd), rope_frequencies(c).attention_factor);
+  const std::vector<float> qk_norm(static_cast<size_t>(hd), rope_attention_factor(c));
   if (m->opt_.progress) m->opt_.progress(1, total);
   const int64_t q_dim = int64_t{c.num_attention_heads} * hd;
   for (int l = 0; l < c.num_hidden_layers; ++l) {

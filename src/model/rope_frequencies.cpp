@@ -18,6 +18,15 @@ double correction_dim(double rotations, int d, double theta, double context) {
 
 }  // namespace
 
+float rope_attention_factor(const Qwen3MoeConfig& c) {
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type != RopeScaling::Type::kYarn) return 1.0f;
+  if (r.attention_factor > 0.0) return static_cast<float>(r.attention_factor);
+  if (r.mscale > 0.0 && r.mscale_all_dim > 0.0)
+    return static_cast<float>(yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim));
+  return static_cast<float>(yarn_mscale(r.factor, 1.0));
+}
+
 RopeFrequencies rope_frequencies(const Qwen3MoeConfig& c) {
   const RopeScaling& r = c.rope_scaling;
   const int d = c.head_dim;
@@ -50,10 +59,7 @@ RopeFrequencies rope_frequencies(const Qwen3MoeConfig& c) {
     const double keep = 1.0 - ramp;  // the share of the unscaled frequency
     out.inv_freq.push_back(static_cast<float>(interpolation * (1.0 - keep) + extrapolation * keep));
   }
-  double factor = yarn_mscale(r.factor, 1.0);
-  if (r.attention_factor > 0.0) factor = r.attention_factor;
-  else if (r.mscale > 0.0 && r.mscale_all_dim > 0.0) factor = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim);
-  out.attention_factor = static_cast<float>(factor);
+  out.attention_factor = rope_attention_factor(c);
   return out;
 }
 

@@ -30,5 +30,7 @@ struct RopeFrequencies {
 };
 
 RopeFrequencies rope_frequencies(const Qwen3MoeConfig& c);
+// rope_frequencies(c).attention_factor alone, for the loaders that fold it into the q/k norms.
+float rope_attention_factor(const Qwen3MoeConfig& c);
 
 }  // namespace moebius::model

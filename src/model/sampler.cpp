@@ -111,11 +111,17 @@ constexpr size_t kRadixMinSize = 2048;
 
 // Stable sort of v[from, end) by key(c) ascending, `bits` wide, 11 bits a pass (a 2048-entry
 // count fits in L1); a pass whose digit is the same for every element is skipped.
+// One scratch per thread whatever the key (a row's worth of candidates at most).
+std::vector<Scaled>& radix_scratch() {
+  thread_local std::vector<Scaled> tmp;
+  return tmp;
+}
+
 template <typename Key>
 void radix_sort(std::vector<Scaled>& v, size_t from, Key key, int bits) {
   constexpr int kDigit = 11;
   constexpr size_t kBuckets = size_t{1} << kDigit;
-  thread_local std::vector<Scaled> tmp;
+  std::vector<Scaled>& tmp = radix_scratch();
   const size_t n = v.size() - from;
   tmp.resize(n);
   Scaled* src = v.data() + from;
@@ -139,6 +145,15 @@ int id_bits(const std::vector<Scaled>& v, size_t from) {
   return std::max(1, static_cast<int>(std::bit_width(all)));
 }
 
+// v[from, end) by ascending id (ids are unique, so any sort is the same order).
+void sort_by_id(std::vector<Scaled>& v, size_t from) {
+  const auto by_id = [](const Scaled& a, const Scaled& b) { return a.id < b.id; };
+  const auto first = v.begin() + static_cast<std::ptrdiff_t>(from);
+  if (v.size() - from < kRadixMinSize) std::sort(first, v.end(), by_id);
+  else if (!std::is_sorted(first, v.end(), by_id))
+    radix_sort(v, from, [](const Scaled& c) { return static_cast<uint32_t>(c.id); }, id_bits(v, from));
+}
+
 // v[from, end) in the sampling order (`before`): by id, then stably by a key that orders the
 // floats descending (+0 and -0 equal, as `before` has them; no NaN reaches here).
 void sort_sampling_order(std::vector<Scaled>& v, size_t from) {
@@ -146,9 +161,7 @@ void sort_sampling_order(std::vector<Scaled>& v, size_t from) {
     std::sort(v.begin() + static_cast<std::ptrdiff_t>(from), v.end(), before);
     return;
   }
-  const auto by_id = [](const Scaled& a, const Scaled& b) { return a.id < b.id; };
-  if (!std::is_sorted(v.begin() + static_cast<std::ptrdiff_t>(from), v.end(), by_id))
-    radix_sort(v, from, [](const Scaled& c) { return static_cast<uint32_t>(c.id); }, id_bits(v, from));
+  sort_by_id(v, from);
   radix_sort(
       v, from,
       [](const Scaled& c) {
@@ -163,10 +176,7 @@ void sort_sampling_order(std::vector<Scaled>& v, size_t from) {
 
 // The sum over `set` (reordered by id).
 double weight_sum_by_id(std::vector<Scaled>& set, float mx) {
-  if (set.size() < kRadixMinSize)
-    std::sort(set.begin(), set.end(), [](const Scaled& a, const Scaled& b) { return a.id < b.id; });
-  else
-    radix_sort(set, 0, [](const Scaled& c) { return static_cast<uint32_t>(c.id); }, id_bits(set, 0));
+  sort_by_id(set, 0);
   double part[8] = {};
   for (const Scaled& c : set) part[c.id & 7] += weight(c.s, mx);
   return combine_partial_sums(part);
