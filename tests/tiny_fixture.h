@@ -83,8 +83,9 @@ class TinyYarnFixture {
   TinyYarnFixture& operator=(const TinyYarnFixture&) = delete;
   const std::string& dir() const { return dir_; }
 
-  // reference_yarn.safetensors: transformers' fp32 logits of the 20 ids with YaRN on; empty while
-  // the file is absent (it is made on the GPU machine; session 23 had no device time left for it).
+  // reference_yarn.safetensors: transformers' fp32 logits of the 20 ids with YaRN on (transformers
+  // 5.17.0, made on the GPU machine by tools/fixtures/make_rope_scaling_ref.py); empty if the file
+  // is absent, which the tests report as a failure.
   static std::string reference_path() { return tiny_fixture_dir() + "/reference_yarn.safetensors"; }
   static std::vector<float> reference_logits() {
     if (!std::filesystem::exists(reference_path())) return {};
