@@ -3,8 +3,8 @@
 // A synthetic runner answers every step at once with logits rows of the tokenizer's vocabulary (a
 // peaked, language-model-like row: a Gaussian bulk and a few ids far above it, rotated per row so
 // the drawn tokens vary; or with --row flat the bulk alone, sigma 1, as a model with random weights
-// or a high temperature gives: sampling's worst case), so what is timed is the engine's own work between two forward passes on a
-// GPU: scheduling, the draws (model/sampler.h), logprobs, detokenization, stop strings and the
+// or a high temperature gives: sampling's worst case), so what is timed is the engine's own work
+// between two forward passes on a GPU: scheduling, the draws (model/sampler.h), logprobs, detokenization, stop strings and the
 // streams. The rows stay in the runner's pool (StepRunner::step_rows), as the CUDA runner's stay in
 // its pinned read-back; --copy-rows copies them into the engine's buffer instead, on the thread
 // pool, as a runner without step_rows does (timed apart). N requests of --prompt-len ids and

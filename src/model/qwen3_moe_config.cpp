@@ -143,7 +143,8 @@ Result<RopeScaling> parse_rope_scaling(const json& j, int64_t max_position_embed
   r.type = RopeScaling::Type::kYarn;
   // YaRN's correction range divides by ln(theta).
   if (rope_theta <= 1.0) return Error::format("yarn needs rope_theta above 1, got {}", rope_theta).in_field(f);
-  // transformers 5: without a factor, the ratio of the two contexts.
+  // Without a factor: the ratio of the two contexts, as transformers 4.5x read it (transformers
+  // 5.17 refuses a yarn entry without one; tests/data/rope/rope_scaling_ref.json records that).
   const double ratio = static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position_embeddings);
   MOEBIUS_ASSIGN_OR_RETURN(r.factor, read_rope_number(*rs, field, "factor", ratio, 1.0));
   if (r.factor < 1.0)

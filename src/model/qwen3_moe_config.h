@@ -7,10 +7,9 @@
 // tie_word_embeddings, max_position_embeddings, rope_scaling) may be absent and take that default.
 // Features this engine does not implement (rope scaling other than linear and yarn, sliding-window
 // attention, attention biases, activations other than silu) are refused rather than silently
-// ignored. Values the model
-// code would divide by, overflow on or allocate from are bounded here, defaults included: every
-// size and nh x hd at most 2^30 (so every weight's rows x cols stays in int64), rope_theta >= 1,
-// rms_norm_eps inside float's normal range.
+// ignored. Values the model code would divide by, overflow on or allocate from are bounded here,
+// defaults included: every size and nh x hd at most 2^30 (so every weight's rows x cols stays in
+// int64), rope_theta >= 1, rms_norm_eps inside float's normal range.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +29,7 @@ struct RopeScaling {
   enum class Type { kDefault, kLinear, kYarn };
   Type type = Type::kDefault;
   double factor = 1.0;  // linear, yarn: >= 1; yarn without one: max_position_embeddings / original
+                        // (transformers 4.5x's reading; transformers 5 refuses it)
   // yarn: the pretrained context the correction range is computed from; the config's
   // max_position_embeddings when absent (resolved at parse time, so never 0 for yarn).
   int64_t original_max_position_embeddings = 0;

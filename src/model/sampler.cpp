@@ -109,14 +109,14 @@ double weight(float s, float mx) { return static_cast<double>(exp_weight(s - mx)
 // session 23) against ~1 ms in five counting passes. Below this size std::sort is as fast.
 constexpr size_t kRadixMinSize = 2048;
 
-// Stable sort of v[from, end) by key(c) ascending, `bits` wide, 11 bits a pass (a 2048-entry
-// count fits in L1); a pass whose digit is the same for every element is skipped.
 // One scratch per thread whatever the key (a row's worth of candidates at most).
 std::vector<Scaled>& radix_scratch() {
   thread_local std::vector<Scaled> tmp;
   return tmp;
 }
 
+// Stable sort of v[from, end) by key(c) ascending, `bits` wide, 11 bits a pass (a 2048-entry
+// count fits in L1); a pass whose digit is the same for every element is skipped.
 template <typename Key>
 void radix_sort(std::vector<Scaled>& v, size_t from, Key key, int bits) {
   constexpr int kDigit = 11;
