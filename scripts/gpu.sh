@@ -300,6 +300,28 @@ trace_decode() {
     --context 1024 --prefill 1024 --decode-steps 64 || return 1
 }
 step trace-decode trace_decode
+# [TAG_MOE_DEFERRED_COMBINE] Each MoE layer's combine folded into the next qkv GEMV
+# (MOEBIUS_FOLD_COMBINE_AB=1; off by default until this A/B says otherwise): decode tok/s at 1k and
+# 10k with the fold off (0) and on for single-row steps (1), alternating, two rounds; then the
+# traced step of each (the combine's marginal time against the qkv GEMV's growth).
+fold_combine_ab() {
+  for round in 1 2; do
+    for f in 0 1; do
+      echo "== round $round MOEBIUS_FOLD_MOE_COMBINE=$f"
+      MOEBIUS_FOLD_MOE_COMBINE=$f "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy \
+        --experts nvfp4 --context 1024,10240 --prefill 1024 --decode-steps 64 --no-autotune | grep -iE 'decode' || return 1
+    done
+  done
+  [ -f "$BUILD/libmoebius_kernel_trace.so" ] || return 0
+  for f in 0 1; do
+    echo "== traced, MOEBIUS_FOLD_MOE_COMBINE=$f"
+    MOEBIUS_FOLD_MOE_COMBINE=$f MOEBIUS_TRACE_SKIP=8 MOEBIUS_TRACE_ROWS=12 \
+      LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" \
+      "$BUILD/moebius" bench generate --geometry qwen3-30b-a3b --load-format dummy --experts nvfp4 \
+      --context 1024 --prefill 1024 --decode-steps 64 --no-autotune || return 1
+  done
+}
+[ "${MOEBIUS_FOLD_COMBINE_AB:-0}" = 1 ] && step fold-combine-ab fold_combine_ab
 
 # Expert offload (docs/OFFLOAD.md): the offload GPU tests alone first (their log is short), then
 # Qwen3-235B-A22B with dummy int2 experts (60 GB) under a 24 GiB budget: ~10% of the experts

@@ -47,6 +47,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/device_info.h"
 #include "kernels/mma.cuh"
+#include "kernels/moe_combine_sum.cuh"
 #include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
@@ -73,7 +74,7 @@ struct GemvArgs {
   int M, N, K;
   int tiles;  // ceil(N / 16)
   int cpw;    // columns_per_warp(K)
-  DenseGemvRmsNorm norm;  // kNorm kernels only: x = bf16(RMSNorm(resid + delta) * weight)
+  DenseGemvRmsNorm norm;  // kRmsNorm* kernels only: x = bf16(RMSNorm(resid + delta) * weight)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -123,7 +124,52 @@ __device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_
   }
 }
 
-// [TAG_GEMV_RMS_NORM] The activations of a kNorm launch: xs[m][k] = bf16(RMSNorm(resid + delta) *
+// [TAG_MOE_DEFERRED_COMBINE] Pass 1 of a norm whose delta is the previous MoE layer's combine:
+// resid + delta for chunk q (8 columns) of row m, with delta formed by moe_combine_quad exactly as
+// launch_moe_combine would have stored it (bf16, round to nearest), and kept in the staged row's
+// chunk `stash`, where pass 2 (load_staged_residual8, the same thread) reads it back instead of
+// combining again: the k rows are 32 * k bytes a chunk from L2, the stash 16 from shared memory.
+// Rows past the live count get delta 0 (their y and weights are whatever the workspace holds).
+__device__ __forceinline__ void combine_residual8(const DenseGemvRmsNorm& n, int64_t at, int m, int col, bool live,
+                                                  __nv_bfloat16* stash, float (&v)[8]) {
+  const MoeCombineSource& c = n.combine;
+  const int64_t row0 = static_cast<int64_t>(m) * c.top_k;
+  const float* yt = c.y + row0 * c.y_stride + col;
+  const float* wt = c.weights + row0;
+  // Both quads' loads are independent: with the helper inlined they are all in flight together.
+  const float4 lo = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt, c.y_stride, wt, c.top_k);
+  const float4 hi = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt + 4, c.y_stride, wt, c.top_k);
+  load8(n.resid + at, v);
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+  const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+  h[0] = live ? __floats2bfloat162_rn(lo.x, lo.y) : zero;
+  h[1] = live ? __floats2bfloat162_rn(lo.z, lo.w) : zero;
+  h[2] = live ? __floats2bfloat162_rn(hi.x, hi.y) : zero;
+  h[3] = live ? __floats2bfloat162_rn(hi.z, hi.w) : zero;
+  *reinterpret_cast<uint4*>(stash) = u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] += f.x;
+    v[2 * i + 1] += f.y;
+  }
+}
+// Pass 2 of the same: resid + the bf16 delta that pass 1 stashed.
+__device__ __forceinline__ void load_staged_residual8(const DenseGemvRmsNorm& n, int64_t at,
+                                                      const __nv_bfloat16* stash, float (&v)[8]) {
+  load8(n.resid + at, v);
+  const uint4 u = *reinterpret_cast<const uint4*>(stash);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] += f.x;
+    v[2 * i + 1] += f.y;
+  }
+}
+
+// [TAG_GEMV_RMS_NORM] The activations of a kRmsNorm* launch: xs[m][k] = bf16(RMSNorm(resid + delta) *
 // weight), formed in every block from the fp32 residual instead of read from a normalised copy
 // that a separate RMSNorm kernel wrote (one kernel and one L2 round trip less per decode layer).
 // Bit-identical to launch_add_rms_norm<float, float> followed by the plain GEMV: norm.cu gives
@@ -134,21 +180,29 @@ __device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_
 // warps here contribute exact zeros, which leave every sum unchanged. Block 0 writes the updated
 // residual resid + delta to resid_out (a different buffer: the other blocks still read resid).
 // Two passes over the rows (the sums, one barrier, then the outputs), so any M fits in the
-// registers; the second pass re-reads the rows from L1.
-// Static shared memory of the kNorm kernels (the per-warp partial sums below): the opt-in limit
+// registers; the second pass re-reads the rows from L1 (a folded combine's delta from the stash,
+// [TAG_MOE_DEFERRED_COMBINE]).
+// Static shared memory of the kRmsNorm* kernels (the per-warp partial sums below): the opt-in limit
 // covers static + dynamic, so dense_gemv_supports keeps this much of it free.
 constexpr size_t kNormStaticSmem = sizeof(float) * kDenseGemvMaxM * kWarps;
 
+// kFolded: delta is the previous MoE layer's combine (norm.combine), [TAG_MOE_DEFERRED_COMBINE]; its own
+// kernel instance, so the plain norm's keeps its registers (46 against 80 with the combine's 16
+// loads in flight, which bear on what can share an SM with it).
+template <bool kFolded>
 __device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs_stride) {
   __shared__ float s_part[kDenseGemvMaxM][kWarps];  // kNormStaticSmem
   const DenseGemvRmsNorm& n = a.norm;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kq = a.K / 8;  // chunks per row
+  const int live_rows = kFolded ? min(max(*n.combine.num_tokens, 0), n.combine.capacity) : 0;
   for (int m = 0; m < a.M; ++m) {
     float ss = 0.0f;
     for (int q = tid; q < kq; q += kThreads) {
       float v[8];
-      load_residual8(n, static_cast<int64_t>(m) * a.K + q * 8, v);
+      const int64_t at = static_cast<int64_t>(m) * a.K + q * 8;
+      if constexpr (kFolded) combine_residual8(n, at, m, q * 8, m < live_rows, xs + m * xs_stride + q * 8, v);
+      else load_residual8(n, at, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
     }
@@ -166,7 +220,8 @@ __device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs
     for (int q = tid; q < kq; q += kThreads) {
       const int64_t at = static_cast<int64_t>(m) * a.K + q * 8;
       float v[8];
-      load_residual8(n, at, v);
+      if constexpr (kFolded) load_staged_residual8(n, at, xs + m * xs_stride + q * 8, v);
+      else load_residual8(n, at, v);
       if (write_residual) {
         reinterpret_cast<float4*>(n.resid_out + at)[0] = make_float4(v[0], v[1], v[2], v[3]);
         reinterpret_cast<float4*>(n.resid_out + at)[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -188,9 +243,13 @@ __device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs
   }
 }
 
-// NT: n8 token tiles (1: M <= 8, 2: M <= 16). kNorm: the activations are formed by
-// stage_rms_norm_rows ([TAG_GEMV_RMS_NORM]) instead of copied from x.
-template <int NT, typename OutT, bool kNorm>
+// How a launch forms its activations x [M, K] in shared memory: copied from x, or formed by
+// stage_rms_norm_rows ([TAG_GEMV_RMS_NORM]) from the residual and a bf16 delta, or from the
+// residual and the previous MoE layer's combine ([TAG_MOE_DEFERRED_COMBINE]).
+enum class GemvInput { kCopy, kRmsNorm, kRmsNormCombine };
+
+// NT: n8 token tiles (1: M <= 8, 2: M <= 16).
+template <int NT, typename OutT, GemvInput kIn>
 __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kRed = 32 * 4 * NT;  // floats one warp contributes per tile
@@ -235,8 +294,8 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
   pdl_wait();  // x is the previous kernel's output; y may still be read by it
   pdl_launch_dependents();
 
-  if constexpr (kNorm) {
-    stage_rms_norm_rows(a, xs, xs_stride);
+  if constexpr (kIn != GemvInput::kCopy) {
+    stage_rms_norm_rows<kIn == GemvInput::kRmsNormCombine>(a, xs, xs_stride);
     // No copy group here: commit an empty one so the loop's wait counts stay as below.
     cp_async_commit();
   } else {  // Stage x [M, K] -> xs by cp.async (all in flight at once), zero past K: the warps' last
@@ -364,14 +423,14 @@ bool dense_gemv_supports(int M, int K) {
     (void)cudaGetLastError();
     return false;
   }
-  // Room for the kNorm kernels' static shared memory too, so one answer serves both launchers.
+  // Room for the kRmsNorm* kernels' static shared memory too, so one answer serves both launchers.
   return dense_gemv_smem_bytes(M, K) + kNormStaticSmem <= static_cast<size_t>(optin);
 }
 
 namespace {
 
 // `a` carries the activations (x and ldx, or the norm); the rest is filled here.
-template <bool kNorm, typename OutT>
+template <GemvInput kIn, typename OutT>
 void launch_gemv(GemvArgs a, const __nv_bfloat16* w, int M, int N, int K, OutT* y, int64_t ldy,
                  cudaStream_t stream) {
   a.w = w;
@@ -391,7 +450,7 @@ void launch_gemv(GemvArgs a, const __nv_bfloat16* w, int M, int N, int K, OutT* 
   a.y = y;
   a.tiles = static_cast<int>(tiles);
   a.cpw = columns_per_warp(K);
-  auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT, kNorm> : dense_gemv_kernel<2, OutT, kNorm>;
+  auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT, kIn> : dense_gemv_kernel<2, OutT, kIn>;
   const int64_t resident = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)) * current_device_sm_count();
   const int grid = static_cast<int>(std::min<int64_t>(tiles, resident));
   launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, a);
@@ -407,7 +466,7 @@ void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16*
   GemvArgs a{};
   a.x = x;
   a.ldx = ldx;
-  launch_gemv<false>(a, w, M, N, K, y, ldy, stream);
+  launch_gemv<GemvInput::kCopy>(a, w, M, N, K, y, ldy, stream);
 }
 
 template <typename OutT>
@@ -419,9 +478,20 @@ void launch_dense_gemv_rms_norm(const DenseGemvRmsNorm& norm, const __nv_bfloat1
                         "dense_gemv_rms_norm: resid, delta and resid_out must be 16-byte aligned");
   MOEBIUS_LAUNCH_ASSERT(norm.resid_out == nullptr || norm.resid_out != norm.resid,
                         "dense_gemv_rms_norm: resid_out must be another buffer (every block reads resid)");
+  const MoeCombineSource& c = norm.combine;
+  if (c.y != nullptr) {  // [TAG_MOE_DEFERRED_COMBINE]
+    MOEBIUS_LAUNCH_ASSERT(norm.delta == nullptr, "dense_gemv_rms_norm: a folded combine replaces delta");
+    MOEBIUS_LAUNCH_ASSERT(c.weights != nullptr && c.num_tokens != nullptr && c.top_k >= 1 && M <= c.capacity,
+                          "dense_gemv_rms_norm: the combine needs weights, num_tokens, k >= 1 and M <= capacity");
+    MOEBIUS_LAUNCH_ASSERT(aligned16(c.y) && c.y_stride % 4 == 0 && c.y_stride >= K,
+                          "dense_gemv_rms_norm: combine y must be 16-byte aligned, y_stride >= K a multiple of 4");
+  }
   GemvArgs a{};
   a.norm = norm;
-  launch_gemv<true>(a, w, M, N, K, y, ldy, stream);
+  if (c.y != nullptr)
+    launch_gemv<GemvInput::kRmsNormCombine>(a, w, M, N, K, y, ldy, stream);
+  else
+    launch_gemv<GemvInput::kRmsNorm>(a, w, M, N, K, y, ldy, stream);
 }
 
 template void launch_dense_gemv<__nv_bfloat16>(const __nv_bfloat16*, int64_t, const __nv_bfloat16*, int, int, int,

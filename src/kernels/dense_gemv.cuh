@@ -21,6 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/moe_combine.cuh"
+
 namespace moebius::kernels {
 
 // The largest token count the kernel takes (two n8 tiles of the m16n8k16 mma).
@@ -51,18 +53,27 @@ void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16*
 // projection that reads h (the qkv GEMV): every block forms h [M, K] from the fp32 residual in
 // shared memory, and block 0 writes the updated residual to resid_out. The output y is
 // bit-identical to launch_add_rms_norm<float, float>(resid, delta, weight, M, K, eps, h) followed
-// by launch_dense_gemv(h, K, w, ...), and resid_out to the residual that call leaves.
+// by launch_dense_gemv(h, K, w, ...), and resid_out to the residual that call leaves (with
+// `combine`: launch_moe_combine into delta first).
 //   resid      [M, K] fp32, read only (contiguous rows), 16-byte aligned
 //   delta      [M, K] bf16 or nullptr (no add: the first layer), 16-byte aligned
 //   weight     [K] fp32 RMSNorm weight
 //   resid_out  [M, K] fp32 or nullptr: resid + delta, written by one block; must not be resid
 //              (the other blocks still read it), 16-byte aligned
+//   combine    [TAG_MOE_DEFERRED_COMBINE] instead of delta (combine.y set, delta null): the previous
+//              MoE layer's combine, so delta[m] = bf16(sum_s w[m*k+s] * y[m*k+s]) as
+//              launch_moe_combine forms it (moe_combine_sum.cuh; the same bits), for the live rows
+//              m < *combine.num_tokens; past them delta is zero (the combine stage leaves those rows
+//              of its output stale: padding rows, never read). y 16-byte aligned, y_stride a
+//              multiple of 4, M <= capacity.
+//              Every block reads the M*k rows (k * K * 4 bytes a token, from L2): for small M.
 struct DenseGemvRmsNorm {
   const float* resid = nullptr;
   const __nv_bfloat16* delta = nullptr;
   const float* weight = nullptr;
   float eps = 1e-6f;
   float* resid_out = nullptr;
+  MoeCombineSource combine;
 };
 // M, N, K, w, y, ldy as launch_dense_gemv (x is formed from `norm`).
 template <typename OutT>

@@ -1,6 +1,7 @@
 #include "kernels/moe_combine.cuh"
 
 #include "kernels/cuda_check.h"
+#include "kernels/moe_combine_sum.cuh"
 #include "kernels/pdl.cuh"
 
 namespace moebius::kernels {
@@ -13,7 +14,8 @@ constexpr int kCombineThreads = 128;
 // 16-byte load per slot) and issues all k slot loads before the first add, so a decode token is
 // one L2 round trip spread over H/512 blocks instead of a single block walking the row (the first
 // version, one 256-thread block per token, measured 6.5 us at T=1 on the H200; docs/PERF.md).
-// The sum runs in slot order j = 0..k-1 in fp32, the same order for every thread and every run.
+// The sum runs in slot order j = 0..k-1 in fp32, the same order for every thread and every run
+// (moe_combine_sum.cuh, shared with the combine folded into the qkv GEMV).
 template <bool kVec>
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const float* __restrict__ y, int y_stride,  // [capacity*k, y_stride]
@@ -34,34 +36,17 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float* yt = y + static_cast<int64_t>(t) * top_k * y_stride + n0;
   const float* wt = w + static_cast<int64_t>(t) * top_k;
   __nv_bfloat16* o = out + static_cast<int64_t>(t) * out_stride + n0;
-  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if constexpr (kVec) {  // hidden, y_stride multiples of 4 and y 16-byte aligned: whole quads
-    constexpr int kBatch = 8;  // slots in flight per thread
-    for (int j0 = 0; j0 < top_k; j0 += kBatch) {
-      float4 v[kBatch];
-      float wj[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (j0 + j < top_k) {
-          v[j] = __ldcs(reinterpret_cast<const float4*>(yt + static_cast<int64_t>(j0 + j) * y_stride));
-          wj[j] = wt[j0 + j];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (j0 + j < top_k) {
-          s[0] += wj[j] * v[j].x;
-          s[1] += wj[j] * v[j].y;
-          s[2] += wj[j] * v[j].z;
-          s[3] += wj[j] * v[j].w;
-        }
-      }
-    }
-    for (int c = 0; c < 4; ++c) o[c] = __float2bfloat16(s[c]);
+    const float4 s = moe_detail::moe_combine_quad</*kStreaming=*/true>(yt, y_stride, wt, top_k);
+    o[0] = __float2bfloat16(s.x);
+    o[1] = __float2bfloat16(s.y);
+    o[2] = __float2bfloat16(s.z);
+    o[3] = __float2bfloat16(s.w);
   } else {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int nc = min(4, hidden - n0);
     for (int j = 0; j < top_k; ++j)
-      for (int c = 0; c < nc; ++c) s[c] += wt[j] * yt[static_cast<int64_t>(j) * y_stride + c];
+      for (int c = 0; c < nc; ++c) s[c] = fmaf(wt[j], yt[static_cast<int64_t>(j) * y_stride + c], s[c]);
     for (int c = 0; c < nc; ++c) o[c] = __float2bfloat16(s[c]);
   }
 }

@@ -16,6 +16,18 @@ namespace moebius::kernels {
 // [TAG_MOE_GRAPH_CAPACITY] num_tokens is a device pointer; the grid covers `capacity` rows.
 // trigger_early ([TAG_PDL_EARLY_TRIGGER]): the next kernel on the stream may launch as soon as this
 // one does (before its PDL wait), for a next kernel that streams weights before its own wait.
+// [TAG_MOE_DEFERRED_COMBINE] The inputs of a combine that a later kernel performs instead of the
+// combine stage: the qkv GEMV's RMSNorm prologue (dense_gemv.cuh, DenseGemvRmsNorm::combine) forms
+// the same bf16 row from them as launch_moe_combine would have written (moe_combine_sum.cuh).
+struct MoeCombineSource {
+  const float* y = nullptr;        // [capacity*k, y_stride] fp32, GEMM2's kStore rows (pair t*k+s)
+  int y_stride = 0;
+  const float* weights = nullptr;  // [capacity*k] fp32, the routed weights
+  int top_k = 0;
+  const int32_t* num_tokens = nullptr;  // device: live rows; the combine of rows past it is zero
+  int capacity = 0;                     // rows y and weights hold
+};
+
 void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
                         bool trigger_early = false);

@@ -173,6 +173,20 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   for (int b : o.graph_batches)
     if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
       return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
+  if (o.fold_moe_combine_max_rows < 0) {  // [TAG_MOE_DEFERRED_COMBINE]
+    o.fold_moe_combine_max_rows = 0;
+    if (const char* v = std::getenv("MOEBIUS_FOLD_MOE_COMBINE"); v != nullptr && *v != '\0') {
+      const std::string text(v);
+      if (text.size() > 2 || text.find_first_not_of("0123456789") != std::string::npos)
+        return Error::format("must be a row count in [0, {}], got '{}'", kernels::kDenseGemvMaxM, text)
+            .in_field("MOEBIUS_FOLD_MOE_COMBINE");
+      o.fold_moe_combine_max_rows = std::stoi(text);
+    }
+  }
+  if (o.fold_moe_combine_max_rows > kernels::kDenseGemvMaxM)
+    return Error::format("must be in [0, {}], got {}", kernels::kDenseGemvMaxM, o.fold_moe_combine_max_rows)
+        .in_field("fold_moe_combine_max_rows");
+  fold_combine_max_rows_ = o.fold_moe_combine_max_rows;
   moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();
   tune::MoeLayerFactoryOptions mo;
   mo.max_decode_batch = moe_decode_capacity_;
@@ -991,22 +1005,36 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
     issue_stage_copy(1);
   }
   float* resid = x_;  // the residual stream: x_, or x_alt_ after a folded norm ([TAG_GEMV_RMS_NORM])
+  static const bool fold_norm = [] {  // MOEBIUS_FUSE_QKV_NORM=0 turns the fold off (A/B runs)
+    const char* v = std::getenv("MOEBIUS_FUSE_QKV_NORM");
+    return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+  }();
+  auto folds_input_norm = [&](int l) {
+    return fold_norm && rows <= x_alt_rows_ &&
+           gemm_->fuses_rms_norm(layers_[static_cast<size_t>(l)].wqkv, rows, qkv_dim_, H);
+  };
+  // [TAG_MOE_DEFERRED_COMBINE] A MoE layer's combine left to the next layer's qkv GEMV, whose folded
+  // norm forms the same bf16 rows from GEMM2's output: one kernel less per MoE layer.
+  kernels::MoeCombineSource deferred;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     Layer& L = layers_[static_cast<size_t>(l)];
     __nv_bfloat16* kc = kv_ + 2 * kv_pool_elems_ * l;
     __nv_bfloat16* vc = kc + kv_pool_elems_;
     const __nv_bfloat16* delta = l == 0 ? nullptr : y_;
-    static const bool fold_norm = [] {  // MOEBIUS_FUSE_QKV_NORM=0 turns the fold off (A/B runs)
-      const char* v = std::getenv("MOEBIUS_FUSE_QKV_NORM");
-      return !(v != nullptr && v[0] == '0' && v[1] == '\0');
-    }();
-    if (fold_norm && rows <= x_alt_rows_ && gemm_->fuses_rms_norm(L.wqkv, rows, qkv_dim_, H)) {
+    if (folds_input_norm(l)) {
       // [TAG_GEMV_RMS_NORM] The input norm inside the qkv GEMV (decode-sized steps): one kernel
       // less per layer. The updated residual goes to the other buffer (every block reads this one).
       float* next = delta == nullptr ? nullptr : (resid == x_ ? x_alt_ : x_);
-      gemm_->linear_rms_norm({resid, delta, L.input_norm, eps, next}, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
+      kernels::DenseGemvRmsNorm norm{resid, delta, L.input_norm, eps, next};
+      if (deferred.y != nullptr) {
+        norm.delta = nullptr;
+        norm.combine = deferred;
+        deferred = {};
+      }
+      gemm_->linear_rms_norm(norm, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
       if (next != nullptr) resid = next;
     } else {
+      MOEBIUS_ASSERT(deferred.y == nullptr, "a deferred MoE combine needs the next layer's folded norm");
       kernels::launch_add_rms_norm<float, float>(resid, delta, L.input_norm, rows, H, eps, h_, s);
       gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
     }
@@ -1031,7 +1059,13 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       moe::MoeLayerCuda& moe_layer = L.moe.for_tokens(rows);  // the smallest bucket >= rows
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
-      moe_layer.forward(h_, num_tokens, y_, s);
+      if (rows <= fold_combine_max_rows_ && l + 1 < c.num_hidden_layers && folds_input_norm(l + 1) &&
+          moe_layer.defers_combine(h_)) {
+        deferred = moe_layer.forward_deferring_combine(h_, num_tokens, s);
+        ++folded_combines_;
+      } else {
+        moe_layer.forward(h_, num_tokens, y_, s);
+      }
       // Eager steps for the routing capture (set_routing_capture turns graphs off); every step, graph
       // replays included, for the expert cache [TAG_EXPERT_CACHE] (qwen3_moe_cuda_cache.h: the layers
       // share topk_ids, so each layer's ids are copied while they are current).

@@ -132,6 +132,11 @@ struct Qwen3MoeCudaOptions {
   // qwen3_moe_cuda_cache.h): nullopt keeps the load-time placement. It needs cold experts; when the
   // budget holds every expert it stays off and the memory plan says so. Not with expert parallelism.
   std::optional<offload::CacheOptions> expert_cache;
+  // [TAG_MOE_DEFERRED_COMBINE] Steps of at most this many rows leave each MoE layer's combine to
+  // the next layer's qkv GEMV, whose folded RMSNorm forms the same bf16 rows from GEMM2's output
+  // (one kernel less per MoE layer; every GEMV block then reads k fp32 rows of H per token from L2,
+  // so only small steps can gain). 0: off; -1: $MOEBIUS_FOLD_MOE_COMBINE, else 0. At most 16.
+  int fold_moe_combine_max_rows = -1;
   // Expert parallelism: this runner is rank ep_comm->rank() of ep_comm->size() (an
   // NcclCommunicator on this process's GPU; it must outlive the runner). Null: one GPU holding
   // every expert. Every rank must be created with the same max_tokens and graph_batches (checked
@@ -296,6 +301,9 @@ class Qwen3MoeCuda {
 
   // Steps that ran as a graph replay / eagerly so far (tests check the graph path is taken).
   int64_t graph_steps() const { return graph_steps_; }
+  // MoE combines enqueued as folded into the next qkv GEMV [TAG_MOE_DEFERRED_COMBINE] (eager steps
+  // and graph captures; a replay enqueues nothing): tests check that the fold took place.
+  int64_t folded_moe_combines() const { return folded_combines_; }
   int64_t eager_steps() const { return eager_steps_; }
 
  private:
@@ -389,6 +397,7 @@ class Qwen3MoeCuda {
   // updated one goes here and the two buffers alternate layer by layer.
   float* x_alt_ = nullptr;          // [x_alt_rows_, H]
   int x_alt_rows_ = 0;
+  int fold_combine_max_rows_ = 0;   // opt_.fold_moe_combine_max_rows resolved [TAG_MOE_DEFERRED_COMBINE]
   __nv_bfloat16* h_ = nullptr;      // [T, H]
   __nv_bfloat16* y_ = nullptr;      // [T, H]
   __nv_bfloat16* qkv_ = nullptr;    // [T, qkv_dim]
@@ -409,6 +418,7 @@ class Qwen3MoeCuda {
   int num_sms_ = 0;
 
   int64_t graph_steps_ = 0, eager_steps_ = 0;
+  int64_t folded_combines_ = 0;
 
   // Expert offload.
   bool offload_planned_ = false;

@@ -683,14 +683,40 @@ bool MoeLayerCuda::uses_stage(MoeStage stage) const {
 
 // The expert stages of a forward over x: the fused kernel, or GEMM1, GEMM2 and the combine.
 void MoeLayerCuda::enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
-                                   const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream) {
+                                   const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,
+                                   bool with_combine) {
   if (fused_experts_ && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    MOEBIUS_ASSERT(with_combine, "the fused experts kernel cannot defer its combine");
     enqueue_stage(MoeStage::kExpertsFused, x, num_tokens, topk_ids, topk_weights, out, stream);
     return;
   }
   for (MoeStage s : {MoeStage::kGateUp, MoeStage::kDown, MoeStage::kCombine})
-    if (s != MoeStage::kCombine || opt_.combine == kernels::MoeCombineMode::kStore)
+    if (s != MoeStage::kCombine || (with_combine && opt_.combine == kernels::MoeCombineMode::kStore))
       enqueue_stage(s, x, num_tokens, topk_ids, topk_weights, out, stream);
+}
+
+bool MoeLayerCuda::defers_combine(const __nv_bfloat16* x) const {
+  // The kStore rows must exist (not the atomic combine, not the fused experts, which combine in
+  // their own kernel) and suit the folding kernel's 16-byte loads.
+  const bool fused = fused_experts_ && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  return opt_.combine == kernels::MoeCombineMode::kStore && !fused && shape_.hidden % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(y_) % 16 == 0;
+}
+
+kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfloat16* x, const int32_t* num_tokens,
+                                                                  cudaStream_t stream) {
+  MOEBIUS_ASSERT(defers_combine(x), "forward_deferring_combine: this layer cannot defer its combine");
+  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopK, MoeStage::kAlign})
+    if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, nullptr, stream);
+  enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, nullptr, stream, /*with_combine=*/false);
+  kernels::MoeCombineSource c;
+  c.y = y_;
+  c.y_stride = static_cast<int>(shape_.hidden);
+  c.weights = topk_weights_;
+  c.top_k = shape_.top_k;
+  c.num_tokens = num_tokens;
+  c.capacity = opt_.capacity;
+  return c;
 }
 
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "cpu/moe_layer.h"
+#include "kernels/moe_combine.cuh"
 #include "kernels/moe_gemm.cuh"
 #include "kernels/moe_route.cuh"
 #include "moe/expert_layout.h"
@@ -177,6 +178,14 @@ class MoeLayerCuda {
 
   // x [capacity, H] bf16 -> out [capacity, H] bf16, rows [0, *num_tokens). No host sync.
   void forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out, cudaStream_t stream);
+  // [TAG_MOE_DEFERRED_COMBINE] forward() without its combine stage, for a caller whose next kernel
+  // performs the combine itself (the model runner: the next layer's qkv GEMV with its folded
+  // RMSNorm, kernels::DenseGemvRmsNorm::combine). Returns what that kernel reads: GEMM2's fp32 rows
+  // and the routed weights, in this layer's workspace, valid until the next forward of any layer
+  // sharing it (MoeWorkspacePool). Only where defers_combine(x) holds; forward() otherwise.
+  bool defers_combine(const __nv_bfloat16* x) const;
+  kernels::MoeCombineSource forward_deferring_combine(const __nv_bfloat16* x, const int32_t* num_tokens,
+                                                      cudaStream_t stream);
   // The experts and combine for a routing computed elsewhere (tests; expert parallelism, where
   // the routing arrives with the tokens): topk_ids/topk_weights [capacity, k] device.
   void forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
@@ -279,8 +288,9 @@ class MoeLayerCuda {
   // Every weight of `packed` into this layer's buffers (checked by check_compatible).
   void upload(const PackedMoeLayer& packed);
   Status allocate_workspace(const MoeCudaOptions& opt);
+  // with_combine false: GEMM1 and GEMM2 only (forward_deferring_combine; not the fused experts).
   void enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
-                       const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream);
+                       const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream, bool with_combine = true);
 
   cpu::MoeShape shape_;
   KernelFormat format_ = KernelFormat::kBF16;

@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "kernels/dense_gemv.cuh"
+#include "kernels/moe_combine.cuh"
 #include "kernels/norm.cuh"
 #include "runtime/dense_gemm.h"
 
@@ -219,6 +221,22 @@ std::vector<float> random_f32(size_t n, float lo, float hi, uint64_t seed) {
   return out;
 }
 
+// The CPU composition: h = bf16(RMSNorm(resid + delta) * weight), y = h . w^T (delta [M, K] as
+// floats), against the kernel's y [M, N].
+void expect_norm_gemv_near_cpu(const std::vector<float>& resid, const std::vector<float>& delta,
+                               const std::vector<float>& weight, float eps, const std::vector<float>& w, int M, int N,
+                               int K, const std::vector<__nv_bfloat16>& y) {
+  const size_t mk = static_cast<size_t>(M) * K;
+  std::vector<float> sum(mk), h(mk);
+  for (size_t i = 0; i < mk; ++i) sum[i] = resid[i] + delta[i];
+  cpu::rms_norm_reference(sum.data(), weight.data(), M, K, eps, h.data());
+  for (auto& v : h) v = bf16_bits_to_float(float_to_bf16_bits(v));
+  std::vector<__nv_bfloat16> y_poisoned(static_cast<size_t>(M + 2) * N);  // expect_output's layout: 2 rows of slack
+  std::memset(y_poisoned.data(), kPoison, y_poisoned.size() * sizeof(y_poisoned[0]));
+  std::memcpy(y_poisoned.data(), y.data(), y.size() * sizeof(y[0]));
+  expect_output(y_poisoned, M, N, N, reference(h, K, w, M, N, K));
+}
+
 void check_gemv_rms_norm(int M, int N, int K, bool with_delta, bool with_out, uint64_t seed) {
   SCOPED_TRACE(::testing::Message() << "M=" << M << " N=" << N << " K=" << K << (with_delta ? " delta" : "")
                                     << (with_out ? " resid_out" : ""));
@@ -262,15 +280,8 @@ void check_gemv_rms_norm(int M, int N, int K, bool with_delta, bool with_out, ui
   EXPECT_EQ(std::memcmp(resid_after.data(), resid.data(), mk * sizeof(float)), 0) << "resid was written";
   EXPECT_TRUE(d_y.guards_intact() && d_out.guards_intact() && d_resid.guards_intact());
 
-  // The CPU composition: h = bf16(RMSNorm(resid + delta) * weight), y = h . w^T.
-  std::vector<float> sum(mk), h(mk);
-  for (size_t i = 0; i < mk; ++i) sum[i] = resid[i] + (with_delta ? delta.f[i] : 0.0f);
-  cpu::rms_norm_reference(sum.data(), weight.data(), M, K, kEps, h.data());
-  for (auto& v : h) v = bf16_bits_to_float(float_to_bf16_bits(v));
-  std::vector<__nv_bfloat16> y_poisoned(static_cast<size_t>(M + 2) * N);  // expect_output's layout: 2 rows of slack
-  std::memset(y_poisoned.data(), kPoison, y_poisoned.size() * sizeof(y_poisoned[0]));
-  std::memcpy(y_poisoned.data(), y.data(), y.size() * sizeof(y[0]));
-  expect_output(y_poisoned, M, N, N, reference(h, K, w.f, M, N, K));
+  expect_norm_gemv_near_cpu(resid, with_delta ? delta.f : std::vector<float>(mk, 0.0f), weight, kEps, w.f, M, N, K,
+                            y);
 }
 
 TEST(DenseGemvGpu, RmsNormFoldedMatchesNormThenGemvBitForBit) {
@@ -284,6 +295,90 @@ TEST(DenseGemvGpu, RmsNormFoldedMatchesNormThenGemvBitForBit) {
   for (int M : {1, 5, 16}) check_gemv_rms_norm(M, 128, 64, true, true, seed += 10);  // the tiny fixture
   for (int K : {8, 24, 264, 1032, 2056})
     for (int N : {1, 17}) check_gemv_rms_norm(2, N, K, true, K != 24, seed += 10);
+}
+
+// ------------------------------------------------------------------------------------------------
+// [TAG_MOE_DEFERRED_COMBINE] The previous MoE layer's combine folded into the norm: against
+// launch_moe_combine into a zeroed delta, then the folded norm with that delta, y and resid_out
+// must be the same bits for every row (live rows: the combine's; rows past num_tokens: delta 0 on
+// both sides), and y within the GEMV tolerance of the CPU composition (the combine in fp32, slot
+// order, rounded to bf16). Expert outputs are N(0, 1)-ish fp32 with full mantissas and the routed
+// weights positive, as a renormalised top-k gives. Shapes: Qwen3-30B-A3B (K = 2048, k = 8) at 1, 2
+// and 4 rows, with padding rows; Qwen3-235B-A22B (K = 4096); the tiny fixture (K = 64, k = 4);
+// odd k (1, 3) and a y row stride past K.
+// ------------------------------------------------------------------------------------------------
+
+void check_gemv_folded_combine(int M, int live, int capacity, int N, int K, int top_k, int y_stride, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "M=" << M << " live=" << live << " capacity=" << capacity << " N=" << N
+                                    << " K=" << K << " k=" << top_k << " y_stride=" << y_stride);
+  ASSERT_TRUE(kernels::dense_gemv_supports(M, K));
+  constexpr float kEps = 1e-6f;
+  const size_t mk = static_cast<size_t>(M) * K, pairs = static_cast<size_t>(capacity) * top_k;
+  const std::vector<float> resid = random_f32(mk, -3.0f, 3.0f, seed);
+  const std::vector<float> y_exp = random_f32(pairs * static_cast<size_t>(y_stride), -2.0f, 2.0f, seed + 1);
+  const std::vector<float> route_w = random_f32(pairs, 0.01f, 0.5f, seed + 2);
+  const std::vector<float> weight = random_f32(static_cast<size_t>(K), 0.5f, 1.5f, seed + 3);
+  const HostBf16 w = random_bf16(static_cast<size_t>(N) * K, -0.05f, 0.05f, seed + 4);
+  CudaStream stream;
+  DeviceBuffer<float> d_resid(mk), d_out(mk), d_out_ref(mk), d_weight(static_cast<size_t>(K));
+  DeviceBuffer<float> d_yexp(y_exp.size()), d_route_w(pairs);
+  DeviceBuffer<int32_t> d_live(1);
+  DeviceBuffer<uint16_t> d_delta(mk), d_w(w.bits.size());
+  d_resid.upload(resid);
+  d_yexp.upload(y_exp);
+  d_route_w.upload(route_w);
+  d_live.upload(std::vector<int32_t>{live});
+  d_weight.upload(weight);
+  d_w.upload(w.bits);
+  CUDA_CHECK(cudaMemsetAsync(d_delta.data(), 0, d_delta.bytes(), stream));
+  d_out.poison(kPoison, stream);
+  d_out_ref.poison(kPoison, stream);
+  DeviceBuffer<__nv_bfloat16> d_y(static_cast<size_t>(M) * N), d_y_ref(static_cast<size_t>(M) * N);
+  d_y.poison(kPoison, stream);
+  d_y_ref.poison(kPoison, stream);
+  const auto* dw = reinterpret_cast<const __nv_bfloat16*>(d_w.data());
+  auto* dd = reinterpret_cast<__nv_bfloat16*>(d_delta.data());
+  // The combine stage, then the norm with its output as delta.
+  kernels::launch_moe_combine(d_yexp.data(), y_stride, d_route_w.data(), d_live.data(), capacity, top_k, K, dd, K,
+                              stream);
+  kernels::launch_dense_gemv_rms_norm<__nv_bfloat16>({d_resid.data(), dd, d_weight.data(), kEps, d_out_ref.data()},
+                                                     dw, M, N, K, d_y_ref.data(), N, stream);
+  // The fold.
+  kernels::DenseGemvRmsNorm folded{d_resid.data(), nullptr, d_weight.data(), kEps, d_out.data()};
+  folded.combine = {d_yexp.data(), y_stride, d_route_w.data(), top_k, d_live.data(), capacity};
+  kernels::launch_dense_gemv_rms_norm<__nv_bfloat16>(folded, dw, M, N, K, d_y.data(), N, stream);
+  stream.sync();
+  const auto y = d_y.download(), y_ref = d_y_ref.download();
+  EXPECT_EQ(std::memcmp(y.data(), y_ref.data(), y.size() * sizeof(y[0])), 0) << "y differs from combine + norm";
+  const auto out = d_out.download(), out_ref = d_out_ref.download();
+  EXPECT_EQ(std::memcmp(out.data(), out_ref.data(), mk * sizeof(float)), 0) << "resid_out differs";
+  const auto resid_after = d_resid.download();
+  EXPECT_EQ(std::memcmp(resid_after.data(), resid.data(), mk * sizeof(float)), 0) << "resid was written";
+  EXPECT_TRUE(d_y.guards_intact() && d_out.guards_intact() && d_yexp.guards_intact() && d_route_w.guards_intact());
+
+  // CPU: delta[m] = bf16(sum_s w * y) in slot order for live rows, 0 past them.
+  std::vector<float> delta(mk, 0.0f);
+  for (int m = 0; m < std::min(M, live); ++m)
+    for (int c = 0; c < K; ++c) {
+      float acc = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        const size_t pair = static_cast<size_t>(m) * top_k + j;
+        acc = std::fmaf(route_w[pair], y_exp[pair * y_stride + c], acc);
+      }
+      delta[static_cast<size_t>(m) * K + c] = bf16_bits_to_float(float_to_bf16_bits(acc));
+    }
+  expect_norm_gemv_near_cpu(resid, delta, weight, kEps, w.f, M, N, K, y);
+}
+
+TEST(DenseGemvGpu, RmsNormFoldsTheMoeCombineBitForBit) {
+  MOEBIUS_REQUIRE_GPU();
+  uint64_t seed = 1500;
+  for (int M : {1, 2, 4}) check_gemv_folded_combine(M, M, M, 5120, 2048, 8, 2048, seed += 10);  // Qwen3-30B-A3B qkv
+  check_gemv_folded_combine(4, 2, 8, 5120, 2048, 8, 2048, seed += 10);  // a padded graph bucket: 2 live of 4
+  check_gemv_folded_combine(2, 0, 2, 5120, 2048, 8, 2048, seed += 10);  // nothing live
+  check_gemv_folded_combine(1, 1, 1, 1000, 4096, 8, 4096, seed += 10);  // Qwen3-235B-A22B
+  for (int M : {1, 2}) check_gemv_folded_combine(M, M, 2, 128, 64, 4, 64, seed += 10);  // the tiny fixture
+  for (int k : {1, 3}) check_gemv_folded_combine(3, 3, 5, 17, 1032, k, 1036, seed += 10);  // odd k, K, stride
 }
 
 // ------------------------------------------------------------------------------------------------

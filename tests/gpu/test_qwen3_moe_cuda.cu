@@ -29,6 +29,8 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "core/dtype.h"
@@ -240,6 +242,66 @@ TEST(Qwen3MoeCuda, QuantizedExpertsMatchTheCpuBackend) {
                  cpu_prefill_all(cpu, ref.ids), ref.vocab, kQuantTol);
     expect_close((name + " decode (graph) vs CPU backend").c_str(), cuda_decode_8(*m, ref.ids),
                  cpu_decode_8(cpu, ref.ids), ref.vocab, kQuantTol);
+  }
+}
+
+// Two sequences decoded together for `steps` steps after their prefill (a: ids[0..12), b: ids[5..12)),
+// the logits of every step [steps][2][V]: the batch-2 graph (its first step eager, then replays).
+std::vector<float> cuda_decode_pair(Qwen3MoeCuda& m, const std::vector<int32_t>& ids, int steps) {
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  const std::vector<int32_t> a(ids.begin(), ids.begin() + 12), b(ids.begin() + 5, ids.begin() + 12);
+  BlockAllocator blocks(m.num_blocks());
+  std::vector<int32_t> ta, tb;
+  EXPECT_TRUE(blocks.ensure(ta, 12 + steps, m.block_size()).ok());
+  EXPECT_TRUE(blocks.ensure(tb, 7 + steps, m.block_size()).ok());
+  const SequenceStep both[] = {{a, 0, ta}, {b, 0, tb}};
+  auto batch = m.make_batch(both);
+  EXPECT_TRUE(batch.ok());
+  std::vector<float> lg(2 * V), out;
+  EXPECT_TRUE(m.forward(*batch, lg.data()).ok());
+  for (int s = 0; s < steps; ++s) {
+    const int32_t next[] = {ids[static_cast<size_t>(12 + s)], ids[static_cast<size_t>(13 + s)]};
+    const SequenceStep d[] = {{std::span<const int32_t>(&next[0], 1), 12 + s, ta},
+                              {std::span<const int32_t>(&next[1], 1), 7 + s, tb}};
+    auto db = m.make_batch(d);
+    EXPECT_TRUE(db.ok());
+    EXPECT_TRUE(m.forward(*db, lg.data()).ok());
+    out.insert(out.end(), lg.begin(), lg.end());
+  }
+  return out;
+}
+
+// [TAG_MOE_DEFERRED_COMBINE] Each MoE layer's combine folded into the next layer's qkv GEMV
+// (fold_moe_combine_max_rows 2) against the combine stage (0): the same logits bit for bit in an
+// eager two-token prefill, the batch-1 teacher-forced decode (graph replays) and the batch-2
+// decode, for bf16 and nvfp4 experts; and the fold must have happened (a count of zero would make
+// the comparison vacuous).
+TEST(Qwen3MoeCuda, FoldedMoeCombineKeepsLogitsBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  const Reference ref = load_reference();
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kNvFp4}) {
+    SCOPED_TRACE(std::string(weight_format_name(f)));
+    std::vector<float> logits[2];
+    int64_t folded[2] = {0, 0};
+    for (int on = 0; on < 2; ++on) {
+      Qwen3MoeCudaOptions o = tiny_options(f);
+      o.fold_moe_combine_max_rows = on != 0 ? 2 : 0;
+      auto m = load_cuda(o);
+      ASSERT_TRUE(m);
+      const std::vector<int32_t> two(ref.ids.begin(), ref.ids.begin() + 2);
+      logits[on] = cuda_prefill_all(*m, two);
+      const std::vector<float> single = cuda_decode_8(*m, ref.ids), pair = cuda_decode_pair(*m, ref.ids, 3);
+      logits[on].insert(logits[on].end(), single.begin(), single.end());
+      logits[on].insert(logits[on].end(), pair.begin(), pair.end());
+      EXPECT_GE(m->graph_steps(), 4);
+      folded[on] = m->folded_moe_combines();
+    }
+    EXPECT_EQ(folded[0], 0);
+    EXPECT_GT(folded[1], 0);
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    for (float x : logits[1]) ASSERT_TRUE(std::isfinite(x));
+    EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * sizeof(float)), 0)
+        << "the folded combine changed the logits (max |d| " << max_abs_diff(logits[0], logits[1]) << ")";
   }
 }
 
