@@ -66,6 +66,13 @@ step() {  # step NAME COMMAND...
   return $rc
 }
 
+# Binaries staged by scripts/stage_device.sh arrive xz-compressed: unpack them in place (here and in
+# the A/B build, MOEBIUS_AB_BUILD, when one is carried).
+for dir in "$BUILD" ${MOEBIUS_AB_BUILD:-}; do
+  find "$dir" -name '*.xz' -print0 2>/dev/null | xargs -0 -r xz -d -f
+  find "$dir" -type f \( -name 'moebius*' -o -name 'dev_*' \) ! -name '*.so' -exec chmod +x {} + 2>/dev/null
+done
+
 echo "== machine"; uname -a; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 echo "== dynamic libraries of the carried binaries"
 ldd "$BUILD/moebius" "$BUILD/tests/moebius_gpu_tests" 2>&1 | sort -u | tee "$OUT/ldd.log"
@@ -300,6 +307,22 @@ trace_decode() {
     --context 1024 --prefill 1024 --decode-steps 64 || return 1
 }
 step trace-decode trace_decode
+# A/B of the MoE layer against another build (MOEBIUS_AB_BUILD=DIR, staged like this one, e.g. a
+# kernel branch): `bench moe` with each binary in turn, two rounds, so drift shows as a round
+# difference; MOEBIUS_AB_FORMATS (default nvfp4 int4) and MOEBIUS_AB_TOKENS (default 256,1024,4096).
+ab_bench_moe() {
+  for round in 1 2; do
+    for fmt in ${MOEBIUS_AB_FORMATS:-nvfp4 int4}; do
+      for b in "$BUILD" "$MOEBIUS_AB_BUILD"; do
+        echo "== round $round $fmt $b"
+        "$b/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt \
+          --tokens "${MOEBIUS_AB_TOKENS:-256,1024,4096}" || return 1
+      done
+    done
+  done
+}
+[ -n "${MOEBIUS_AB_BUILD:-}" ] && step ab-bench-moe ab_bench_moe
+
 # [TAG_MOE_DEFERRED_COMBINE] Each MoE layer's combine folded into the next qkv GEMV
 # (MOEBIUS_FOLD_COMBINE_AB=1; off by default until this A/B says otherwise): decode tok/s at 1k and
 # 10k with the fold off (0) and on for single-row steps (1), alternating, two rounds; then the
