@@ -156,6 +156,19 @@ Status run_bench_moe_cuda(const BenchMoeCudaOptions& o) {
                 moe::moe_gemm_path_name(sets[0]->gemm_path()), sets[0]->block_m(), n_sets, us, touched, bytes / 1e6, bytes / (us * 1e-6) / 1e9,
                 flops / (us * 1e-6) / 1e12, floor_us, us / floor_us);
     std::printf("        stages us:%s (sum %.2f)\n", stage_line.c_str(), stage_sum);
+    // The output bits of set 0's forward (32-bit FNV-1a of the live rows' bf16 bytes): builds whose
+    // kernels are meant to be bit-identical (an A/B of a kernel refactor) must print the same hash.
+    // The atomic combine's order varies run to run, so it has none.
+    if (!o.atomic_combine) {
+      sets[0]->forward(xb, nd, ob, stream);
+      std::vector<uint16_t> host(static_cast<size_t>(T * g.hidden));
+      CUDA_CHECK(cudaMemcpyAsync(host.data(), out, sizeof(uint16_t) * host.size(), cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      uint32_t h = 2166136261u;
+      for (uint16_t v : host)
+        for (int b = 0; b < 2; ++b) h = (h ^ ((v >> (8 * b)) & 0xFFu)) * 16777619u;
+      std::printf("        output #%08x\n", h);
+    }
     // The expert GEMMs alone, on the routed pairs only (padding rows not counted as work).
     const double pair_flops = 2.0 * T * g.top_k * g.hidden * g.intermediate;
     if (experts_us > 0)
