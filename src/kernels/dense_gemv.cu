@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda_check.h"
@@ -65,6 +66,18 @@ constexpr int kXPad = 32;              // bf16 of padding per staged x row (64 b
 inline int columns_per_warp(int K) { return ((K + kColK - 1) / kColK + kWarps - 1) / kWarps; }
 inline int padded_k(int K) { return columns_per_warp(K) * kWarps * kColK; }
 
+// DenseGemvRmsNorm without its combine source: the kernels' own copy, so that the instances
+// without a folded combine keep the argument block (and, with nvcc 13.0, the register counts) they
+// had before [TAG_MOE_DEFERRED_COMBINE] existed: 40 more bytes of it cost the copy instances up to
+// 6 registers.
+struct GemvNorm {
+  const float* resid;
+  const __nv_bfloat16* delta;
+  const float* weight;
+  float eps;
+  float* resid_out;
+};
+
 struct GemvArgs {
   const __nv_bfloat16* x;  // [M, ldx]; unused with the RMSNorm prologue
   int64_t ldx;
@@ -74,7 +87,11 @@ struct GemvArgs {
   int M, N, K;
   int tiles;  // ceil(N / 16)
   int cpw;    // columns_per_warp(K)
-  DenseGemvRmsNorm norm;  // kRmsNorm* kernels only: x = bf16(RMSNorm(resid + delta) * weight)
+  GemvNorm norm;  // kRmsNorm* kernels only: x = bf16(RMSNorm(resid + delta) * weight)
+};
+// The kRmsNormCombine kernels' arguments: delta is formed from `combine` [TAG_MOE_DEFERRED_COMBINE].
+struct GemvCombineArgs : GemvArgs {
+  MoeCombineSource combine;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -110,7 +127,7 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 // resid + delta of one 8-element chunk (fp32 adds, as norm.cu's residual update).
-__device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_t at, float (&v)[8]) {
+__device__ __forceinline__ void load_residual8(const GemvNorm& n, int64_t at, float (&v)[8]) {
   load8(n.resid + at, v);
   if (n.delta != nullptr) {
     const uint4 u = *reinterpret_cast<const uint4*>(n.delta + at);
@@ -129,24 +146,25 @@ __device__ __forceinline__ void load_residual8(const DenseGemvRmsNorm& n, int64_
 // launch_moe_combine would have stored it (bf16, round to nearest), and kept in the staged row's
 // chunk `stash`, where pass 2 (load_staged_residual8, the same thread) reads it back instead of
 // combining again: the k rows are 32 * k bytes a chunk from L2, the stash 16 from shared memory.
-// Rows past the live count get delta 0 (their y and weights are whatever the workspace holds).
-__device__ __forceinline__ void combine_residual8(const DenseGemvRmsNorm& n, int64_t at, int m, int col, bool live,
-                                                  __nv_bfloat16* stash, float (&v)[8]) {
-  const MoeCombineSource& c = n.combine;
+// Rows past the live count get delta 0 and read no expert rows (their y and weights are whatever
+// the workspace holds): their sum runs over 0 slots, +0.0, a trip count uniform over the block.
+// (An `if (live)` around the loads made ptxas spill in the one-tile instance.)
+__device__ __forceinline__ void combine_residual8(const GemvNorm& n, const MoeCombineSource& c, int64_t at, int m,
+                                                  int col, bool live, __nv_bfloat16* stash, float (&v)[8]) {
   const int64_t row0 = static_cast<int64_t>(m) * c.top_k;
   const float* yt = c.y + row0 * c.y_stride + col;
   const float* wt = c.weights + row0;
+  const int slots = live ? c.top_k : 0;
   // Both quads' loads are independent: with the helper inlined they are all in flight together.
-  const float4 lo = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt, c.y_stride, wt, c.top_k);
-  const float4 hi = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt + 4, c.y_stride, wt, c.top_k);
+  const float4 lo = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt, c.y_stride, wt, slots);
+  const float4 hi = moe_detail::moe_combine_quad</*kStreaming=*/false>(yt + 4, c.y_stride, wt, slots);
   load8(n.resid + at, v);
   uint4 u;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-  const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
-  h[0] = live ? __floats2bfloat162_rn(lo.x, lo.y) : zero;
-  h[1] = live ? __floats2bfloat162_rn(lo.z, lo.w) : zero;
-  h[2] = live ? __floats2bfloat162_rn(hi.x, hi.y) : zero;
-  h[3] = live ? __floats2bfloat162_rn(hi.z, hi.w) : zero;
+  h[0] = __floats2bfloat162_rn(lo.x, lo.y);
+  h[1] = __floats2bfloat162_rn(lo.z, lo.w);
+  h[2] = __floats2bfloat162_rn(hi.x, hi.y);
+  h[3] = __floats2bfloat162_rn(hi.z, hi.w);
   *reinterpret_cast<uint4*>(stash) = u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -156,7 +174,7 @@ __device__ __forceinline__ void combine_residual8(const DenseGemvRmsNorm& n, int
   }
 }
 // Pass 2 of the same: resid + the bf16 delta that pass 1 stashed.
-__device__ __forceinline__ void load_staged_residual8(const DenseGemvRmsNorm& n, int64_t at,
+__device__ __forceinline__ void load_staged_residual8(const GemvNorm& n, int64_t at,
                                                       const __nv_bfloat16* stash, float (&v)[8]) {
   load8(n.resid + at, v);
   const uint4 u = *reinterpret_cast<const uint4*>(stash);
@@ -186,22 +204,26 @@ __device__ __forceinline__ void load_staged_residual8(const DenseGemvRmsNorm& n,
 // covers static + dynamic, so dense_gemv_supports keeps this much of it free.
 constexpr size_t kNormStaticSmem = sizeof(float) * kDenseGemvMaxM * kWarps;
 
-// kFolded: delta is the previous MoE layer's combine (norm.combine), [TAG_MOE_DEFERRED_COMBINE]; its own
-// kernel instance, so the plain norm's keeps its registers (46 against 80 with the combine's 16
-// loads in flight, which bear on what can share an SM with it).
-template <bool kFolded>
-__device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs_stride) {
+// Args: GemvArgs, or GemvCombineArgs when delta is the previous MoE layer's combine
+// ([TAG_MOE_DEFERRED_COMBINE]); its own kernel (dense_gemv_combine_kernel), so the plain norm's
+// keeps its registers (40 / 46 at NT 1 / 2 against 102 / 96 with the combine's 16 loads in flight,
+// which bear on what can share an SM with it).
+template <typename Args>
+__device__ void stage_rms_norm_rows(const Args& a, __nv_bfloat16* xs, int xs_stride) {
+  constexpr bool kFolded = std::is_same_v<Args, GemvCombineArgs>;
   __shared__ float s_part[kDenseGemvMaxM][kWarps];  // kNormStaticSmem
-  const DenseGemvRmsNorm& n = a.norm;
+  const GemvNorm& n = a.norm;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kq = a.K / 8;  // chunks per row
-  const int live_rows = kFolded ? min(max(*n.combine.num_tokens, 0), n.combine.capacity) : 0;
+  int live_rows = 0;
+  if constexpr (kFolded) live_rows = min(max(*a.combine.num_tokens, 0), a.combine.capacity);
   for (int m = 0; m < a.M; ++m) {
     float ss = 0.0f;
     for (int q = tid; q < kq; q += kThreads) {
       float v[8];
       const int64_t at = static_cast<int64_t>(m) * a.K + q * 8;
-      if constexpr (kFolded) combine_residual8(n, at, m, q * 8, m < live_rows, xs + m * xs_stride + q * 8, v);
+      if constexpr (kFolded)
+        combine_residual8(n, a.combine, at, m, q * 8, m < live_rows, xs + m * xs_stride + q * 8, v);
       else load_residual8(n, at, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
@@ -248,9 +270,12 @@ __device__ void stage_rms_norm_rows(const GemvArgs& a, __nv_bfloat16* xs, int xs
 // residual and the previous MoE layer's combine ([TAG_MOE_DEFERRED_COMBINE]).
 enum class GemvInput { kCopy, kRmsNorm, kRmsNormCombine };
 
-// NT: n8 token tiles (1: M <= 8, 2: M <= 16).
+template <GemvInput kIn>
+using GemvArgsOf = std::conditional_t<kIn == GemvInput::kRmsNormCombine, GemvCombineArgs, GemvArgs>;
+
+// NT: n8 token tiles (1: M <= 8, 2: M <= 16). The body of the kernels below.
 template <int NT, typename OutT, GemvInput kIn>
-__global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) {
+__device__ __forceinline__ void dense_gemv_body(const GemvArgsOf<kIn>& a) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kRed = 32 * 4 * NT;  // floats one warp contributes per tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -295,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
   pdl_launch_dependents();
 
   if constexpr (kIn != GemvInput::kCopy) {
-    stage_rms_norm_rows<kIn == GemvInput::kRmsNormCombine>(a, xs, xs_stride);
+    stage_rms_norm_rows(a, xs, xs_stride);
     // No copy group here: commit an empty one so the loop's wait counts stay as below.
     cp_async_commit();
   } else {  // Stage x [M, K] -> xs by cp.async (all in flight at once), zero past K: the warps' last
@@ -371,6 +396,19 @@ __global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgs a) 
   }
 }
 
+template <int NT, typename OutT, GemvInput kIn>
+__global__ void __launch_bounds__(kThreads) dense_gemv_kernel(const GemvArgsOf<kIn> a) {
+  dense_gemv_body<NT, OutT, kIn>(a);
+}
+// [TAG_MOE_DEFERRED_COMBINE] The folded combine's instances declare the 2 blocks per SM that shared
+// memory allows anyway: left to its own heuristic, ptxas capped them at 80 registers and spilled
+// (the combine keeps 16 float4 loads in flight); under this bound they take ~100 and spill nothing.
+// A separate kernel, so the other instances keep the code they had.
+template <int NT, typename OutT>
+__global__ void __launch_bounds__(kThreads, 2) dense_gemv_combine_kernel(const GemvCombineArgs a) {
+  dense_gemv_body<NT, OutT, GemvInput::kRmsNormCombine>(a);
+}
+
 // Resident blocks per SM for one instantiation at one shared-memory size, cached: the occupancy
 // query is a driver call, and eager (non-graph) steps launch this kernel three times per layer.
 struct OccupancyCache {
@@ -431,7 +469,7 @@ namespace {
 
 // `a` carries the activations (x and ldx, or the norm); the rest is filled here.
 template <GemvInput kIn, typename OutT>
-void launch_gemv(GemvArgs a, const __nv_bfloat16* w, int M, int N, int K, OutT* y, int64_t ldy,
+void launch_gemv(GemvArgsOf<kIn> a, const __nv_bfloat16* w, int M, int N, int K, OutT* y, int64_t ldy,
                  cudaStream_t stream) {
   a.w = w;
   a.ldy = ldy;
@@ -450,7 +488,11 @@ void launch_gemv(GemvArgs a, const __nv_bfloat16* w, int M, int N, int K, OutT* 
   a.y = y;
   a.tiles = static_cast<int>(tiles);
   a.cpw = columns_per_warp(K);
-  auto* kernel = M <= 8 ? dense_gemv_kernel<1, OutT, kIn> : dense_gemv_kernel<2, OutT, kIn>;
+  void (*kernel)(GemvArgsOf<kIn>) = nullptr;
+  if constexpr (kIn == GemvInput::kRmsNormCombine)
+    kernel = M <= 8 ? dense_gemv_combine_kernel<1, OutT> : dense_gemv_combine_kernel<2, OutT>;
+  else
+    kernel = M <= 8 ? dense_gemv_kernel<1, OutT, kIn> : dense_gemv_kernel<2, OutT, kIn>;
   const int64_t resident = static_cast<int64_t>(blocks_per_sm(reinterpret_cast<const void*>(kernel), smem)) * current_device_sm_count();
   const int grid = static_cast<int>(std::min<int64_t>(tiles, resident));
   launch_pdl(kernel, dim3(grid), dim3(kThreads), smem, stream, a);
@@ -486,12 +528,17 @@ void launch_dense_gemv_rms_norm(const DenseGemvRmsNorm& norm, const __nv_bfloat1
     MOEBIUS_LAUNCH_ASSERT(aligned16(c.y) && c.y_stride % 4 == 0 && c.y_stride >= K,
                           "dense_gemv_rms_norm: combine y must be 16-byte aligned, y_stride >= K a multiple of 4");
   }
-  GemvArgs a{};
-  a.norm = norm;
-  if (c.y != nullptr)
+  const GemvNorm gn{norm.resid, norm.delta, norm.weight, norm.eps, norm.resid_out};
+  if (c.y != nullptr) {
+    GemvCombineArgs a{};
+    a.norm = gn;
+    a.combine = c;
     launch_gemv<GemvInput::kRmsNormCombine>(a, w, M, N, K, y, ldy, stream);
-  else
+  } else {
+    GemvArgs a{};
+    a.norm = gn;
     launch_gemv<GemvInput::kRmsNorm>(a, w, M, N, K, y, ldy, stream);
+  }
 }
 
 template void launch_dense_gemv<__nv_bfloat16>(const __nv_bfloat16*, int64_t, const __nv_bfloat16*, int, int, int,

@@ -63,9 +63,9 @@ void launch_dense_gemv(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16*
 //   combine    [TAG_MOE_DEFERRED_COMBINE] instead of delta (combine.y set, delta null): the previous
 //              MoE layer's combine, so delta[m] = bf16(sum_s w[m*k+s] * y[m*k+s]) as
 //              launch_moe_combine forms it (moe_combine_sum.cuh; the same bits), for the live rows
-//              m < *combine.num_tokens; past them delta is zero (the combine stage leaves those rows
-//              of its output stale: padding rows, never read). y 16-byte aligned, y_stride a
-//              multiple of 4, M <= capacity.
+//              m < *combine.num_tokens; past them delta is zero and no expert row is read (the
+//              combine stage leaves those rows of its output as they were; padding rows, computed
+//              and discarded). y 16-byte aligned, y_stride a multiple of 4, M <= capacity.
 //              Every block reads the M*k rows (k * K * 4 bytes a token, from L2): for small M.
 struct DenseGemvRmsNorm {
   const float* resid = nullptr;

@@ -8,14 +8,6 @@
 
 namespace moebius::kernels {
 
-// out[t][n] = bf16( sum_{s=0..k-1} w[t*k+s] * y[t*k+s][n] ), summed in slot order in fp32, so the
-// default (non-atomic) MoE output is bit-identical run to run.
-//   y            [capacity*k, y_stride] fp32
-//   topk_weights [capacity*k] fp32
-//   out          [capacity, out_stride] bf16; rows >= *num_tokens untouched.
-// [TAG_MOE_GRAPH_CAPACITY] num_tokens is a device pointer; the grid covers `capacity` rows.
-// trigger_early ([TAG_PDL_EARLY_TRIGGER]): the next kernel on the stream may launch as soon as this
-// one does (before its PDL wait), for a next kernel that streams weights before its own wait.
 // [TAG_MOE_DEFERRED_COMBINE] The inputs of a combine that a later kernel performs instead of the
 // combine stage: the qkv GEMV's RMSNorm prologue (dense_gemv.cuh, DenseGemvRmsNorm::combine) forms
 // the same bf16 row from them as launch_moe_combine would have written (moe_combine_sum.cuh).
@@ -28,6 +20,14 @@ struct MoeCombineSource {
   int capacity = 0;                     // rows y and weights hold
 };
 
+// out[t][n] = bf16( sum_{s=0..k-1} w[t*k+s] * y[t*k+s][n] ), summed in slot order in fp32, so the
+// default (non-atomic) MoE output is bit-identical run to run.
+//   y            [capacity*k, y_stride] fp32
+//   topk_weights [capacity*k] fp32
+//   out          [capacity, out_stride] bf16; rows >= *num_tokens untouched.
+// [TAG_MOE_GRAPH_CAPACITY] num_tokens is a device pointer; the grid covers `capacity` rows.
+// trigger_early ([TAG_PDL_EARLY_TRIGGER]): the next kernel on the stream may launch as soon as this
+// one does (before its PDL wait), for a next kernel that streams weights before its own wait.
 void launch_moe_combine(const float* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
                         bool trigger_early = false);

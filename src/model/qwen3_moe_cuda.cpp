@@ -173,18 +173,20 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   for (int b : o.graph_batches)
     if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
       return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
-  if (o.fold_moe_combine_max_rows < 0) {  // [TAG_MOE_DEFERRED_COMBINE]
+  if (o.fold_moe_combine_max_rows == -1) {  // [TAG_MOE_DEFERRED_COMBINE]
     o.fold_moe_combine_max_rows = 0;
     if (const char* v = std::getenv("MOEBIUS_FOLD_MOE_COMBINE"); v != nullptr && *v != '\0') {
       const std::string text(v);
-      if (text.size() > 2 || text.find_first_not_of("0123456789") != std::string::npos)
+      if (text.size() > 2 || text.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoi(text) > kernels::kDenseGemvMaxM)
         return Error::format("must be a row count in [0, {}], got '{}'", kernels::kDenseGemvMaxM, text)
             .in_field("MOEBIUS_FOLD_MOE_COMBINE");
       o.fold_moe_combine_max_rows = std::stoi(text);
     }
   }
-  if (o.fold_moe_combine_max_rows > kernels::kDenseGemvMaxM)
-    return Error::format("must be in [0, {}], got {}", kernels::kDenseGemvMaxM, o.fold_moe_combine_max_rows)
+  if (o.fold_moe_combine_max_rows < 0 || o.fold_moe_combine_max_rows > kernels::kDenseGemvMaxM)
+    return Error::format("must be -1 (the environment) or in [0, {}], got {}", kernels::kDenseGemvMaxM,
+                         o.fold_moe_combine_max_rows)
         .in_field("fold_moe_combine_max_rows");
   fold_combine_max_rows_ = o.fold_moe_combine_max_rows;
   moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();

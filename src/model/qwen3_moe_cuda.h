@@ -136,6 +136,7 @@ struct Qwen3MoeCudaOptions {
   // the next layer's qkv GEMV, whose folded RMSNorm forms the same bf16 rows from GEMM2's output
   // (one kernel less per MoE layer; every GEMV block then reads k fp32 rows of H per token from L2,
   // so only small steps can gain). 0: off; -1: $MOEBIUS_FOLD_MOE_COMBINE, else 0. At most 16.
+  // Expert-parallel layers (ep_comm) combine on their own path and never fold.
   int fold_moe_combine_max_rows = -1;
   // Expert parallelism: this runner is rank ep_comm->rank() of ep_comm->size() (an
   // NcclCommunicator on this process's GPU; it must outlive the runner). Null: one GPU holding

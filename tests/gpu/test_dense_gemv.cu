@@ -312,6 +312,7 @@ void check_gemv_folded_combine(int M, int live, int capacity, int N, int K, int 
   SCOPED_TRACE(::testing::Message() << "M=" << M << " live=" << live << " capacity=" << capacity << " N=" << N
                                     << " K=" << K << " k=" << top_k << " y_stride=" << y_stride);
   ASSERT_TRUE(kernels::dense_gemv_supports(M, K));
+  ASSERT_LE(live, M);  // the combine stage below writes `live` rows of the M-row delta
   constexpr float kEps = 1e-6f;
   const size_t mk = static_cast<size_t>(M) * K, pairs = static_cast<size_t>(capacity) * top_k;
   const std::vector<float> resid = random_f32(mk, -3.0f, 3.0f, seed);
@@ -354,7 +355,8 @@ void check_gemv_folded_combine(int M, int live, int capacity, int N, int K, int 
   EXPECT_EQ(std::memcmp(out.data(), out_ref.data(), mk * sizeof(float)), 0) << "resid_out differs";
   const auto resid_after = d_resid.download();
   EXPECT_EQ(std::memcmp(resid_after.data(), resid.data(), mk * sizeof(float)), 0) << "resid was written";
-  EXPECT_TRUE(d_y.guards_intact() && d_out.guards_intact() && d_yexp.guards_intact() && d_route_w.guards_intact());
+  EXPECT_TRUE(d_y.guards_intact() && d_out.guards_intact() && d_yexp.guards_intact() && d_route_w.guards_intact() &&
+              d_delta.guards_intact());
 
   // CPU: delta[m] = bf16(sum_s w * y) in slot order for live rows, 0 past them.
   std::vector<float> delta(mk, 0.0f);
@@ -379,6 +381,8 @@ TEST(DenseGemvGpu, RmsNormFoldsTheMoeCombineBitForBit) {
   check_gemv_folded_combine(1, 1, 1, 1000, 4096, 8, 4096, seed += 10);  // Qwen3-235B-A22B
   for (int M : {1, 2}) check_gemv_folded_combine(M, M, 2, 128, 64, 4, 64, seed += 10);  // the tiny fixture
   for (int k : {1, 3}) check_gemv_folded_combine(3, 3, 5, 17, 1032, k, 1036, seed += 10);  // odd k, K, stride
+  check_gemv_folded_combine(12, 10, 16, 300, 2048, 8, 2048, seed += 10);  // two n8 token tiles, 2 padding rows
+  check_gemv_folded_combine(16, 16, 16, 64, 2048, 8, 2048, seed += 10);   // the option's largest step
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -305,6 +305,73 @@ TEST(Qwen3MoeCuda, FoldedMoeCombineKeepsLogitsBitIdentical) {
   }
 }
 
+// The same on a dummy geometry whose layers are all MoE, as Qwen3-30B-A3B's are (the tiny fixture's
+// only fold is MoE layer 0 into dense layer 1): MoE -> MoE boundaries, one live sequence in the
+// batch-2 graph (a padding row, whose delta the fold sets to zero) and then two live ones.
+TEST(Qwen3MoeCuda, FoldedMoeCombineAcrossMoeLayersAndPaddedGraphs) {
+  MOEBIUS_REQUIRE_GPU();
+  Qwen3MoeConfig c;
+  c.vocab_size = 1000;
+  c.hidden_size = 256;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.rope_theta = 1e6;
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 128;
+  c.intermediate_size = 256;
+  c.norm_topk_prob = true;
+  c.max_position_embeddings = 512;
+  for (moe::KernelFormat f : {moe::KernelFormat::kBF16, moe::KernelFormat::kNvFp4}) {
+    SCOPED_TRACE(moe::kernel_format_name(f));
+    std::vector<float> logits[2];
+    int64_t folded[2] = {0, 0};
+    for (int on = 0; on < 2; ++on) {
+      Qwen3MoeCudaOptions o;
+      o.max_tokens = 64;
+      o.max_seqs = 2;
+      o.max_context = 128;
+      o.graph_batches = {2};
+      o.fold_moe_combine_max_rows = on != 0 ? 2 : 0;
+      auto m = Qwen3MoeCuda::create_dummy(c, f, o);
+      ASSERT_TRUE(m.ok()) << m.error().what();
+      BlockAllocator blocks((*m)->num_blocks());
+      std::vector<int32_t> ta, tb;
+      ASSERT_TRUE(blocks.ensure(ta, 40, (*m)->block_size()).ok());
+      ASSERT_TRUE(blocks.ensure(tb, 40, (*m)->block_size()).ok());
+      std::vector<int32_t> ids(30);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 37 + 11) % 1000);
+      std::vector<float> lg(2 * 1000);
+      for (std::vector<int32_t>* t : {&ta, &tb}) {
+        const SequenceStep pre{ids, 0, *t};
+        auto b = (*m)->make_batch(std::span<const SequenceStep>(&pre, 1));
+        ASSERT_TRUE(b.ok());
+        ASSERT_TRUE((*m)->forward(*b, lg.data()).ok());
+      }
+      for (int s = 0; s < 6; ++s) {
+        const int32_t id[2] = {7 + s, 500 + s};
+        const int64_t pos = 30 + s;
+        std::vector<SequenceStep> d = {{std::span<const int32_t>(&id[0], 1), pos, ta}};
+        if (s >= 3) d.push_back({std::span<const int32_t>(&id[1], 1), pos - 3, tb});  // two live from step 3
+        auto db = (*m)->make_batch(d);
+        ASSERT_TRUE(db.ok());
+        ASSERT_TRUE((*m)->forward(*db, lg.data()).ok());
+        logits[on].insert(logits[on].end(), lg.begin(), lg.begin() + static_cast<int64_t>(d.size()) * 1000);
+      }
+      EXPECT_GE((*m)->graph_steps(), 4);
+      folded[on] = (*m)->folded_moe_combines();
+    }
+    EXPECT_EQ(folded[0], 0);
+    EXPECT_GE(folded[1], 3) << "every MoE layer but the last folds in each captured or eager step";
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    for (float x : logits[1]) ASSERT_TRUE(std::isfinite(x));
+    EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * sizeof(float)), 0)
+        << "the folded combine changed the logits (max |d| " << max_abs_diff(logits[0], logits[1]) << ")";
+  }
+}
+
 TEST(Qwen3MoeCuda, ABatchOfTwoMatchesEachSequenceAlone) {
   MOEBIUS_REQUIRE_GPU();
   const Reference ref = load_reference();
