@@ -130,6 +130,23 @@ TEST(ChatTemplate, BosEosAndTheListFormOfTokenizerConfig) {
   } catch (const Error& e) {
     EXPECT_TRUE(contains(e.what(), "chat_template")) << e.what();
   }
+  // [TAG_JSON_DEPTH] A checkpoint's tokenizer_config.json nesting objects 200k levels deep beside
+  // other keys: growing the ordered_json object copied the nested value, recursing per level, and
+  // overflowed the stack inside the parse. Now a clear error naming the file.
+  {
+    std::string deep;
+    for (int i = 0; i < 200000; ++i) deep += R"({"a":)";
+    deep += "1" + std::string(200000, '}');
+    std::ofstream out(path);
+    out << R"({"k1": )" << deep << R"(, "k2": 1, "k3": 2, "k4": 3, "chat_template": "x"})";
+  }
+  try {
+    ChatTemplate::from_tokenizer_config(path);
+    FAIL() << "a config nested 200k levels deep must be refused";
+  } catch (const Error& e) {
+    EXPECT_TRUE(contains(e.what(), "nests deeper")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "moebius_chat_tokenizer_config.json")) << e.what();
+  }
   std::remove(path.c_str());
 }
 

@@ -97,6 +97,8 @@ TEST(RoutingProfile, StrictParsingNamesTheFileAndField) {
   EXPECT_THAT(err(R"({"format":"moebius-routing-profile","version":2,"num_experts":2,"top_k":1,"tokens":0,"layers":[]})"),
               HasSubstr("version"));
   EXPECT_THAT(err(std::string(kMaxProfileBytes + 1, ' ')), HasSubstr("at most"));
+  EXPECT_THAT(err(head + R"("layers":)" + std::string(100000, '[') + std::string(100000, ']') + "}"),
+              HasSubstr("nests deeper"));  // [TAG_JSON_DEPTH]
   auto missing = read_profile("/nonexistent/moebius/profile.json");
   ASSERT_FALSE(missing.ok());
   EXPECT_THAT(missing.error().what(), HasSubstr("/nonexistent/moebius/profile.json"));

@@ -319,6 +319,15 @@ TEST(TuneCache, AnotherNamespaceIsIgnoredButKept) {
   EXPECT_EQ(v2.get("k"), value(2));
 }
 
+// A cache file of one entry in kNs whose value is {"a": {"a": ... 1}} nested `levels` deep.
+std::string deep_entry_file(int levels) {
+  std::string v;
+  for (int i = 0; i < levels; ++i) v += R"({"a":)";
+  v += "1" + std::string(static_cast<size_t>(levels), '}');
+  return R"({"moebius_tune_cache": 1, "entries": [{"moebius": "0.1.0", "cuda": "12.8", "gpu": "NVIDIA H200", )"
+         R"("key": "a", "value": )" + v + "}]}";
+}
+
 TEST(TuneCache, CorruptTruncatedAndForeignFilesAreIgnoredWithAWarning) {
   TempDir tmp;
   TuneCache good = TuneCache::open(tmp.path(), kDevice, kNs);
@@ -334,6 +343,9 @@ TEST(TuneCache, CorruptTruncatedAndForeignFilesAreIgnoredWithAWarning) {
       {"no schema", R"({"entries": []})"},
       {"an older schema", R"({"moebius_tune_cache": 0, "entries": []})"},
       {"entries not an array", R"({"moebius_tune_cache": 1, "entries": {"a": 1}})"},
+      // [TAG_JSON_DEPTH] A well-formed entry whose value (an object) nests 200k levels: copying it
+      // (adopt, get) recursed per level and overflowed the stack before the depth check.
+      {"nested 200k levels deep", deep_entry_file(200000)},
   };
   for (const auto& [what, content] : cases) {
     SCOPED_TRACE(what);

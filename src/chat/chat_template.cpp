@@ -9,6 +9,7 @@
 #include "chat/jinja_eval.h"
 #include "chat/jinja_parser.h"
 #include "core/error.h"
+#include "core/json_depth.h"
 
 namespace moebius::chat {
 
@@ -54,6 +55,9 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
   if (!in) throw Error("cannot open file").in_file(path);
   std::stringstream ss;
   ss << in.rdbuf();
+  // [TAG_JSON_DEPTH] An ordered_json object copies its values when it grows (its pairs have a
+  // const key), recursing once per level: a deeply nested file would overflow the stack in parse.
+  if (Status depth = check_json_depth(ss.str()); !depth.ok()) throw std::move(depth).error().in_file(path);
   const auto cfg = nlohmann::ordered_json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (cfg.is_discarded() || !cfg.is_object()) throw Error("not a JSON object").in_file(path);
   if (!cfg.contains("chat_template")) throw Error("the file has no chat template").in_file(path).in_field("chat_template");

@@ -5,7 +5,8 @@
 // ordered_json object, whose pairs have a const key and so are copied, not moved, when its vector
 // reallocates. A file nested tens of thousands of levels deep overflows the stack in one of those.
 // Every parser of JSON files checks the depth first [TAG_JSON_DEPTH]; real config.json,
-// generation_config.json, quantization configs and tokenizer.json files nest fewer than 10 levels.
+// generation_config.json, quantization configs, tokenizer.json and tokenizer_config.json files,
+// routing profiles and the tuning cache nest fewer than 10 levels.
 // (safetensors.cpp has its own stricter precheck; the server bounds request bodies with
 // ApiLimits::max_json_depth.)
 #pragma once

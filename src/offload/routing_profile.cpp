@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
+
 namespace moebius::offload {
 
 using nlohmann::json;
@@ -87,6 +89,8 @@ std::string profile_to_json(const RoutingProfile& p) {
 Result<RoutingProfile> profile_from_json(const std::string& text, const std::string& source) {
   if (text.size() > kMaxProfileBytes)
     return Error::format("{} bytes; a routing profile is at most {}", text.size(), kMaxProfileBytes).in_file(source);
+  // [TAG_JSON_DEPTH] Nothing below copies or dumps a nested value today; the check keeps it so.
+  if (Status depth = check_json_depth(text); !depth.ok()) return std::move(depth).error().in_file(source);
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Error("not valid JSON").in_file(source);
   if (!j.is_object()) return Error("the top level is not an object").in_file(source);

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/json_depth.h"
 #include "core/log.h"
 
 namespace moebius::tune {
@@ -142,6 +143,12 @@ TuneCache::FileContent TuneCache::read_file() {
     return out;
   }
   const std::string text = ss.str();
+  // [TAG_JSON_DEPTH] Entries' values are copied (adopt, get), which recurses once per level.
+  if (json_nesting_depth(text) > kMaxJsonFileDepth) {
+    warn(fmt::format("nests deeper than {} levels (corrupt); ignored, and replaced at the next write",
+                     kMaxJsonFileDepth));
+    return out;
+  }
   const json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
     warn(fmt::format("not valid JSON ({} bytes; truncated or corrupt); ignored, and replaced at the next write",
