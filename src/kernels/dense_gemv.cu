@@ -126,18 +126,22 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 lo = reinterpret_cast<const float4*>(p)[0], hi = reinterpret_cast<const float4*>(p)[1];
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
-// resid + delta of one 8-element chunk (fp32 adds, as norm.cu's residual update).
+// v[i] += the i-th of 8 bf16 values in u (fp32 adds, as norm.cu's residual update).
+__device__ __forceinline__ void add_bf16x8(const uint4& u, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] += f.x;
+    v[2 * i + 1] += f.y;
+  }
+}
+// resid + delta of one 8-element chunk.
 __device__ __forceinline__ void load_residual8(const GemvNorm& n, int64_t at, float (&v)[8]) {
   load8(n.resid + at, v);
   if (n.delta != nullptr) {
     const uint4 u = *reinterpret_cast<const uint4*>(n.delta + at);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      v[2 * i] += f.x;
-      v[2 * i + 1] += f.y;
-    }
+    add_bf16x8(u, v);
   }
 }
 
@@ -166,25 +170,13 @@ __device__ __forceinline__ void combine_residual8(const GemvNorm& n, const MoeCo
   h[2] = __floats2bfloat162_rn(hi.x, hi.y);
   h[3] = __floats2bfloat162_rn(hi.z, hi.w);
   *reinterpret_cast<uint4*>(stash) = u;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] += f.x;
-    v[2 * i + 1] += f.y;
-  }
+  add_bf16x8(u, v);
 }
 // Pass 2 of the same: resid + the bf16 delta that pass 1 stashed.
 __device__ __forceinline__ void load_staged_residual8(const GemvNorm& n, int64_t at,
                                                       const __nv_bfloat16* stash, float (&v)[8]) {
   load8(n.resid + at, v);
-  const uint4 u = *reinterpret_cast<const uint4*>(stash);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] += f.x;
-    v[2 * i + 1] += f.y;
-  }
+  add_bf16x8(*reinterpret_cast<const uint4*>(stash), v);
 }
 
 // [TAG_GEMV_RMS_NORM] The activations of a kRmsNorm* launch: xs[m][k] = bf16(RMSNorm(resid + delta) *

@@ -31,6 +31,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -245,6 +246,27 @@ TEST(Qwen3MoeCuda, QuantizedExpertsMatchTheCpuBackend) {
   }
 }
 
+// A small Qwen3-MoE geometry for dummy weights (H = 256, 8 heads of 64 over 2 KV heads, 16 experts
+// of 128, top-4, a vocabulary of 1000) with `layers` layers, `dense` of them dense MLPs.
+Qwen3MoeConfig small_dummy_config(int layers, std::vector<int> dense) {
+  Qwen3MoeConfig c;
+  c.vocab_size = 1000;
+  c.hidden_size = 256;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.rope_theta = 1e6;
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 128;
+  c.intermediate_size = 256;
+  c.norm_topk_prob = true;
+  c.mlp_only_layers = std::move(dense);
+  c.max_position_embeddings = 512;
+  return c;
+}
+
 // Two sequences decoded together for `steps` steps after their prefill (a: ids[0..12), b: ids[5..12)),
 // the logits of every step [steps][2][V]: the batch-2 graph (its first step eager, then replays).
 std::vector<float> cuda_decode_pair(Qwen3MoeCuda& m, const std::vector<int32_t>& ids, int steps) {
@@ -310,20 +332,7 @@ TEST(Qwen3MoeCuda, FoldedMoeCombineKeepsLogitsBitIdentical) {
 // batch-2 graph (a padding row, whose delta the fold sets to zero) and then two live ones.
 TEST(Qwen3MoeCuda, FoldedMoeCombineAcrossMoeLayersAndPaddedGraphs) {
   MOEBIUS_REQUIRE_GPU();
-  Qwen3MoeConfig c;
-  c.vocab_size = 1000;
-  c.hidden_size = 256;
-  c.num_hidden_layers = 4;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.rope_theta = 1e6;
-  c.num_experts = 16;
-  c.num_experts_per_tok = 4;
-  c.moe_intermediate_size = 128;
-  c.intermediate_size = 256;
-  c.norm_topk_prob = true;
-  c.max_position_embeddings = 512;
+  const Qwen3MoeConfig c = small_dummy_config(4, {});
   for (moe::KernelFormat f : {moe::KernelFormat::kBF16, moe::KernelFormat::kNvFp4}) {
     SCOPED_TRACE(moe::kernel_format_name(f));
     std::vector<float> logits[2];
@@ -454,21 +463,7 @@ TEST(Qwen3MoeCuda, RefusesStepsPastItsCapacities) {
 TEST(Qwen3MoeCuda, DummyWeightsRunEveryFormat) {
   MOEBIUS_REQUIRE_GPU();
   // A small geometry with the real model's structure (a dense layer too).
-  Qwen3MoeConfig c;
-  c.vocab_size = 1000;
-  c.hidden_size = 256;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.rope_theta = 1e6;
-  c.num_experts = 16;
-  c.num_experts_per_tok = 4;
-  c.moe_intermediate_size = 128;
-  c.intermediate_size = 256;
-  c.norm_topk_prob = true;
-  c.mlp_only_layers = {1};
-  c.max_position_embeddings = 512;
+  const Qwen3MoeConfig c = small_dummy_config(3, {1});
   for (moe::KernelFormat f :
        {moe::KernelFormat::kBF16, moe::KernelFormat::kNvFp4, moe::KernelFormat::kInt4, moe::KernelFormat::kInt2}) {
     SCOPED_TRACE(moe::kernel_format_name(f));
