@@ -1,4 +1,7 @@
 // Core: errors with context, scalar dtypes, memory, thread pool, logging.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -182,6 +185,43 @@ TEST(CoreMemory, MappedFileReadsBytesAndNamesMissingFile) {
   auto dir = MappedFile::open("/tmp");
   ASSERT_FALSE(dir.ok());
   EXPECT_THAT(dir.error().what(), HasSubstr("not a regular file"));
+}
+
+// The JSON side files are read whole: only regular files within the cap, and a FIFO must be
+// refused, not waited on (a test that hangs here is the bug).
+TEST(CoreMemory, ReadSmallFileRefusesWhatCannotBeReadWhole) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moebius_small_file_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string text_path = (dir / "config.json").string();
+  {
+    std::ofstream f(text_path, std::ios::binary);
+    f << R"({"a": 1})";
+  }
+  auto ok = read_small_file(text_path);
+  ASSERT_TRUE(ok.ok()) << ok.error().what();
+  EXPECT_EQ(*ok, R"({"a": 1})");
+  auto too_big = read_small_file(text_path, 4);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_THAT(too_big.error().what(), HasSubstr("at most 4"));
+  EXPECT_EQ(too_big.error().file(), text_path);
+  auto directory = read_small_file(dir.string());
+  ASSERT_FALSE(directory.ok());
+  EXPECT_THAT(directory.error().what(), HasSubstr("directory"));
+  const std::string fifo = (dir / "fifo.json").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto from_fifo = read_small_file(fifo);
+  ASSERT_FALSE(from_fifo.ok());
+  EXPECT_THAT(from_fifo.error().what(), HasSubstr("not a regular file"));
+  const std::string zero = (dir / "zero.json").string();
+  fs::create_symlink("/dev/zero", zero);
+  auto from_zero = read_small_file(zero);
+  ASSERT_FALSE(from_zero.ok());
+  EXPECT_THAT(from_zero.error().what(), HasSubstr("not a regular file"));
+  auto missing = read_small_file((dir / "missing.json").string());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.error().what(), HasSubstr("cannot open"));
+  fs::remove_all(dir);
 }
 
 TEST(CoreMemory, HostBufferIsAlignedAndMovable) {

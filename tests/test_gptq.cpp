@@ -294,6 +294,19 @@ TEST(GptqCheckpoint, RefusesAsymmetricZerosNamingGroupAndColumn) {
   EXPECT_THAT(r.error().what(), HasSubstr("asymmetric"));
 }
 
+// An Inf or NaN fp16 group scale (fp16 overflow in the quantizer that wrote the checkpoint) would
+// turn its rows' outputs into NaN: refused at load, naming the module and the [group, column].
+TEST(GptqCheckpoint, RefusesNonFiniteScales) {
+  for (uint16_t bad : {uint16_t{0x7C00}, uint16_t{0xFC00}, uint16_t{0x7E00}}) {
+    GptqCkpt c = make_gptq_ckpt(4, 64, gptq::ZeroFormat::kV1MinusOne);
+    std::memcpy(c.scales.data() + (2 * c.n + 13) * 2, &bad, 2);  // group 2, column 13
+    auto r = gptq::from_checkpoint(c.views(), {4, 64, gptq::ZeroFormat::kV1MinusOne}, "model.layers.1.mlp.up_proj");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_THAT(r.error().what(), HasSubstr("model.layers.1.mlp.up_proj"));
+    EXPECT_THAT(r.error().what(), HasSubstr("group scale [2, 13] is not finite"));
+  }
+}
+
 TEST(GptqCheckpoint, WrongZeroConventionGetsAHint) {
   GptqCkpt c = make_gptq_ckpt(4, 64, gptq::ZeroFormat::kV2Exact);
   auto r = gptq::from_checkpoint(c.views(), {4, 64, gptq::ZeroFormat::kV1MinusOne}, "m");

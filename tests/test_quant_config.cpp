@@ -1,5 +1,6 @@
 // Quantization configs: ModelOpt (hf_quant_config.json and config.json), GPTQ, AutoRound; the
 // refusal of every malformed or unsupported field; exclusion patterns.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -320,6 +321,27 @@ TEST(QuantConfigRegex, PathologicalPatternsAreRefusedOrRunInPolynomialTime) {
     ASSERT_FALSE(r.ok()) << p;
     EXPECT_THAT(r.error().what(), HasSubstr("more than 9 digits")) << p;
   }
+}
+
+// Each pattern is matched against every module name, in time proportional to its length: 1000
+// patterns of ~1 KB took ~0.75 s a module (hours for Qwen3-30B-A3B's ~18.7k modules; found by an
+// audit, out of the fuzzers' 64 KiB inputs). The patterns' total is capped; exact AutoRound module
+// names (compared, not matched) are not counted, so a per-module extra_config of any size loads.
+TEST(QuantConfigRegex, ThePatternsTotalLengthIsBounded) {
+  std::string dynamic;
+  for (int i = 0; i < 200; ++i)
+    dynamic += (i ? ", " : "") + fmt::format(R"("+:model\\.layers\\.{}\\..*(gate|up|down)_proj{}": {{"bits": 8}})", i,
+                                             std::string(60, 'x'));
+  auto r = parse_quantization_config_text(
+      R"({"quant_method": "gptq", "bits": 4, "dynamic": {)" + dynamic + "}}", "config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().field(), "quantization_config.dynamic");
+  EXPECT_THAT(r.error().what(), HasSubstr("regex patterns total"));
+  std::string exact;
+  for (int i = 0; i < 2000; ++i)
+    exact += (i ? ", " : "") + fmt::format(R"("model.layers.{}.mlp.experts.{}.down_proj": {{"bits": 8}})", i / 128, i % 128);
+  const QuantConfig c = parse_ok(R"({"quant_method": "auto-round", "bits": 4, "extra_config": {)" + exact + "}}");
+  EXPECT_EQ(c.overrides.size(), 2000u);
 }
 
 // ---- wildcards ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 // (tests/data/tiny-qwen3-moe, made by tools/fixtures/make_tiny_qwen3_moe.py; fp32 compute on the
 // bf16 weights), for a 20-token prefill and for prefill 12 + 8 KV-cache decode steps. Also the
 // config parser's refusals, the loader's errors and the paged KV cache.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <sstream>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -165,6 +167,21 @@ TEST(Qwen3MoeConfig, RefusesMalformedConfigs) {
   auto missing = load_qwen3_moe_config("/nonexistent/dir/config.json");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.error().file(), "/nonexistent/dir/config.json");
+  // A shard given as --model (an easy slip) was read whole as config.json (a 9 GB shard: an abort
+  // in std::bad_alloc); a FIFO as config.json blocked the load forever. Both are errors now.
+  const std::string shard = std::string(kDir) + "/model.safetensors";
+  auto not_a_dir = load_qwen3_moe_config(shard);
+  ASSERT_FALSE(not_a_dir.ok());
+  EXPECT_EQ(not_a_dir.error().file(), shard);
+  EXPECT_THAT(not_a_dir.error().what(), ::testing::HasSubstr("not a model directory"));
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("moebius_fifo_config_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  ASSERT_EQ(::mkfifo((dir / "config.json").c_str(), 0600), 0);
+  auto fifo = load_qwen3_moe_config(dir.string());
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_THAT(fifo.error().what(), ::testing::HasSubstr("not a regular file"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Qwen3MoeConfig, RefusesConfigsTheModelCodeCannotRun) {

@@ -167,6 +167,14 @@ TEST(RopeScalingConfig, EverythingElseIsANamedError) {
       {"context past 2^30", {{"rope_type", "yarn"}, {"factor", 1e7}}, "rope_scaling"},
       {"partial rotary factor", {{"rope_type", "yarn"}, {"factor", 2.0}, {"partial_rotary_factor", 0.5}},
        "rope_scaling.partial_rotary_factor"},
+      // Each value in range, together degenerate: an infinite correction range (a NaN ramp), an
+      // attention factor past float (its cast was undefined), an mscale ratio that overflows.
+      {"betas near zero", {{"rope_type", "yarn"}, {"factor", 2.0}, {"beta_fast", 5e-324}, {"beta_slow", 5e-324}},
+       "rope_scaling"},
+      {"attention_factor past float", {{"rope_type", "yarn"}, {"factor", 2.0}, {"attention_factor", 1e308}},
+       "rope_scaling"},
+      {"mscale ratio past float",
+       {{"rope_type", "yarn"}, {"factor", 2.0}, {"mscale", 1e308}, {"mscale_all_dim", 1e-300}}, "rope_scaling"},
   };
   for (const Case& k : cases) {
     json j = tiny_config();

@@ -10,6 +10,7 @@
 #include "chat/jinja_parser.h"
 #include "core/error.h"
 #include "core/json_depth.h"
+#include "core/memory.h"
 
 namespace moebius::chat {
 
@@ -51,14 +52,13 @@ ChatTemplate ChatTemplate::parse(const std::string& source) {
 }
 
 ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot open file").in_file(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  auto read = read_small_file(path);
+  if (!read.ok()) throw std::move(read).error();
+  const std::string& text = read.value();
   // [TAG_JSON_DEPTH] An ordered_json object copies its values when it grows (its pairs have a
   // const key), recursing once per level: a deeply nested file would overflow the stack in parse.
-  if (Status depth = check_json_depth(ss.str()); !depth.ok()) throw std::move(depth).error().in_file(path);
-  const auto cfg = nlohmann::ordered_json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (Status depth = check_json_depth(text); !depth.ok()) throw std::move(depth).error().in_file(path);
+  const auto cfg = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (cfg.is_discarded() || !cfg.is_object()) throw Error("not a JSON object").in_file(path);
   if (!cfg.contains("chat_template")) throw Error("the file has no chat template").in_file(path).in_field("chat_template");
   const auto& ct = cfg["chat_template"];

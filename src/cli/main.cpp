@@ -2,6 +2,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <exception>
+#include <new>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -31,6 +33,16 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);  // prints a clear message naming the flag; non-zero on errors
+  } catch (const std::bad_alloc&) {
+    // Commands size their buffers from checked inputs; an allocation can still fail when the host
+    // is short of memory for what was asked (a model, a context, a batch). Say so and exit
+    // non-zero instead of aborting.
+    std::fprintf(stderr, "moebius: error: out of host memory (an allocation failed); ask for less (a smaller "
+                         "context, batch or chunk) or free memory\n");
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moebius: error: %s\n", e.what());
+    return 3;
   }
   return 0;
 }

@@ -44,6 +44,43 @@ void MappedFile::reset() {
   size_ = 0;
 }
 
+Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return Error::format("cannot open: {}", std::strerror(errno)).in_file(path);
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Error::format("cannot stat: {}", std::strerror(err)).in_file(path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Error(S_ISDIR(st.st_mode) ? "is a directory, not a file" : "not a regular file").in_file(path);
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    return Error::format("{} bytes; a file of this kind is at most {} (is this the right file?)", st.st_size,
+                         max_bytes)
+        .in_file(path);
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return Error::format("read error: {}", std::strerror(err)).in_file(path);
+    }
+    if (n == 0) break;  // the file shrank while being read: keep what is there
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  text.resize(got);
+  return text;
+}
+
 Result<MappedFile> MappedFile::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Error::format("cannot open: {}", std::strerror(errno)).in_file(path);

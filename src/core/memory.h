@@ -12,6 +12,17 @@
 
 namespace moebius {
 
+// The small side files a model directory and the engine's state hold (config.json,
+// generation_config.json, quantization configs, tokenizer_config.json, routing profiles, the tuning
+// cache) are JSON of at most kilobytes; 64 MiB is far above any real one.
+inline constexpr uint64_t kMaxSmallFileBytes = 64ull << 20;
+
+// The whole of a small file, read only when it is a regular file of at most max_bytes: a FIFO
+// would block the reader, /dev/zero never ends, and a multi-GB file given by mistake (a shard
+// passed as --model) would be read whole, so each is an error naming the file instead. Opened
+// non-blocking, so a FIFO is refused rather than waited on.
+Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes = kMaxSmallFileBytes);
+
 // A whole file mapped read-only (MAP_PRIVATE). Checkpoints are read in place, never copied.
 class MappedFile {
  public:

@@ -233,7 +233,7 @@ Result<QuantMatrix> from_checkpoint(const CheckpointTensors& t, const Layout& la
   m.weight = {static_cast<const uint8_t*>(t.qweight.data), t.qweight.nbytes()};
   m.scales = {static_cast<const uint8_t*>(t.scales.data), t.scales.nbytes()};
   m.owner = std::move(owner);
-  MOEBIUS_TRY(m.validate());
+  if (Status st = m.validate(); !st.ok()) return std::move(st).error().in_tensor(std::string(prefix));
   return m;
 }
 

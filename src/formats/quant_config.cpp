@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_depth.h"
+#include "core/memory.h"
 
 namespace moebius {
 
@@ -103,6 +104,25 @@ Result<std::shared_ptr<const std::regex>> compile_regex(const std::string& patte
   } catch (const std::regex_error& e) {
     return Error::format("cannot compile regex '{}': {}", pattern, e.what()).in_field(path);
   }
+}
+
+// Every module name of a checkpoint (~18.7k for Qwen3-30B-A3B's experts, ~37k for 235B) is matched
+// against every regex override, and a match costs time in proportion to the pattern's length
+// (the Thompson executor above). So the patterns' total length bounds the load's regex time: at
+// the 16 KiB allowed, a few minutes in the worst case; real configs hold a few hundred bytes
+// (a handful of "dynamic" entries, or AutoRound's exact module names, which are compared, not
+// matched, and do not count). A config of thousands of long patterns would otherwise take hours.
+constexpr size_t kMaxRegexTotalBytes = 16 << 10;
+
+Status check_regex_budget(const std::vector<QuantOverride>& overrides, const std::string& path) {
+  size_t total = 0;
+  for (const QuantOverride& ov : overrides)
+    if (ov.regex) total += ov.pattern.size();
+  if (total > kMaxRegexTotalBytes)
+    return Error::format("its regex patterns total {} bytes; at most {} are matched against every module name",
+                         total, kMaxRegexTotalBytes)
+        .in_field(path);
+  return Ok{};
 }
 
 bool has_glob_chars(std::string_view p) { return p.find_first_of("*?[") != std::string_view::npos; }
@@ -291,6 +311,7 @@ Result<QuantConfig> parse_gptq_quant_config(const J& qc) {
       }
       c.overrides.push_back(std::move(ov));
     }
+    MOEBIUS_TRY(check_regex_budget(c.overrides, base + "dynamic"));
   }
   return c;
 }
@@ -384,6 +405,7 @@ Result<QuantConfig> parse_autoround_quant_config(const J& qc) {
       MOEBIUS_TRY(parse_override_fields(*it, ov, path));
       c.overrides.push_back(std::move(ov));
     }
+    MOEBIUS_TRY(check_regex_budget(c.overrides, base + "extra_config"));
   }
   return c;
 }
@@ -399,14 +421,7 @@ Result<nlohmann::ordered_json> parse_json_text(std::string_view text, const std:
   return j;
 }
 
-Result<std::string> read_text_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Error("cannot open file").in_file(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return Error("read error").in_file(path);
-  return ss.str();
-}
+Result<std::string> read_text_file(const std::string& path) { return read_small_file(path); }
 
 }  // namespace
 

@@ -75,6 +75,26 @@ size_t first_nan_scale(std::span<const uint8_t> s) {
     if ((s[i] & 0x7Fu) == 0x7Fu) return i;
   return s.size();
 }
+// Index (in halves) of the first fp16 Inf or NaN (exponent bits all ones) in `s`, or s.size() / 2:
+// four halves per step, then the exact half of the word that has one. An Inf or NaN group scale
+// turns its rows' outputs into NaN; GPTQ/AutoRound checkpoints have been seen with fp16 overflow.
+size_t first_nonfinite_fp16(std::span<const uint8_t> s) {
+  constexpr uint64_t kExp = 0x7C007C007C007C00ull, kOne = 0x0001000100010001ull, kHigh = 0x8000800080008000ull;
+  const size_t n = s.size() / 2;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    uint64_t w;
+    std::memcpy(&w, s.data() + 2 * i, 8);
+    const uint64_t x = (w & kExp) ^ kExp;  // a zero half where the exponent bits were all ones
+    if (((x - kOne) & ~x & kHigh) != 0) break;
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, s.data() + 2 * i, 2);
+    if ((h & 0x7C00u) == 0x7C00u) return i;
+  }
+  return n;
+}
 }  // namespace
 
 Status QuantMatrix::validate() const {
@@ -132,6 +152,12 @@ Status QuantMatrix::validate() const {
       if (!scale_2.empty()) return Error::format("{} matrix has NVFP4 scale_2 segments", name);
       MOEBIUS_TRY(expect_bytes(weight, (cols / p) * rows * 4, "qweight"));
       MOEBIUS_TRY(expect_bytes(scales, num_groups() * rows * 2, "scales"));
+      if (const size_t i = first_nonfinite_fp16(scales); i < scales.size() / 2) {
+        uint16_t h;
+        std::memcpy(&h, scales.data() + 2 * i, 2);
+        return Error::format("{} matrix: group scale [{}, {}] is not finite (fp16 0x{:04X})", name,
+                             static_cast<int64_t>(i) / rows, static_cast<int64_t>(i) % rows, h);
+      }
       return Ok{};
     }
   }

@@ -156,8 +156,17 @@ Result<std::vector<float>> teacher_forced_logprobs(const Qwen3MoeCpu& model, std
   const int64_t N = static_cast<int64_t>(ids.size());
   const int64_t V = c.vocab_size;
   // The last token is never a query that is scored, so the cache needs N - 1 rows; N keeps it simple.
+  // Every row of a chunk's logits is kept (each scores the next id): rows x V fp32. Bounded so that
+  // a large --chunk is an error naming it, not an allocation the host cannot make.
+  constexpr int64_t kMaxChunkLogitsBytes = int64_t{4} << 30;
+  const int64_t rows = std::min<int64_t>(chunk, N);
+  if (rows * V * static_cast<int64_t>(sizeof(float)) > kMaxChunkLogitsBytes)
+    return Error::format("{} tokens per forward need {:.1f} GiB of logits (vocabulary {}); at most {} fit in {} GiB",
+                         rows, static_cast<double>(rows * V) * sizeof(float) / (1 << 30), V,
+                         kMaxChunkLogitsBytes / (V * static_cast<int64_t>(sizeof(float))), kMaxChunkLogitsBytes >> 30)
+        .in_field("--chunk");
   KvCache cache = model.make_cache(N);
-  std::vector<float> logits(static_cast<size_t>(std::min<int64_t>(chunk, N) * V));
+  std::vector<float> logits(static_cast<size_t>(rows * V));
   std::vector<float> out;
   out.reserve(static_cast<size_t>(N - 1));
   for (int64_t start = 0; start < N - 1; start += chunk) {
@@ -205,6 +214,24 @@ Result<std::vector<float>> teacher_forced_logprobs(Qwen3MoeCuda& model, std::spa
 }
 #endif  // MOEBIUS_HAS_CUDA
 
+namespace {
+
+// A logprob that is not finite comes from non-finite logits (a NaN or Inf among the checkpoint's
+// weights or scales, or an overflow): an error, not a report of `nan` with a zero exit, and never a
+// dump that --ref would refuse to read back.
+Result<std::vector<float>> finite_or_error(Result<std::vector<float>> got, const std::string& model_dir) {
+  if (!got.ok()) return got;
+  for (size_t i = 0; i < got->size(); ++i)
+    if (!std::isfinite((*got)[i]))
+      return Error::format("the logprob of position {} is {}: the model's logits are not finite (a NaN or Inf in "
+                           "the checkpoint's weights or scales?)",
+                           i + 1, (*got)[i])
+          .in_file(model_dir);
+  return got;
+}
+
+}  // namespace
+
 Result<std::vector<float>> run_eval_logprobs(const EvalLogprobsOptions& o, std::span<const int32_t> ids) {
   if (o.backend != "cpu" && o.backend != "cuda")
     return Error::format("unknown backend '{}'; expected cpu or cuda", o.backend).in_field("--backend");
@@ -230,14 +257,14 @@ Result<std::vector<float>> run_eval_logprobs(const EvalLogprobsOptions& o, std::
     co.graph_batches = {1};
     co.progress = o.on_progress;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::load(o.model_dir, co));
-    return teacher_forced_logprobs(*model, ids);
+    return finite_or_error(teacher_forced_logprobs(*model, ids), o.model_dir);
   }
 #endif
   Qwen3MoeLoadOptions load;
   load.experts_format = experts;
   load.experts_group_size = o.experts_group_size;
   MOEBIUS_ASSIGN_OR_RETURN(Qwen3MoeCpu model, Qwen3MoeCpu::load(o.model_dir, load));
-  return teacher_forced_logprobs(model, ids, o.chunk);
+  return finite_or_error(teacher_forced_logprobs(model, ids, o.chunk), o.model_dir);
 }
 
 std::string format_logprob_report(std::span<const int32_t> ids, std::span<const float> got,

@@ -120,12 +120,15 @@ Result<GenerateStats> generate(const Qwen3MoeCpu& model, std::span<const int32_t
   const int64_t cache_tokens = std::min<int64_t>(context, stats.prompt_tokens + std::max(max_tokens - 1, 0));
   KvCache cache = model.make_cache(cache_tokens);
   const size_t V = static_cast<size_t>(c.vocab_size);
-  std::vector<float> logits(prompt.size() * V);
+  // The prefill's last row only: every row would be prompt x V floats (20 GB for a 32k prompt at
+  // Qwen3's vocabulary), and forward_batch computes the same bits for the rows it returns.
+  std::vector<float> logits(V);
 
   auto t0 = std::chrono::steady_clock::now();
-  MOEBIUS_TRY(model.forward(prompt.data(), static_cast<int>(prompt.size()), cache, logits.data()));
+  const Qwen3MoeCpu::BatchSeq seq{prompt, &cache, /*want_logits=*/true, /*all_logits=*/false};
+  MOEBIUS_TRY(model.forward_batch(std::span<const Qwen3MoeCpu::BatchSeq>(&seq, 1), logits.data()));
   stats.prefill_seconds = seconds_since(t0);
-  std::span<const float> last(logits.data() + (prompt.size() - 1) * V, V);
+  std::span<const float> last(logits.data(), V);
   stats.logits_hash = fnv1a_logits(last);
 
   t0 = std::chrono::steady_clock::now();
@@ -205,6 +208,11 @@ namespace {
 // the failing rank's own, not the "aborted" the others see.
 Result<GenerateStats> generate_ep_cpu(const GenerateOptions& o, const Qwen3MoeLoadOptions& load, Sampler& sampler,
                                       const std::vector<int32_t>& eos, const TokenCallback& on_token) {
+  // Checked before any rank's thread starts (each rank would refuse it only after starting).
+  MOEBIUS_ASSIGN_OR_RETURN(const Qwen3MoeConfig config, load_qwen3_moe_config(o.model_dir));
+  if (config.num_experts % o.ep != 0)
+    return Error::format("{} ranks cannot split num_experts = {} evenly", o.ep, config.num_experts)
+        .in_field("--ep");
   Result<GenerateStats> out = Error("rank 0 did not run");
   std::vector<Status> st = parallel::run_ranks(o.ep, [&](parallel::Communicator& c) -> Status {
     Qwen3MoeLoadOptions l = load;

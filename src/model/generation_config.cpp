@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_depth.h"
+#include "core/memory.h"
 
 namespace moebius::model {
 namespace {
@@ -89,11 +90,8 @@ Result<GenerationConfig> load_generation_config(const std::string& dir) {
   const std::string file = (std::filesystem::path(dir) / "generation_config.json").string();
   std::error_code ec;
   if (!std::filesystem::exists(file, ec)) return GenerationConfig{};
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return Error("cannot open").in_file(file);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return parse_generation_config(ss.str(), file);
+  MOEBIUS_ASSIGN_OR_RETURN(std::string text, read_small_file(file));
+  return parse_generation_config(text, file);
 }
 
 }  // namespace moebius::model

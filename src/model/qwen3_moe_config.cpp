@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_depth.h"
+#include "core/memory.h"
+#include "model/rope_frequencies.h"
 
 namespace moebius::model {
 namespace {
@@ -250,6 +252,18 @@ Result<Qwen3MoeConfig> parse_json(const json& j) {
   if (c.context_limit() > kMaxInt)
     return Error::format("factor {} stretches the context past 2^30 positions", c.rope_scaling.factor)
         .in_field(rope_scaling_field(j));
+  // Settings each in range can still combine into a degenerate YaRN: beta_fast = beta_slow near 0
+  // make the correction range inf (a NaN ramp), an mscale ratio or attention_factor can overflow
+  // float. Every frequency must come out finite (0 is a dimension that never turns: a huge
+  // rope_theta gives it, harmlessly) and the attention factor finite and positive.
+  {
+    const RopeFrequencies f = rope_frequencies(c);
+    const auto bad_freq = [](float v) { return !std::isfinite(v) || v < 0.0f; };
+    if (std::any_of(f.inv_freq.begin(), f.inv_freq.end(), bad_freq) || !std::isfinite(f.attention_factor) ||
+        f.attention_factor <= 0.0f)
+      return Error("these settings give a RoPE frequency or attention factor that is not a finite number")
+          .in_field(rope_scaling_field(j));
+  }
 
   // Refuse what the forward pass would silently get wrong.
   MOEBIUS_ASSIGN_OR_RETURN(bool bias, read_bool(j, "attention_bias", false));
@@ -343,12 +357,14 @@ Result<Qwen3MoeConfig> parse_qwen3_moe_config(std::string_view text, const std::
 Result<Qwen3MoeConfig> load_qwen3_moe_config(const std::string& path) {
   std::string file = path;
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) file = (std::filesystem::path(path) / "config.json").string();
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return Error("cannot open").in_file(file);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return parse_qwen3_moe_config(ss.str(), file);
+  if (std::filesystem::is_directory(path, ec)) {
+    file = (std::filesystem::path(path) / "config.json").string();
+  } else if (std::filesystem::exists(path, ec) && std::filesystem::path(path).extension() != ".json") {
+    return Error("is not a model directory (config.json, safetensors, tokenizer.json) nor a config.json file")
+        .in_file(path);
+  }
+  MOEBIUS_ASSIGN_OR_RETURN(std::string text, read_small_file(file));
+  return parse_qwen3_moe_config(text, file);
 }
 
 Result<Qwen3MoeConfig> named_qwen3_moe_config(const std::string& name) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include "cpu/rope.h"
@@ -16,15 +17,22 @@ double correction_dim(double rotations, int d, double theta, double context) {
   return d * std::log(context / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(theta));
 }
 
+// A double as float, +inf past float's range (a plain cast of such a value is undefined): the
+// config check then refuses it as not finite.
+float to_float_or_inf(double v) {
+  return std::fabs(v) <= static_cast<double>(std::numeric_limits<float>::max()) ? static_cast<float>(v)
+                                                                                : std::numeric_limits<float>::infinity();
+}
+
 }  // namespace
 
 float rope_attention_factor(const Qwen3MoeConfig& c) {
   const RopeScaling& r = c.rope_scaling;
   if (r.type != RopeScaling::Type::kYarn) return 1.0f;
-  if (r.attention_factor > 0.0) return static_cast<float>(r.attention_factor);
+  if (r.attention_factor > 0.0) return to_float_or_inf(r.attention_factor);
   if (r.mscale > 0.0 && r.mscale_all_dim > 0.0)
-    return static_cast<float>(yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim));
-  return static_cast<float>(yarn_mscale(r.factor, 1.0));
+    return to_float_or_inf(yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim));
+  return to_float_or_inf(yarn_mscale(r.factor, 1.0));
 }
 
 RopeFrequencies rope_frequencies(const Qwen3MoeConfig& c) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_depth.h"
+#include "core/memory.h"
 
 namespace moebius::offload {
 
@@ -187,16 +188,8 @@ Status write_profile(const RoutingProfile& p, const std::string& path) {
 }
 
 Result<RoutingProfile> read_profile(const std::string& path) {
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) return Error::format("cannot read: {}", ec.message()).in_file(path);
-  if (size > kMaxProfileBytes)
-    return Error::format("{} bytes; a routing profile is at most {}", size, kMaxProfileBytes).in_file(path);
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Error("cannot open").in_file(path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return profile_from_json(ss.str(), path);
+  MOEBIUS_ASSIGN_OR_RETURN(std::string text, read_small_file(path, kMaxProfileBytes));
+  return profile_from_json(text, path);
 }
 
 }  // namespace moebius::offload

@@ -1,7 +1,10 @@
 #include "parallel/in_process_communicator.h"
 
 #include <cstring>
+#include <system_error>
 #include <thread>
+
+#include <fmt/format.h>
 
 namespace moebius::parallel {
 
@@ -132,12 +135,22 @@ std::vector<Status> run_ranks(int size, const std::function<Status(Communicator&
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      std::unique_ptr<Communicator> comm = group->communicator(r);
-      Status st = fn(*comm);
-      if (!st.ok()) group->abort("rank " + std::to_string(r) + " failed: " + st.error().what());
-      results[static_cast<size_t>(r)] = std::move(st);
-    });
+    try {
+      threads.emplace_back([&, r] {
+        std::unique_ptr<Communicator> comm = group->communicator(r);
+        Status st = fn(*comm);
+        if (!st.ok()) group->abort("rank " + std::to_string(r) + " failed: " + st.error().what());
+        results[static_cast<size_t>(r)] = std::move(st);
+      });
+    } catch (const std::system_error& e) {
+      // The host cannot start another thread (a process or memory limit): the ranks already
+      // running would wait in their first collective for this one forever, so abort the group and
+      // say which rank could not start.
+      const std::string why = fmt::format("could not start the thread of rank {} of {}: {}", r, size, e.what());
+      group->abort(why);
+      for (int q = r; q < size; ++q) results[static_cast<size_t>(q)] = Error(why);
+      break;
+    }
   }
   for (auto& t : threads) t.join();
   return results;

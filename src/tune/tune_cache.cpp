@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/json_depth.h"
+#include "core/memory.h"
 #include "core/log.h"
 
 namespace moebius::tune {
@@ -135,14 +136,12 @@ TuneCache::FileContent TuneCache::read_file() {
   FileContent out;
   std::error_code ec;
   if (!fs::exists(path_, ec)) return out;
-  std::ifstream in(path_, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (!in) {
-    warn("cannot be read; ignored");
+  auto read = read_small_file(path_);
+  if (!read.ok()) {
+    warn(fmt::format("cannot be read ({}); ignored", read.error().message()));
     return out;
   }
-  const std::string text = ss.str();
+  const std::string& text = read.value();
   // [TAG_JSON_DEPTH] Entries' values are copied (adopt, get), which recurses once per level.
   if (json_nesting_depth(text) > kMaxJsonFileDepth) {
     warn(fmt::format("nests deeper than {} levels (corrupt); ignored, and replaced at the next write",
