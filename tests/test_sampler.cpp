@@ -215,6 +215,22 @@ TEST(Sampler, ProbabilitiesMatchADoubleSoftmax) {
   EXPECT_EQ((*c)[2].second, 0.0f);
 }
 
+// A temperature below kGreedyBelowTemperature is the T -> 0 limit, the argmax: 1 / T would scale
+// an ordinary logit gap (or a logit bias of 100) past float and fail the request (an HTTP 500 the
+// server audit found at temperature 1e-38).
+TEST(Sampler, TinyTemperaturesAreGreedy) {
+  for (float t : {1e-37f, 1e-20f, 9e-6f}) {
+    Sampler s = make({.temperature = t, .logit_bias = {{0, 100.0f}}});
+    for (int i = 0; i < 20; ++i) {
+      auto id = s.sample(std::vector<float>{1.0f, 90.0f, 3e30f, -5.0f});
+      ASSERT_TRUE(id.ok()) << t << ": " << id.error().what();
+      EXPECT_EQ(*id, 2) << t;
+    }
+  }
+  Sampler warm = make({.temperature = kGreedyBelowTemperature});  // at the threshold: sampling
+  EXPECT_TRUE(warm.sample(std::vector<float>{0.0f, 1.0f}).ok());
+}
+
 TEST(Sampler, InfiniteOrOverflowingLogitsAreRefused) {
   Sampler s = make({.temperature = 1.0f});
   auto inf = s.sample(std::vector<float>{1.0f, INFINITY});

@@ -28,6 +28,7 @@
 #include "cli/ep_workers.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/memory.h"
 #include "model/generation_config.h"
 #include "model/weight_source.h"
 #include "server/api_server.h"
@@ -82,9 +83,10 @@ void choose_output_parsers(const ServeOptions& o, const chat::ChatTemplate* tmpl
 
 // tokenizer_config.json's eos_token ("<|im_end|>" or {"content": ...}) as an id, when there is one.
 std::optional<int32_t> tokenizer_eos(const std::string& dir, const tokenizer::BpeTokenizer& tok) {
-  std::ifstream f(std::filesystem::path(dir) / "tokenizer_config.json");
-  if (!f) return std::nullopt;
-  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  // A missing, unreadable or oversized file means no id here; the chat template's loader reports it.
+  auto file = read_small_file((std::filesystem::path(dir) / "tokenizer_config.json").string());
+  if (!file.ok()) return std::nullopt;
+  const nlohmann::json j = nlohmann::json::parse(*file, nullptr, false);
   if (!j.is_object() || !j.contains("eos_token")) return std::nullopt;
   const nlohmann::json& e = j["eos_token"];
   std::string text;
@@ -104,6 +106,9 @@ Status run(ServeOptions& o) {
         .in_field("--tokenizer");
   if (o.port < 0 || o.port > 65535) return Error::format("must be in [0, 65535], got {}", o.port).in_field("--port");
   if (o.max_queue < 1) return Error::format("must be >= 1, got {}", o.max_queue).in_field("--max-queue");
+  if (o.max_connections < 1)
+    return Error::format("must be >= 1, got {} (every request would get a 503)", o.max_connections)
+        .in_field("--max-connections");
   MOEBIUS_TRY(check_output_parser_flags(o));
   const std::string tok_path = (std::filesystem::path(o.tokenizer_dir) / "tokenizer.json").string();
   std::error_code ec;

@@ -198,8 +198,14 @@ Status check_raw_row(std::span<const float> raw) {
   }
   if (bad == 0) return Ok{};
   for (size_t i = 0; i < raw.size(); ++i) {
-    if (std::isnan(raw[i])) return Error::format("logit {} is NaN", i);
-    if (raw[i] == INFINITY) return Error::format("logit {} is +inf", i);
+    if (std::isnan(raw[i]))
+      return Error::format("logit {} is NaN: the model's logits are not finite (a NaN or Inf in the checkpoint's "
+                           "weights or scales?)",
+                           i);
+    if (raw[i] == INFINITY)
+      return Error::format("logit {} is +inf: the model's logits are not finite (an Inf in the checkpoint's "
+                           "weights or scales, or an overflow?)",
+                           i);
   }
   return Ok{};
 }
@@ -301,7 +307,7 @@ Result<std::vector<std::pair<int32_t, float>>> Sampler::candidates(std::span<con
   MOEBIUS_TRY(check_raw_row(raw));
   MOEBIUS_ASSIGN_OR_RETURN(std::span<const float> logits, adjusted(raw));
   std::vector<std::pair<int32_t, float>> out;
-  if (params_.temperature == 0.0f) {
+  if (greedy()) {
     const int32_t id = argmax(logits);
     if (logits[static_cast<size_t>(id)] == -INFINITY) return Error("every logit is -inf");
     out.emplace_back(id, 1.0f);
@@ -363,7 +369,7 @@ void Sampler::record(int32_t id) {
 Result<int32_t> Sampler::sample_reference(std::span<const float> logits) {
   MOEBIUS_ASSIGN_OR_RETURN(auto cands, candidates(logits));
   int32_t chosen = cands.back().first;  // if rounding leaves u just above the float sum
-  if (params_.temperature == 0.0f) {
+  if (greedy()) {
     chosen = cands[0].first;
   } else {
     // 5. walk the cumulative distribution of the candidates' float probabilities.
@@ -395,7 +401,7 @@ Result<int32_t> Sampler::sample_reference(std::span<const float> logits) {
 Result<int32_t> Sampler::sample(std::span<const float> raw) {
   MOEBIUS_TRY(check_raw_row(raw));
   MOEBIUS_ASSIGN_OR_RETURN(std::span<const float> logits, adjusted(raw));
-  if (params_.temperature == 0.0f) {
+  if (greedy()) {
     const int32_t id = argmax(logits);
     if (logits[static_cast<size_t>(id)] == -INFINITY) return Error("every logit is -inf");
     record(id);

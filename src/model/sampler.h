@@ -11,8 +11,9 @@
 // token it returns.
 //
 // Then the filters run in this order, as in HF transformers' and llama.cpp's default chains:
-//   1. temperature: logits / T; T == 0 means greedy (argmax, ties to the lowest id), and the
-//      other filters are then irrelevant;
+//   1. temperature: logits / T; T below kGreedyBelowTemperature (0 included) means greedy
+//      (argmax, ties to the lowest id: the limit of T -> 0, as vLLM also rules), and the other
+//      filters are then irrelevant;
 //   2. top-k: keep the k largest logits (k == 0: off), ties broken towards the lowest id;
 //   3. softmax over what is left, then top-p (nucleus): keep the smallest prefix of the tokens,
 //      sorted by probability, whose mass reaches p (p == 1: off; at least one token is kept);
@@ -55,6 +56,9 @@ Status validate_sampler_params(const SamplerParams& params);
 // The ranges above, for the API and CLI layers' messages.
 inline constexpr float kMaxOpenAiPenalty = 2.0f;
 inline constexpr float kMaxLogitBias = 100.0f;
+// Temperatures below this sample greedily: 1 / T would scale ordinary logit gaps (and a logit bias
+// of 100) past float's range, a failed request where the limit T -> 0 is simply the argmax.
+inline constexpr float kGreedyBelowTemperature = 1e-5f;
 
 // A candidate token: its logit after the temperature, and its id.
 struct ScaledLogit {
@@ -98,6 +102,9 @@ class Sampler {
   // The row after the adjustments a-c: `logits` itself when every one is off or has nothing to
   // act on, else a copy in the sampler's scratch (valid until the next call).
   Result<std::span<const float>> adjusted(std::span<const float> logits);
+
+  // Greedy decoding: argmax, no RNG draw (temperature below kGreedyBelowTemperature).
+  bool greedy() const { return params_.temperature < kGreedyBelowTemperature; }
 
  private:
   explicit Sampler(const SamplerParams& params) : params_(params), rng_(params.seed) {}

@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <system_error>
+#include <optional>
 #include <thread>
 
 #include "core/log.h"
@@ -139,13 +141,26 @@ void HttpServer::serve() {
       continue;
     }
     ++active_;
-    std::thread([this, fd] {
-      connection(fd);
+    try {
+      std::thread([this, fd] {
+        connection(fd);
+        ::close(fd);
+        std::lock_guard<std::mutex> lock(mu_);
+        --active_;
+        drained_.notify_all();
+      }).detach();
+    } catch (const std::system_error& e) {
+      // No thread for this connection (a process, thread or memory limit below max_connections):
+      // refuse it as a full server would, instead of letting the exception end the process.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --active_;
+      }
+      HttpResponse r(fd, false);
+      r.send(503, "application/json", options_.error_body(503, "cannot start a connection thread"));
       ::close(fd);
-      std::lock_guard<std::mutex> lock(mu_);
-      --active_;
-      drained_.notify_all();
-    }).detach();
+      log_warn("connection refused: cannot start its thread ({})", e.what());
+    }
   }
   ::close(listen_fd_);
   listen_fd_ = -1;
@@ -154,10 +169,9 @@ void HttpServer::serve() {
   drained_.wait_for(lock, std::chrono::seconds(options_.io_timeout_s), [&] { return active_.load() == 0; });
 }
 
-// Reads more bytes into `buffer`. Waits at most timeout_s; while `idle` (between requests), gives
-// up early when the server stops. False on EOF, error, timeout or stop.
-bool HttpServer::read_more(int fd, std::string& buffer, int timeout_s, bool idle) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+// Reads more bytes into `buffer`. Waits until `deadline` at most; while `idle` (between requests),
+// gives up early when the server stops. False on EOF, error, timeout or stop.
+bool HttpServer::read_more(int fd, std::string& buffer, std::chrono::steady_clock::time_point deadline, bool idle) {
   while (true) {
     if (idle && stopping_) return false;
     pollfd p{fd, POLLIN, 0};
@@ -197,15 +211,24 @@ void lingering_close(int fd) {
 void HttpServer::connection(int fd) {
   const HttpLimits& limits = options_.limits;
   std::string buffer;
+  using Clock = std::chrono::steady_clock;
   while (true) {
+    // A request's head and body must arrive within io_timeout_s of its first byte, however the
+    // bytes are spaced: a per-read timeout let a client dripping one byte every few seconds hold
+    // its connection (and with max_connections of them, the server) forever.
+    std::optional<Clock::time_point> request_deadline;
+    if (!buffer.empty()) request_deadline = Clock::now() + std::chrono::seconds(options_.io_timeout_s);
     size_t head_end;
     while ((head_end = find_head_end(buffer)) == std::string::npos) {
       if (buffer.size() > limits.max_head_bytes) {
         HttpResponse(fd, false).send(431, "application/json", options_.error_body(431, "the request head is too large"));
         return;
       }
-      if (!read_more(fd, buffer, buffer.empty() ? options_.idle_timeout_s : options_.io_timeout_s, buffer.empty()))
-        return;
+      const bool idle = buffer.empty();
+      const auto deadline =
+          idle ? Clock::now() + std::chrono::seconds(options_.idle_timeout_s) : *request_deadline;
+      if (!read_more(fd, buffer, deadline, idle)) return;
+      if (!request_deadline) request_deadline = Clock::now() + std::chrono::seconds(options_.io_timeout_s);
     }
     HttpRequest req;
     if (auto e = parse_request_head(std::string_view(buffer).substr(0, head_end), limits, &req)) {
@@ -224,7 +247,7 @@ void HttpServer::connection(int fd) {
       if (::send(fd, "HTTP/1.1 100 Continue\r\n\r\n", 25, MSG_NOSIGNAL) != 25) return;
     }
     while (buffer.size() - head_end < length)
-      if (!read_more(fd, buffer, options_.io_timeout_s, false)) return;
+      if (!read_more(fd, buffer, *request_deadline, false)) return;
     req.body = buffer.substr(head_end, length);
     buffer.erase(0, head_end + length);
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
@@ -63,7 +64,7 @@ struct HttpServerOptions {
   HttpLimits limits;
   int max_connections = 1024;
   int idle_timeout_s = 60;  // keep-alive connections idle this long are closed
-  int io_timeout_s = 60;    // reading one request, or one write to a stalled client
+  int io_timeout_s = 60;    // one whole request (head and body, from its first byte), or one write to a stalled client
   // The body of an error the server answers by itself (bad head, body too large, ...).
   std::function<std::string(int status, const std::string& message)> error_body;
 };
@@ -86,7 +87,7 @@ class HttpServer {
 
  private:
   void connection(int fd);
-  bool read_more(int fd, std::string& buffer, int timeout_s, bool idle);
+  bool read_more(int fd, std::string& buffer, std::chrono::steady_clock::time_point deadline, bool idle);
 
   HttpServerOptions options_;
   HttpHandler handler_;

@@ -1,0 +1,110 @@
+// HttpServer (src/server/http_server.h) over real sockets with a trivial handler: what a client
+// can do to a connection's lifetime. The parsers have their own tests (test_http_message.cpp) and
+// fuzz target; the OpenAI layer is tested through the engine (test_chat_api_server.cpp, the node
+// client suite).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "server/http_server.h"
+
+namespace moebius::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int connect_to(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  return fd;
+}
+
+// True once the server has closed its side (a read returns 0 or fails), polling for up to `wait`.
+bool closed_by_server(int fd, std::chrono::milliseconds wait) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(wait.count())) <= 0) return false;
+  char tmp[4096];
+  while (true) {
+    const ssize_t n = ::recv(fd, tmp, sizeof(tmp), MSG_DONTWAIT);
+    if (n == 0) return true;
+    if (n < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
+    // A response arrived (an error answer): keep reading until the close.
+    if (::poll(&p, 1, static_cast<int>(wait.count())) <= 0) return false;
+  }
+}
+
+struct Server {
+  explicit Server(int io_timeout_s) {
+    HttpServerOptions o;
+    o.port = 0;
+    o.io_timeout_s = io_timeout_s;
+    o.idle_timeout_s = 30;
+    o.error_body = [](int, const std::string& m) { return "{\"error\": \"" + m + "\"}"; };
+    http = std::make_unique<HttpServer>(o, [](const HttpRequest& req, HttpResponse& res) {
+      res.send(200, "text/plain", "got " + std::to_string(req.body.size()));
+    });
+    EXPECT_TRUE(http->listen().ok());
+    serving = std::thread([this] { http->serve(); });
+  }
+  ~Server() {
+    http->stop();
+    serving.join();
+  }
+  std::unique_ptr<HttpServer> http;
+  std::thread serving;
+};
+
+// A client that drips a body one byte at a time, each byte well inside the old per-read timeout,
+// held its connection as long as it liked (with max_connections of them, the whole server). The
+// whole request now has io_timeout_s from its first byte.
+TEST(HttpServer, ADrippedRequestIsCutAtTheRequestDeadline) {
+  Server s(/*io_timeout_s=*/2);
+  const int fd = connect_to(s.http->port());
+  const std::string head = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n";
+  ASSERT_EQ(::send(fd, head.data(), head.size(), MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
+  const auto t0 = Clock::now();
+  bool closed = false;
+  for (int i = 0; i < 12 && !closed; ++i) {  // 6 s of drip at most, one byte each 0.5 s
+    (void)::send(fd, "a", 1, MSG_NOSIGNAL);
+    closed = closed_by_server(fd, std::chrono::milliseconds(500));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_TRUE(closed) << "the connection outlived the request deadline (" << seconds << " s)";
+  EXPECT_LT(seconds, 4.0);
+  ::close(fd);
+
+  // A request that arrives in time is answered, and the next one on the connection gets its own
+  // deadline.
+  const int ok = connect_to(s.http->port());
+  const std::string req = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc";
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(::send(ok, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+    std::string got;
+    char tmp[4096];
+    while (got.find("got 3") == std::string::npos) {
+      pollfd p{ok, POLLIN, 0};
+      ASSERT_GT(::poll(&p, 1, 5000), 0);
+      const ssize_t n = ::recv(ok, tmp, sizeof(tmp), 0);
+      ASSERT_GT(n, 0);
+      got.append(tmp, static_cast<size_t>(n));
+    }
+    EXPECT_EQ(got.rfind("HTTP/1.1 200", 0), 0u) << got;
+    std::this_thread::sleep_for(std::chrono::milliseconds(i == 0 ? 2500 : 0));  // idle past io_timeout_s
+  }
+  ::close(ok);
+}
+
+}  // namespace
+}  // namespace moebius::server
