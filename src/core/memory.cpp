@@ -44,7 +44,16 @@ void MappedFile::reset() {
   size_ = 0;
 }
 
-Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
+namespace {
+
+struct RegularFile {
+  int fd = -1;
+  uint64_t size = 0;
+};
+
+// `path` opened read-only when it is a regular file (closed and an error naming it otherwise).
+// O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; it is refused instead.
+Result<RegularFile> open_regular_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Error::format("cannot open: {}", std::strerror(errno)).in_file(path);
   struct stat st {};
@@ -55,55 +64,52 @@ Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes)
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    return Error(S_ISDIR(st.st_mode) ? "is a directory, not a file" : "not a regular file").in_file(path);
+    return Error(S_ISDIR(st.st_mode) ? "not a regular file (a directory)" : "not a regular file").in_file(path);
   }
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    ::close(fd);
-    return Error::format("{} bytes; a file of this kind is at most {} (is this the right file?)", st.st_size,
+  return RegularFile{fd, static_cast<uint64_t>(st.st_size)};
+}
+
+}  // namespace
+
+Result<std::string> read_small_file(const std::string& path, uint64_t max_bytes) {
+  MOEBIUS_ASSIGN_OR_RETURN(const RegularFile file, open_regular_file(path));
+  if (file.size > max_bytes) {
+    ::close(file.fd);
+    return Error::format("{} bytes; a file of this kind is at most {} (is this the right file?)", file.size,
                          max_bytes)
         .in_file(path);
   }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
+  std::string text(static_cast<size_t>(file.size), '\0');
   size_t got = 0;
   while (got < text.size()) {
-    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    const ssize_t n = ::read(file.fd, text.data() + got, text.size() - got);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
-      ::close(fd);
+      ::close(file.fd);
       return Error::format("read error: {}", std::strerror(err)).in_file(path);
     }
     if (n == 0) break;  // the file shrank while being read: keep what is there
     got += static_cast<size_t>(n);
   }
-  ::close(fd);
+  ::close(file.fd);
   text.resize(got);
   return text;
 }
 
 Result<MappedFile> MappedFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Error::format("cannot open: {}", std::strerror(errno)).in_file(path);
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Error::format("cannot stat: {}", std::strerror(err)).in_file(path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Error("not a regular file").in_file(path);
-  }
+  MOEBIUS_ASSIGN_OR_RETURN(const RegularFile file, open_regular_file(path));
+  const int fd = file.fd;
   MappedFile f;
   f.path_ = path;
-  f.size_ = static_cast<size_t>(st.st_size);
+  f.size_ = static_cast<size_t>(file.size);
   if (f.size_ > 0) {
     void* p = mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       const int err = errno;
       ::close(fd);
       f.size_ = 0;
-      return Error::format("mmap of {} bytes failed: {}", st.st_size, std::strerror(err)).in_file(path);
+      return Error::format("mmap of {} bytes failed: {}", file.size, std::strerror(err)).in_file(path);
     }
     f.data_ = static_cast<const uint8_t*>(p);
   }
