@@ -53,6 +53,13 @@ struct Server {
     o.idle_timeout_s = 30;
     o.error_body = [](int, const std::string& m) { return "{\"error\": \"" + m + "\"}"; };
     http = std::make_unique<HttpServer>(o, [](const HttpRequest& req, HttpResponse& res) {
+      if (req.path == "/stream") {
+        res.begin_stream(200, "text/plain");
+        res.write("abc");
+        res.write("def");
+        res.end_stream();
+        return;
+      }
       res.send(200, "text/plain", "got " + std::to_string(req.body.size()));
     });
     EXPECT_TRUE(http->listen().ok());
@@ -104,6 +111,54 @@ TEST(HttpServer, ADrippedRequestIsCutAtTheRequestDeadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(i == 0 ? 2500 : 0));  // idle past io_timeout_s
   }
   ::close(ok);
+}
+
+// Sends `request` and reads until `done(text so far)` or the peer closes; the text read.
+template <typename Done>
+std::string exchange(int fd, const std::string& request, Done done) {
+  EXPECT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  std::string got;
+  char tmp[4096];
+  while (!done(got)) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 5000) <= 0) break;
+    const ssize_t n = ::recv(fd, tmp, sizeof(tmp), 0);
+    if (n <= 0) break;
+    got.append(tmp, static_cast<size_t>(n));
+  }
+  return got;
+}
+
+// HEAD gets the head only: a body after it would be read as the start of the next response on a
+// keep-alive connection (curl: "Excess found"). An HTTP/1.0 client gets a stream as the raw body
+// ended by the close: RFC 9112 forbids chunked framing towards 1.0.
+TEST(HttpServer, HeadHasNoBodyAndHttp10StreamsAreNotChunked) {
+  Server s(/*io_timeout_s=*/10);
+  const int fd = connect_to(s.http->port());
+  const std::string head =
+      exchange(fd, "HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n", [](const std::string& t) { return t.find("\r\n\r\n") != std::string::npos; });
+  EXPECT_EQ(head.rfind("HTTP/1.1 200", 0), 0u) << head;
+  EXPECT_NE(head.find("Content-Length: 5"), std::string::npos) << head;  // "got 0", not sent
+  EXPECT_EQ(head.substr(head.find("\r\n\r\n") + 4), "") << "a body after the HEAD response";
+  // The same connection answers the next request correctly (nothing left over from the HEAD).
+  const std::string next = exchange(fd, "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nab",
+                                    [](const std::string& t) { return t.find("got 2") != std::string::npos; });
+  EXPECT_EQ(next.rfind("HTTP/1.1 200", 0), 0u) << next;
+  EXPECT_NE(next.find("got 2"), std::string::npos) << next;
+  ::close(fd);
+
+  const int old = connect_to(s.http->port());
+  const std::string body = exchange(old, "GET /stream HTTP/1.0\r\n\r\n", [](const std::string&) { return false; });
+  EXPECT_EQ(body.find("Transfer-Encoding"), std::string::npos) << body;
+  EXPECT_NE(body.find("Connection: close"), std::string::npos) << body;
+  EXPECT_EQ(body.substr(body.find("\r\n\r\n") + 4), "abcdef") << body;
+  ::close(old);
+  const int v11 = connect_to(s.http->port());
+  const std::string chunked = exchange(v11, "GET /stream HTTP/1.1\r\nHost: a\r\n\r\n",
+                                       [](const std::string& t) { return t.find("0\r\n\r\n") != std::string::npos; });
+  EXPECT_NE(chunked.find("Transfer-Encoding: chunked"), std::string::npos) << chunked;
+  EXPECT_NE(chunked.find("3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n"), std::string::npos) << chunked;
+  ::close(v11);
 }
 
 }  // namespace

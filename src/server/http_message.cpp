@@ -155,11 +155,11 @@ std::string_view status_reason(int status) {
 }
 
 std::string response_head(int status, std::string_view content_type, std::optional<size_t> content_length,
-                          bool keep_alive, const std::vector<std::string>& extra) {
+                          bool keep_alive, const std::vector<std::string>& extra, bool chunked) {
   std::string h = fmt::format("HTTP/1.1 {} {}\r\n", status, status_reason(status));
   if (!content_type.empty()) h += fmt::format("Content-Type: {}\r\n", content_type);
   if (content_length) h += fmt::format("Content-Length: {}\r\n", *content_length);
-  else h += "Transfer-Encoding: chunked\r\n";
+  else if (chunked) h += "Transfer-Encoding: chunked\r\n";
   h += keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
   for (const std::string& e : extra) h += e + "\r\n";
   h += "\r\n";

@@ -59,10 +59,12 @@ size_t find_head_end(std::string_view buffer);
 
 std::string_view status_reason(int status);
 
-// "HTTP/1.1 <status> <reason>" plus Content-Type, Content-Length (or Transfer-Encoding: chunked
-// when content_length is nullopt), Connection, and `extra` header lines ("Name: value").
+// "HTTP/1.1 <status> <reason>" plus Content-Type, Content-Length (or, when content_length is
+// nullopt, Transfer-Encoding: chunked, or no framing header at all when !chunked: a body that ends
+// with the connection, for HTTP/1.0 clients, who cannot read chunks), Connection, and `extra`
+// header lines ("Name: value").
 std::string response_head(int status, std::string_view content_type, std::optional<size_t> content_length,
-                          bool keep_alive, const std::vector<std::string>& extra = {});
+                          bool keep_alive, const std::vector<std::string>& extra = {}, bool chunked = true);
 
 // One chunk of a chunked body; the empty string's chunk ends the body ("0\r\n\r\n").
 std::string http_chunk(std::string_view data);

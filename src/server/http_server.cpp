@@ -42,7 +42,7 @@ void HttpResponse::send(int status, std::string_view content_type, std::string_v
   started_ = true;
   status_ = status;
   std::string msg = response_head(status, content_type, body.size(), keep_alive_, extra);
-  msg.append(body);
+  if (!head_only_) msg.append(body);
   write_all(msg);
 }
 
@@ -50,18 +50,20 @@ bool HttpResponse::begin_stream(int status, std::string_view content_type, const
   MOEBIUS_ASSERT(!started_, "a second response on one request");
   started_ = streaming_ = true;
   status_ = status;
-  return write_all(response_head(status, content_type, std::nullopt, keep_alive_, extra));
+  if (http10_) keep_alive_ = false;  // the body ends with the connection
+  return write_all(response_head(status, content_type, std::nullopt, keep_alive_, extra, /*chunked=*/!http10_));
 }
 
 bool HttpResponse::write(std::string_view data) {
   MOEBIUS_ASSERT(streaming_, "write() outside a stream");
   if (data.empty()) return !failed_;  // an empty chunk would end the body
-  return write_all(http_chunk(data));
+  if (head_only_) return !failed_;
+  return write_all(http10_ ? std::string(data) : http_chunk(data));
 }
 
 void HttpResponse::end_stream() {
   MOEBIUS_ASSERT(streaming_, "end_stream() outside a stream");
-  write_all(http_chunk(""));
+  if (!head_only_ && !http10_) write_all(http_chunk(""));
   streaming_ = false;
 }
 
@@ -252,6 +254,7 @@ void HttpServer::connection(int fd) {
     buffer.erase(0, head_end + length);
 
     HttpResponse res(fd, req.keep_alive() && !stopping_);
+    res.set_request(req.method, req.minor_version);
     try {
       handler_(req, res);
     } catch (const std::exception& e) {

@@ -31,6 +31,13 @@ namespace moebius::server {
 class HttpResponse {
  public:
   HttpResponse(int fd, bool keep_alive) : fd_(fd), keep_alive_(keep_alive) {}
+  // What the request asks of the response's framing: HEAD gets the head only (the same headers,
+  // Content-Length included, no body: a body would be read as the next response); an HTTP/1.0
+  // client cannot read chunks, so its stream is the raw body, ended by closing the connection.
+  void set_request(std::string_view method, int minor_version) {
+    head_only_ = method == "HEAD";
+    http10_ = minor_version == 0;
+  }
 
   void send(int status, std::string_view content_type, std::string_view body,
             const std::vector<std::string>& extra_headers = {});
@@ -52,6 +59,8 @@ class HttpResponse {
   bool keep_alive_;
   bool started_ = false;
   bool streaming_ = false;
+  bool head_only_ = false;
+  bool http10_ = false;
   bool failed_ = false;
   int status_ = 0;
 };
