@@ -407,6 +407,21 @@ TEST(Engine, ConcurrentSampledRequestsMatchSolo) {
   }
 }
 
+// The CPU KV pool allocates blocks as sequences need them, so a pool larger than the host used to
+// start and be OOM-killed under load (--kv-blocks 2e9: a 16 GB table of empty slots at once).
+// An explicit --kv-blocks past the host's available memory is an error naming the flag.
+TEST(Engine, AKvPoolPastHostMemoryIsRefused) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.num_blocks = 2000000000;  // x 12 KiB a block (3 layers, 2 KV heads of 16, 16 tokens): 22 TiB
+  auto runner = load_runner(o);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.error().field(), "--kv-blocks") << runner.error().what();
+  EXPECT_NE(runner.error().what().find("available"), std::string::npos) << runner.error().what();
+  o.num_blocks = 64;
+  EXPECT_TRUE(load_runner(o).ok());
+}
+
 TEST(Engine, EosStops) {
   // The first greedy token is made an eos id: the request stops at once with no completion.
   const auto prompt = prompt_for(6);

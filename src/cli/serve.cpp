@@ -12,7 +12,9 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -144,6 +146,34 @@ Status run(ServeOptions& o) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // The signal thread starts now, not once the server listens: loading can take minutes, and a
+  // signal then (nothing served yet, nothing to lose) ends the process at once. Once the server
+  // listens, a signal stops it gracefully. On an early error return the guard wakes the thread
+  // (a signal aimed at it, with `leaving` set) and joins it.
+  std::atomic<server::HttpServer*> listening{nullptr};
+  std::atomic<bool> leaving{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (leaving.load()) return;
+    server::HttpServer* http = listening.load();
+    if (http == nullptr) {
+      std::fprintf(stderr, "moebius serve: signal %d while starting: exiting\n", sig);
+      std::_Exit(128 + sig);
+    }
+    log_info("signal {}: shutting down", sig);
+    http->stop();
+  });
+  struct WaiterGuard {
+    std::thread& t;
+    std::atomic<bool>& leaving;
+    ~WaiterGuard() {
+      if (!t.joinable()) return;
+      leaving = true;
+      pthread_kill(t.native_handle(), SIGTERM);  // a no-op if it already returned after a signal
+      t.join();
+    }
+  } guard{waiter, leaving};
 
   log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
   if (const std::string f =
@@ -152,6 +182,12 @@ Status run(ServeOptions& o) {
     return Error("expert offload needs --backend cuda").in_field(f);
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
   log_info("{}", runner->describe());
+  // Ids the tokenizer can produce that the model has no embedding for: every text request that
+  // hits one is refused (400); said once here, where the cause is visible.
+  if (const size_t model_vocab = static_cast<size_t>(runner->config().vocab_size); tok.vocab_size() > model_vocab)
+    log_warn("the tokenizer ({}) has ids up to {} but the model's vocabulary is {}: requests whose text encodes to "
+             "such ids will be refused; is --tokenizer the model's own?",
+             o.tokenizer_dir, tok.vocab_size() - 1, model_vocab);
 
   server::EngineOptions eo;
   eo.max_queue = o.max_queue;
@@ -224,12 +260,7 @@ Status run(ServeOptions& o) {
                ao.served_model_name.c_str());
   std::fflush(stderr);
 
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    log_info("signal {}: shutting down", sig);
-    http.stop();
-  });
+  listening = &http;
   http.serve();  // returns after stop(), once connections drained (engine.stop() below fails the rest)
   engine.stop();
   waiter.join();

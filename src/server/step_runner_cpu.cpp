@@ -25,6 +25,7 @@
 #include "core/log.h"
 #include "model/generate.h"
 #include "model/qwen3_moe_cpu.h"
+#include "offload/memory_budget.h"
 #include "parallel/in_process_communicator.h"
 #include "server/dp_driver.h"
 #include "server/step_runner.h"
@@ -229,6 +230,39 @@ Result<std::unique_ptr<StepRunner>> load_cpu_ep_runner(const RunnerOptions& o, c
 
 }  // namespace
 
+namespace {
+
+// The CPU KV pool allocates a block when a sequence first needs it and keeps it, so a pool larger
+// than the host's memory starts fine and is OOM-killed under load (--kv-blocks 2e9 also made a
+// 16 GB table of empty slots at once). Sized against MemAvailable after the weights are loaded,
+// keeping max(2 GiB, 10%) free: an explicit --kv-blocks above that is an error; the default
+// (--max-running full contexts) is lowered to what fits, and the scheduler preempts instead.
+Status fit_kv_pool_in_host_memory(const model::Qwen3MoeConfig& c, bool explicit_blocks, RunnerLimits& l) {
+  const uint64_t available = offload::host_available_bytes();
+  if (available == 0) return Ok{};  // no /proc/meminfo: nothing to size against
+  const uint64_t block_bytes = sizeof(float) * static_cast<uint64_t>(c.num_hidden_layers) * 2 *
+                                   static_cast<uint64_t>(l.block_size) * static_cast<uint64_t>(c.num_key_value_heads) *
+                                   static_cast<uint64_t>(c.head_dim) +
+                               sizeof(void*);
+  const uint64_t keep = std::max<uint64_t>(uint64_t{2} << 30, available / 10);
+  const uint64_t fit = available > keep ? (available - keep) / block_bytes : 0;
+  if (static_cast<uint64_t>(l.num_blocks) <= fit) return Ok{};
+  const double gib = static_cast<double>(uint64_t{1} << 30);
+  if (explicit_blocks || fit == 0)
+    return Error::format("{} KV blocks of {:.2f} MiB could grow to {:.1f} GiB; the host has {:.1f} GiB available, "
+                         "of which {:.1f} must stay free: at most {} blocks",
+                         l.num_blocks, static_cast<double>(block_bytes) / (1 << 20),
+                         static_cast<double>(l.num_blocks) * static_cast<double>(block_bytes) / gib,
+                         static_cast<double>(available) / gib, static_cast<double>(keep) / gib, fit)
+        .in_field("--kv-blocks");
+  log_info("KV pool: {} blocks ({} full contexts) would not fit in host memory; {} blocks of {} tokens fit",
+           l.num_blocks, l.max_seqs, fit, l.block_size);
+  l.num_blocks = static_cast<int32_t>(fit);  // < the int32 default it replaces
+  return Ok{};
+}
+
+}  // namespace
+
 Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<WeightFormat> experts, model::parse_experts_format(o.experts));
   model::Qwen3MoeLoadOptions load;
@@ -274,6 +308,7 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
                          l.max_seqs, l.max_context, blocks)
         .in_field("--max-context");
   l.num_blocks = o.num_blocks > 0 ? o.num_blocks : static_cast<int32_t>(blocks);
+  MOEBIUS_TRY(fit_kv_pool_in_host_memory(m.config(), o.num_blocks > 0, l));
   return std::unique_ptr<StepRunner>(new CpuRunner(std::move(m), l));
 }
 
