@@ -293,6 +293,15 @@ std::vector<float> cuda_decode_pair(Qwen3MoeCuda& m, const std::vector<int32_t>&
   return out;
 }
 
+// The logits with the combine folded (`folded`) against the combine stage's (`plain`): all
+// finite and the same bits.
+void expect_same_logits_when_folded(const std::vector<float>& plain, const std::vector<float>& folded) {
+  ASSERT_EQ(plain.size(), folded.size());
+  for (float x : folded) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_EQ(std::memcmp(plain.data(), folded.data(), plain.size() * sizeof(float)), 0)
+      << "the folded combine changed the logits (max |d| " << max_abs_diff(plain, folded) << ")";
+}
+
 // [TAG_MOE_DEFERRED_COMBINE] Each MoE layer's combine folded into the next layer's qkv GEMV
 // (fold_moe_combine_max_rows 2) against the combine stage (0): the same logits bit for bit in an
 // eager two-token prefill, the batch-1 teacher-forced decode (graph replays) and the batch-2
@@ -320,10 +329,7 @@ TEST(Qwen3MoeCuda, FoldedMoeCombineKeepsLogitsBitIdentical) {
     }
     EXPECT_EQ(folded[0], 0);
     EXPECT_GT(folded[1], 0);
-    ASSERT_EQ(logits[0].size(), logits[1].size());
-    for (float x : logits[1]) ASSERT_TRUE(std::isfinite(x));
-    EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * sizeof(float)), 0)
-        << "the folded combine changed the logits (max |d| " << max_abs_diff(logits[0], logits[1]) << ")";
+    expect_same_logits_when_folded(logits[0], logits[1]);
   }
 }
 
@@ -374,10 +380,7 @@ TEST(Qwen3MoeCuda, FoldedMoeCombineAcrossMoeLayersAndPaddedGraphs) {
     }
     EXPECT_EQ(folded[0], 0);
     EXPECT_GE(folded[1], 3) << "every MoE layer but the last folds in each captured or eager step";
-    ASSERT_EQ(logits[0].size(), logits[1].size());
-    for (float x : logits[1]) ASSERT_TRUE(std::isfinite(x));
-    EXPECT_EQ(std::memcmp(logits[0].data(), logits[1].data(), logits[0].size() * sizeof(float)), 0)
-        << "the folded combine changed the logits (max |d| " << max_abs_diff(logits[0], logits[1]) << ")";
+    expect_same_logits_when_folded(logits[0], logits[1]);
   }
 }
 
