@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -159,6 +160,59 @@ TEST(HttpServer, HeadHasNoBodyAndHttp10StreamsAreNotChunked) {
   EXPECT_NE(chunked.find("Transfer-Encoding: chunked"), std::string::npos) << chunked;
   EXPECT_NE(chunked.find("3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n"), std::string::npos) << chunked;
   ::close(v11);
+}
+
+// [TAG_HTTP_SERVER_LIFETIME] serve() stops waiting for connections after io_timeout_s, while a
+// handler may still be inside its work (in `moebius serve`, a generation the engine fails only
+// after serve() returns). The connection threads are detached and use the server and the handler:
+// its destructor must wait for them, not free what they use (an ASan use-after-free before).
+TEST(HttpServer, DestructionWaitsForAHandlerStillRunningAfterServeReturned) {
+  HttpServerOptions o;
+  o.port = 0;
+  o.io_timeout_s = 1;
+  o.error_body = [](int, const std::string& m) { return "{\"error\": \"" + m + "\"}"; };
+  std::atomic<bool> entered{false}, release{false};
+  auto http = std::make_unique<HttpServer>(o, [&](const HttpRequest&, HttpResponse& res) {
+    entered = true;
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    res.send(200, "text/plain", "done");
+  });
+  ASSERT_TRUE(http->listen().ok());
+  std::thread serving([&] { http->serve(); });
+  const int fd = connect_to(http->port());
+  const std::string req = "GET /slow HTTP/1.1\r\nHost: a\r\n\r\n";
+  ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  for (int i = 0; i < 400 && !entered; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(entered);
+
+  const auto t0 = Clock::now();
+  http->stop();
+  serving.join();  // gives up on the connection after io_timeout_s
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(http->open_connections(), 1);
+  EXPECT_FALSE(http->wait_connections_closed(std::chrono::milliseconds(100)));
+
+  std::atomic<bool> destroyed{false};
+  std::thread destroying([&] {
+    http.reset();
+    destroyed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(destroyed) << "the server was destroyed under a running connection";
+  release = true;
+  destroying.join();
+  EXPECT_TRUE(destroyed);
+  // The handler's answer still went out before the connection closed.
+  std::string got;
+  char buf[4096];
+  pollfd p{fd, POLLIN, 0};
+  while (::poll(&p, 1, 2000) > 0) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_NE(got.find("done"), std::string::npos) << got;
+  ::close(fd);
 }
 
 }  // namespace

@@ -261,7 +261,10 @@ Status run(ServeOptions& o) {
   std::fflush(stderr);
 
   listening = &http;
-  http.serve();  // returns after stop(), once connections drained (engine.stop() below fails the rest)
+  // serve() returns after stop(), once connections drained or io_timeout_s passed; engine.stop()
+  // then fails the requests still generating, and `http`, declared after `api` and `engine`, is
+  // destroyed first: its destructor waits for those connections to end ([TAG_HTTP_SERVER_LIFETIME]).
+  http.serve();
   engine.stop();
   waiter.join();
   // A failed runner (--ep: its ranks out of step) ends the process with an error, so the launcher

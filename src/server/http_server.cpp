@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <system_error>
 #include <optional>
@@ -87,6 +89,20 @@ HttpServer::HttpServer(HttpServerOptions options, HttpHandler handler)
 HttpServer::~HttpServer() {
   stop();
   if (listen_fd_ >= 0) ::close(listen_fd_);
+  // [TAG_HTTP_SERVER_LIFETIME]
+  const auto bound = std::chrono::seconds(2 * static_cast<int64_t>(options_.io_timeout_s) + 1);
+  if (!wait_connections_closed(bound)) {
+    log_error("{} connection(s) still running {} s after the server stopped; exiting now rather than freeing "
+              "memory they use",
+              active_.load(), bound.count());
+    std::fflush(stderr);
+    std::_Exit(2);
+  }
+}
+
+bool HttpServer::wait_connections_closed(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return drained_.wait_for(lock, timeout, [&] { return active_.load() == 0; });
 }
 
 Status HttpServer::listen() {
@@ -167,8 +183,7 @@ void HttpServer::serve() {
   ::close(listen_fd_);
   listen_fd_ = -1;
   // Connections see stopping_ between requests; handlers end when the engine fails their requests.
-  std::unique_lock<std::mutex> lock(mu_);
-  drained_.wait_for(lock, std::chrono::seconds(options_.io_timeout_s), [&] { return active_.load() == 0; });
+  wait_connections_closed(std::chrono::seconds(options_.io_timeout_s));
 }
 
 // Reads more bytes into `buffer`. Waits until `deadline` at most; while `idle` (between requests),

@@ -81,6 +81,12 @@ struct HttpServerOptions {
 class HttpServer {
  public:
   HttpServer(HttpServerOptions options, HttpHandler handler);
+  // Stops, then waits for the connection threads: they are detached and use this object and the
+  // handler (and what it refers to) until they end, so the server must not go away under them
+  // ([TAG_HTTP_SERVER_LIFETIME]). Their blocking steps are bounded (a read by the stop flag, each
+  // write by io_timeout_s), so the wait is bounded once whatever the handlers wait on has stopped;
+  // a thread still running 2 * io_timeout_s + 1 s later ends the process (exit 2) rather than
+  // letting it touch freed memory. Owners destroy the server before what its handler refers to.
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
@@ -88,8 +94,12 @@ class HttpServer {
   // Binds and listens. Errors name --host/--port.
   Status listen();
   int port() const { return port_; }
-  // Accepts connections until stop(); then waits for open connections to finish.
+  // Accepts connections until stop(); then waits (io_timeout_s at most) for open connections to
+  // finish. Some may still run when it returns: a handler that waits for something its owner has
+  // not stopped yet (the engine's generation).
   void serve();
+  // Waits until every connection thread has ended, for at most `timeout`; true when none is left.
+  bool wait_connections_closed(std::chrono::milliseconds timeout);
   // Safe from any thread (not from a signal handler: set a flag and call it from a thread).
   void stop();
   int open_connections() const { return active_.load(); }
