@@ -422,6 +422,20 @@ TEST(Engine, AKvPoolPastHostMemoryIsRefused) {
   EXPECT_TRUE(load_runner(o).ok());
 }
 
+// The same with --ep: the ranks' pools (one per rank, all in this process) were not sized at all.
+TEST(Engine, AnEpKvPoolPastHostMemoryIsRefused) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  o.ep = 2;
+  o.num_blocks = 1500000000;  // 2 pools x 1.5e9 blocks x 12 KiB
+  auto runner = load_runner(o);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.error().field(), "--kv-blocks") << runner.error().what();
+  EXPECT_NE(runner.error().what().find("2 pools"), std::string::npos) << runner.error().what();
+  o.num_blocks = 64;
+  EXPECT_TRUE(load_runner(o).ok());
+}
+
 TEST(Engine, EosStops) {
   // The first greedy token is made an eos id: the request stops at once with no completion.
   const auto prompt = prompt_for(6);

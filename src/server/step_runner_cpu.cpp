@@ -14,6 +14,7 @@
 // rank 0 collects the wanted logits rows in the step's order. Each rank computes exactly what the
 // single-process model computes for its sequences, so the logits are bit-identical to `--ep 1`.
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -232,28 +233,51 @@ Result<std::unique_ptr<StepRunner>> load_cpu_ep_runner(const RunnerOptions& o, c
 
 namespace {
 
+// The bytes of a checkpoint's safetensors files: what its weights take once loaded, as an estimate
+// made before loading (quantizing experts at load makes them smaller; 0 where the directory cannot
+// be listed, and then only the free memory's margin guards the pools).
+uint64_t checkpoint_bytes(const std::string& dir) {
+  std::error_code ec;
+  uint64_t total = 0;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() != ".safetensors") continue;
+    const uint64_t n = it->file_size(ec);
+    if (!ec) total += n;
+    ec.clear();
+  }
+  return total;
+}
+
 // The CPU KV pool allocates a block when a sequence first needs it and keeps it, so a pool larger
 // than the host's memory starts fine and is OOM-killed under load (--kv-blocks 2e9 also made a
 // 16 GB table of empty slots at once). Sized against MemAvailable after the weights are loaded,
 // keeping max(2 GiB, 10%) free: an explicit --kv-blocks above that is an error; the default
 // (--max-running full contexts) is lowered to what fits, and the scheduler preempts instead.
-Status fit_kv_pool_in_host_memory(const model::Qwen3MoeConfig& c, bool explicit_blocks, RunnerLimits& l) {
-  const uint64_t available = offload::host_available_bytes();
-  if (available == 0) return Ok{};  // no /proc/meminfo: nothing to size against
+// `pools` pools of l.num_blocks each (--ep: one per rank, all in this process); `reserve`: bytes
+// still to be loaded (--ep sizes the pools before its ranks load their weights).
+Status fit_kv_pool_in_host_memory(const model::Qwen3MoeConfig& c, bool explicit_blocks, RunnerLimits& l, int pools = 1,
+                                  uint64_t reserve = 0) {
+  const uint64_t total = offload::host_available_bytes();
+  if (total == 0) return Ok{};  // no /proc/meminfo: nothing to size against
+  const uint64_t available = total > reserve ? total - reserve : 0;
   const uint64_t block_bytes = sizeof(float) * static_cast<uint64_t>(c.num_hidden_layers) * 2 *
                                    static_cast<uint64_t>(l.block_size) * static_cast<uint64_t>(c.num_key_value_heads) *
                                    static_cast<uint64_t>(c.head_dim) +
                                sizeof(void*);
+  const uint64_t pool_bytes = block_bytes * static_cast<uint64_t>(pools);  // one block in every pool
   const uint64_t keep = std::max<uint64_t>(uint64_t{2} << 30, available / 10);
-  const uint64_t fit = available > keep ? (available - keep) / block_bytes : 0;
+  const uint64_t fit = available > keep ? (available - keep) / pool_bytes : 0;
   if (static_cast<uint64_t>(l.num_blocks) <= fit) return Ok{};
   const double gib = static_cast<double>(uint64_t{1} << 30);
+  const std::string per = pools > 1 ? fmt::format(" in each of {} pools (--ep)", pools) : "";
+  const std::string weights =
+      reserve > 0 ? fmt::format(" after {:.1f} GiB of weights", static_cast<double>(reserve) / gib) : "";
   if (explicit_blocks || fit == 0)
-    return Error::format("{} KV blocks of {:.2f} MiB could grow to {:.1f} GiB; the host has {:.1f} GiB available, "
-                         "of which {:.1f} must stay free: at most {} blocks",
-                         l.num_blocks, static_cast<double>(block_bytes) / (1 << 20),
-                         static_cast<double>(l.num_blocks) * static_cast<double>(block_bytes) / gib,
-                         static_cast<double>(available) / gib, static_cast<double>(keep) / gib, fit)
+    return Error::format("{} KV blocks of {:.2f} MiB{} could grow to {:.1f} GiB; the host has {:.1f} GiB available{}, "
+                         "of which {:.1f} must stay free: at most {} blocks{}",
+                         l.num_blocks, static_cast<double>(block_bytes) / (1 << 20), per,
+                         static_cast<double>(l.num_blocks) * static_cast<double>(pool_bytes) / gib,
+                         static_cast<double>(available) / gib, weights, static_cast<double>(keep) / gib, fit, per)
         .in_field("--kv-blocks");
   log_info("KV pool: {} blocks ({} full contexts) would not fit in host memory; {} blocks of {} tokens fit",
            l.num_blocks, l.max_seqs, fit, l.block_size);
@@ -290,6 +314,9 @@ Result<std::unique_ptr<StepRunner>> load_cpu_runner(const RunnerOptions& o) {
     l.num_blocks = o.num_blocks > 0 ? o.num_blocks : static_cast<int32_t>(blocks);
     l.kv_pools = o.ep;
     l.max_all_logits_rows = l.max_step_tokens;  // the CPU lm_head keeps no buffer per row
+    // The ranks copy the limits when they start, before any weights are loaded: size the N pools
+    // now, against what the host has left once the checkpoint is in memory.
+    MOEBIUS_TRY(fit_kv_pool_in_host_memory(config, o.num_blocks > 0, l, o.ep, checkpoint_bytes(o.source.model_dir)));
     return load_cpu_ep_runner(o, load, l);
   }
   MOEBIUS_ASSIGN_OR_RETURN(model::Qwen3MoeCpu m, model::Qwen3MoeCpu::load(o.source.model_dir, load));
