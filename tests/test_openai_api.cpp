@@ -363,10 +363,15 @@ TEST(OpenAiApi, ErrorShape) {
   EXPECT_EQ(unauthorized().status, 401);
   EXPECT_EQ(unauthorized().code, "invalid_api_key");
   EXPECT_EQ(queue_full(3).status, 429);
-  const ApiError c = context_exceeded(200, 100, 256);
+  const ApiError c = context_exceeded(200, 100, 256, "prompt");
   EXPECT_EQ(c.status, 400);
   EXPECT_EQ(c.code, "context_length_exceeded");
+  EXPECT_EQ(c.param, "max_tokens");  // the prompt fits: the completion is what to shorten
   EXPECT_NE(c.message.find("maximum context length is 256"), std::string::npos);
+  // A prompt that fills the context names the field that holds it: completions' prompt, chat's
+  // messages (the completions error used to name "messages").
+  EXPECT_EQ(context_exceeded(300, 0, 256, "prompt").param, "prompt");
+  EXPECT_EQ(context_exceeded(300, 0, 256, "messages").param, "messages");
 }
 
 TEST(OpenAiApi, ResponseShapes) {

@@ -323,7 +323,8 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
     if (auto e = tokenize(req, p, &prompts[p], &prompt_opens_think)) return send_error(res, *e);
     const int64_t prompt = static_cast<int64_t>(prompts[p].size());
     if (prompt >= context || (req.max_tokens && prompt + *req.max_tokens > context))
-      return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context));
+      return send_error(res, context_exceeded(prompt, req.max_tokens.value_or(0), context,
+                                              endpoint == Endpoint::kChat ? "messages" : "prompt"));
   }
   const std::optional<ChatOutputOptions> parse = output_parsing(req, prompt_opens_think);
   // n > 1: n sequences of each prompt, all queued together or not at all (the prefix cache shares

@@ -553,12 +553,12 @@ ApiError server_error(std::string message, int status) {
   return ApiError{status, std::move(message), "server_error", "", ""};
 }
 
-ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context) {
+ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context, const std::string& prompt_param) {
   if (max_tokens <= 0)
     return invalid_request(fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} "
                                        "tokens, which leaves no room for a completion.",
                                        context, prompt_tokens),
-                           "messages", "context_length_exceeded");
+                           prompt_param, "context_length_exceeded");
   return invalid_request(fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
                                      "tokens ({} in the prompt, {} in the completion). Please reduce the length of "
                                      "the prompt or of max_tokens.",

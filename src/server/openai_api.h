@@ -49,8 +49,10 @@ ApiError queue_full(size_t depth);
 ApiError not_found(const std::string& path);
 ApiError method_not_allowed(const std::string& method, const std::string& path);
 ApiError server_error(std::string message, int status = 500);
-// 400 context_length_exceeded, worded like vLLM's (clients match on it).
-ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context);
+// 400 context_length_exceeded, worded like vLLM's (clients match on it). Its param names what to
+// shorten: max_tokens when the prompt alone fits, else prompt_param (chat: "messages",
+// completions: "prompt").
+ApiError context_exceeded(int64_t prompt_tokens, int64_t max_tokens, int64_t context, const std::string& prompt_param);
 
 enum class Endpoint { kChat, kCompletion };
 
