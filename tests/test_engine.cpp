@@ -436,6 +436,43 @@ TEST(Engine, AnEpKvPoolPastHostMemoryIsRefused) {
   EXPECT_TRUE(load_runner(o).ok());
 }
 
+// A refused request names the field at fault, so the API's 400 carries it as "param" (it was
+// null for every engine refusal).
+TEST(Engine, RefusalsNameTheRequestField) {
+  RunnerOptions o;
+  o.source.model_dir = testing::tiny_fixture_dir();
+  auto runner = load_runner(o);
+  ASSERT_TRUE(runner.ok());
+  Engine engine(std::move(runner).value(), &tiny_tokenizer(), EngineOptions{8, {}});
+  const auto refused = [&](EngineRequest r) {
+    std::vector<EngineRequest> g;
+    g.push_back(std::move(r));
+    SubmittedGroup s = engine.submit_group(std::move(g));
+    EXPECT_TRUE(s.streams.empty());
+    EXPECT_FALSE(s.error.empty());
+    return s.error_param;
+  };
+  EngineRequest min = greedy(prompt_for(6), 5);
+  min.min_tokens = 9;
+  EXPECT_EQ(refused(std::move(min)), "min_tokens");
+  EngineRequest top_p = greedy(prompt_for(6), 5);
+  top_p.sampling.top_p = 2.0f;
+  EXPECT_EQ(refused(std::move(top_p)), "top_p");  // the sampler's --top-p, in the API's terms
+  EngineRequest empty = greedy(prompt_for(6), 5);
+  empty.prompt.clear();
+  EXPECT_EQ(refused(std::move(empty)), "prompt");
+  EngineRequest stop = greedy(prompt_for(6), 5);
+  stop.stop_token_ids = {-1};
+  EXPECT_EQ(refused(std::move(stop)), "stop_token_ids");
+  // A good request still runs.
+  EXPECT_FALSE(engine.submit_group([] {
+                 std::vector<EngineRequest> g;
+                 g.push_back(greedy(prompt_for(6), 2));
+                 return g;
+               }())
+                   .streams.empty());
+}
+
 TEST(Engine, EosStops) {
   // The first greedy token is made an eos id: the request stops at once with no completion.
   const auto prompt = prompt_for(6);

@@ -349,7 +349,10 @@ void ApiServer::generate(Endpoint endpoint, const HttpRequest& http, HttpRespons
   if (sub.streams.empty()) {
     if (sub.queue_full) return send_error(res, queue_full(static_cast<size_t>(engine_->metrics().queue_depth.load())));
     if (!engine_->alive()) return send_error(res, server_error(sub.error, 503));
-    return send_error(res, invalid_request(sub.error));
+    // The engine names the prompt "prompt"; chat's prompt is its messages.
+    const std::string param =
+        endpoint == Endpoint::kChat && sub.error_param == "prompt" ? "messages" : sub.error_param;
+    return send_error(res, invalid_request(sub.error, param));
   }
   choices.streams = std::move(sub.streams);
   if (req.stream) stream(endpoint, req, prompts, parse, choices, res);

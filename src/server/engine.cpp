@@ -192,31 +192,43 @@ Submitted Engine::submit(EngineRequest request) {
   return Submitted{g.streams.empty() ? nullptr : std::move(g.streams[0]), g.queue_full, std::move(g.error)};
 }
 
-// Checks one request and builds its sequence (not yet queued); null with *error set when refused.
-std::unique_ptr<Engine::Seq> Engine::make_seq(EngineRequest r, std::string* error) const {
-  const auto refuse = [&](std::string why) {
+// Checks one request and builds its sequence (not yet queued); null with *error (and *param, the
+// field it names) set when refused.
+std::unique_ptr<Engine::Seq> Engine::make_seq(EngineRequest r, std::string* error, std::string* param) const {
+  const auto refuse = [&](std::string why, std::string field) {
     *error = std::move(why);
+    *param = std::move(field);
     return std::unique_ptr<Seq>();
   };
-  if (r.prompt.empty()) return refuse("the prompt is empty");
+  if (r.prompt.empty()) return refuse("the prompt is empty", "prompt");
   if (r.max_tokens < 1 || static_cast<int64_t>(r.prompt.size()) + r.max_tokens > max_context_)
-    return refuse("the prompt plus max_tokens exceeds the context");
+    return refuse("the prompt plus max_tokens exceeds the context", "max_tokens");
   for (int32_t id : r.prompt)
     if (id < 0 || id >= vocab_size())
-      return refuse(fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+      return refuse(fmt::format("token id {} is outside the vocabulary [0, {})", id, vocab_size()), "prompt");
   for (const auto& [id, bias] : r.sampling.logit_bias)
     if (id < 0 || id >= vocab_size())
-      return refuse(fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+      return refuse(fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size()),
+                    "logit_bias");
   for (int32_t id : r.stop_token_ids)
     if (id < 0 || id >= vocab_size())
-      return refuse(fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size()));
+      return refuse(fmt::format("stop_token_ids: token id {} is outside the vocabulary [0, {})", id, vocab_size()),
+                    "stop_token_ids");
   if (r.prompt_logprobs >= 0 && runner_->limits().max_all_logits_rows < 1)
     return refuse("prompt logprobs are not available: this server computes no extra logits rows "
-                  "(--prompt-logprob-rows 0)");
+                  "(--prompt-logprob-rows 0)",
+                  "prompt_logprobs");
   if (r.min_tokens < 0 || r.min_tokens > r.max_tokens)
-    return refuse(fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens));
+    return refuse(fmt::format("min_tokens ({}) must be in [0, max_tokens ({})]", r.min_tokens, r.max_tokens),
+                  "min_tokens");
   auto sampler = model::Sampler::create(r.sampling);
-  if (!sampler.ok()) return refuse(sampler.error().what());
+  if (!sampler.ok()) {
+    // The sampler names its fields as the CLI flags: --top-p is the API's top_p.
+    std::string field = sampler.error().field();
+    if (field.rfind("--", 0) == 0) field.erase(0, 2);
+    std::replace(field.begin(), field.end(), '-', '_');
+    return refuse(sampler.error().what(), field);
+  }
   auto seq = std::make_unique<Seq>();
   seq->sampler.emplace(std::move(sampler).value());
   seq->sampler->observe_prompt(r.prompt);
@@ -238,7 +250,7 @@ SubmittedGroup Engine::submit_group(std::vector<EngineRequest> requests) {
   }
   std::vector<std::unique_ptr<Seq>> seqs;
   for (EngineRequest& r : requests) {
-    seqs.push_back(make_seq(std::move(r), &out.error));
+    seqs.push_back(make_seq(std::move(r), &out.error, &out.error_param));
     if (!seqs.back()) return out;
   }
   const auto n = static_cast<int64_t>(seqs.size());

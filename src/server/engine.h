@@ -186,6 +186,9 @@ struct SubmittedGroup {
   std::vector<std::shared_ptr<RequestStream>> streams;  // empty when refused
   bool queue_full = false;
   std::string error;  // when refused for another reason: the first bad request's, or the engine's
+  // The request field that error names, in the OpenAI API's terms ("prompt", "max_tokens",
+  // "top_p", ...); "" when it names none (the engine's own state).
+  std::string error_param;
 };
 
 class Engine {
@@ -242,7 +245,7 @@ class Engine {
   static bool needs_prompt_logits(const Seq& seq);
   void on_prompt_rows(Seq& seq, int64_t first, int64_t count, std::span<const float* const> rows);
   void finish(Seq& seq, const std::string& reason, const std::string& error);
-  std::unique_ptr<Seq> make_seq(EngineRequest request, std::string* error) const;
+  std::unique_ptr<Seq> make_seq(EngineRequest request, std::string* error, std::string* param) const;
   void emit(Seq& seq, const std::string& text, GeneratedToken* token);
   static StopMatcher::Out match_stops(Seq& seq, std::string_view text);
   void release_kv(Seq& seq);
