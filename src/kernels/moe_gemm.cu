@@ -763,6 +763,7 @@ void launch_moe_gemm_down(MoeWeightFormat format, const ExpertMatrixPtrs* expert
   a.out = out;
   a.out_stride = out_stride;
   const bool odd = (dims.k & 1) || (h_stride & 1);
+  MOEBIUS_LAUNCH_ASSERT(mode != MoeCombineMode::kStoreBf16, "bf16 y rows: the wgmma GEMM2 only");
   if (mode == MoeCombineMode::kStore) launch<Epilogue::kDownStore>(format, a, odd, stream);
   else launch<Epilogue::kDownAtomic>(format, a, odd, stream);
 }

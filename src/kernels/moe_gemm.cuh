@@ -77,7 +77,11 @@ struct MoeActivationParams {
   float alpha = 1.702f;
 };
 
-enum class MoeCombineMode : uint8_t { kStore, kAtomic };
+// kStore: GEMM2 stores each pair's fp32 row into y, the combine kernel sums them (deterministic).
+// kAtomic: GEMM2 adds w * row into the bf16 output with atomics (opt-in, not deterministic).
+// kStoreBf16 ([TAG_MOE_BF16_Y]): as kStore with y held in bf16 (half the bytes of the y round trip,
+// which is ~11% of the layer at T = 4096); y points to bf16 storage. The wgmma GEMM2 only.
+enum class MoeCombineMode : uint8_t { kStore, kAtomic, kStoreBf16 };
 
 // [TAG_DECODE_SPLIT_K] The wide split of the decode GEMM1: 8 warps of exactly 4 chunks each
 // (K = 2048 for nvfp4 and int4, Qwen3-30B-A3B's hidden size), with one token tile and staged

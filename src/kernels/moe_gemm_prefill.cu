@@ -427,6 +427,7 @@ void launch_moe_gemm_prefill_down(MoeWeightFormat format, const ExpertMatrixPtrs
   a.topk_weights = topk_weights;
   a.out = out;
   a.out_stride = out_stride;
+  MOEBIUS_LAUNCH_ASSERT(mode != MoeCombineMode::kStoreBf16, "bf16 y rows: the wgmma GEMM2 only");
   if (mode == MoeCombineMode::kStore) launch_aligned<Epilogue::kDownStore, true>(format, a, stream);
   else launch_aligned<Epilogue::kDownAtomic, true>(format, a, stream);
 }

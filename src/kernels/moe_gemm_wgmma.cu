@@ -601,8 +601,9 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
   // GEMM1: the activation kind is dispatched once per item, not per element (its switch was ~5 of
   // the ~30 instructions of each of a thread's 64 stored columns at N = 128, SASS of run L3).
-  auto store_all = [&](auto act_tag) {
+  auto store_all = [&](auto act_tag, auto bf16_y_tag) {
     constexpr MoeActivation kAct = decltype(act_tag)::value;
+    constexpr bool kBf16Y = decltype(bf16_y_tag)::value;
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf) {
       if (!my_ok[mf]) continue;
@@ -612,14 +613,21 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
         for (int jj = 0; jj < 2; ++jj) {
           const int r = j * 8 + 2 * t + jj;
           const int pair = pair_ids[r];
-          store_output_column<EPI, true, kAct>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi,
+          store_output_column<EPI, true, kAct, kBf16Y>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi,
                                                tile * BN + r, pair, my_rt[mf], g);
         }
       }
     }
   };
-  if constexpr (EPI == Epilogue::kGateUp) with_activation_kind(args.act.kind, store_all);
-  else store_all(std::integral_constant<MoeActivation, MoeActivation::kSiLU>{});  // no activation in GEMM2
+  using NoAct = std::integral_constant<MoeActivation, MoeActivation::kSiLU>;  // GEMM2 has no activation
+  if constexpr (EPI == Epilogue::kGateUp)
+    with_activation_kind(args.act.kind, [&](auto act_tag) { store_all(act_tag, std::false_type{}); });
+  else if constexpr (EPI == Epilogue::kDownStore) {
+    if (args.y_bf16) store_all(NoAct{}, std::true_type{});  // block-uniform
+    else store_all(NoAct{}, std::false_type{});
+  } else {
+    store_all(NoAct{}, std::false_type{});
+  }
 }
 
 #endif  // MOEBIUS_WGMMA_DEVICE
@@ -822,7 +830,8 @@ void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* 
   a.topk_weights = topk_weights;
   a.out = out;
   a.out_stride = out_stride;
-  if (mode == MoeCombineMode::kStore) launch_format<Epilogue::kDownStore>(format, a, stream);
+  a.y_bf16 = mode == MoeCombineMode::kStoreBf16 ? 1 : 0;
+  if (mode != MoeCombineMode::kAtomic) launch_format<Epilogue::kDownStore>(format, a, stream);
   else launch_format<Epilogue::kDownAtomic>(format, a, stream);
 }
 

@@ -695,11 +695,21 @@ void MoeLayerCuda::enqueue_experts(const __nv_bfloat16* x, const int32_t* num_to
       enqueue_stage(s, x, num_tokens, topk_ids, topk_weights, out, stream);
 }
 
+bool MoeLayerCuda::bf16_y() const {
+  static const bool env_on = [] {
+    const char* v = std::getenv("MOEBIUS_MOE_BF16_Y");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  const bool requested = opt_.bf16_y > 0 || (opt_.bf16_y < 0 && env_on);
+  return requested && path_ == MoeGemmPath::kPrefillWgmma && opt_.combine == kernels::MoeCombineMode::kStore &&
+         shape_.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(y_) % 16 == 0;
+}
+
 bool MoeLayerCuda::defers_combine(const __nv_bfloat16* x) const {
   // The kStore rows must exist (not the atomic combine, not the fused experts, which combine in
   // their own kernel) and suit the folding kernel's 16-byte loads.
   const bool fused = fused_experts_ && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  return opt_.combine == kernels::MoeCombineMode::kStore && !fused && shape_.hidden % 4 == 0 &&
+  return opt_.combine == kernels::MoeCombineMode::kStore && !fused && !bf16_y() && shape_.hidden % 4 == 0 &&
          reinterpret_cast<uintptr_t>(y_) % 16 == 0;
 }
 
@@ -843,8 +853,9 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
     case MoeStage::kDown:
       tiles.work_counter = work_counters_ + 2;
       if (store) {
-        down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_, kernels::MoeCombineMode::kStore,
-             y_, H, nullptr, nullptr, 0, stream);
+        down(f, use_staging_ ? res_->staged2 : table2_, dims2_, tiles, h_, h_stride_,
+             bf16_y() ? kernels::MoeCombineMode::kStoreBf16 : kernels::MoeCombineMode::kStore, y_, H, nullptr, nullptr,
+             0, stream);
       } else {
         // The atomic combine accumulates into out, so the capacity rows are zeroed first.
         CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(__nv_bfloat16) * static_cast<size_t>(cap) * H, stream));
@@ -853,7 +864,10 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       }
       return;
     case MoeStage::kCombine:
-      if (store)
+      if (store && bf16_y())
+        kernels::launch_moe_combine(reinterpret_cast<const __nv_bfloat16*>(y_), H, topk_weights, num_tokens, cap, k, H,
+                                    out, H, stream, combine_trigger_early_);
+      else if (store)
         kernels::launch_moe_combine(y_, H, topk_weights, num_tokens, cap, k, H, out, H, stream, combine_trigger_early_);
       return;
     case MoeStage::kCount:

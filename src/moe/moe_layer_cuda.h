@@ -123,6 +123,11 @@ struct MoeCudaOptions {
   // reports what the layer runs). MOEBIUS_DECODE_SPLIT_K_WARPS=4|8 overrides a 0 in every layer
   // (an experiment knob for whole-model runs).
   int decode_split_k_warps = 0;
+  // [TAG_MOE_BF16_Y] GEMM2 of the wgmma path stores y in bf16 and the combine reads bf16 rows
+  // (kernels::MoeCombineMode::kStoreBf16: half the bytes of the y round trip). An experiment until
+  // measured: 1 on, 0 off, -1 (the default) MOEBIUS_MOE_BF16_Y=1 turns it on. Layers whose y rows
+  // someone else reads as fp32 (expert parallelism's local layer) set 0.
+  int bf16_y = -1;
   // Layers given the same pool share one workspace when their layouts match (one geometry and
   // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
   std::shared_ptr<MoeWorkspacePool> workspace_pool;
@@ -222,7 +227,15 @@ class MoeLayerCuda {
   // GEMM2's fp32 rows [capacity * k, H] of the last kDown stage in kStore mode, pair t * k + s at
   // row t * k + s, before the routed weights (expert parallelism sends them back to the token's
   // rank, which combines them).
-  const float* expert_outputs() const { return y_; }
+  const float* expert_outputs() const {
+    MOEBIUS_ASSERT(!bf16_y(), "expert_outputs: this layer stores bf16 y rows (MoeCudaOptions::bf16_y)");
+    return y_;
+  }
+  // The same rows in bf16, for a layer that stores them so ([TAG_MOE_BF16_Y]; tests).
+  const __nv_bfloat16* expert_outputs_bf16() const {
+    MOEBIUS_ASSERT(bf16_y(), "expert_outputs_bf16: this layer stores fp32 y rows");
+    return reinterpret_cast<const __nv_bfloat16*>(y_);
+  }
   // Packed bytes of one expert (gate_up + down, weights and scales): what a forward reads per
   // touched expert.
   size_t expert_bytes() const { return expert_bytes_; }
@@ -335,6 +348,9 @@ class MoeLayerCuda {
   void write_staged_tables();  // both staged tables from the host mirrors (synchronous)
   bool use_staging_ = false;
   bool combine_trigger_early_ = false;
+  // [TAG_MOE_BF16_Y] MOEBIUS_MOE_BF16_Y=1 (experiment, off by default): the wgmma path's GEMM2
+  // stores y in bf16 and the combine reads that (kernels::MoeCombineMode::kStoreBf16).
+  bool bf16_y() const;
   std::shared_ptr<Residency> res_;
   int slots_ = 0;
   size_t cold_bytes_ = 0;

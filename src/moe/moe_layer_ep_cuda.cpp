@@ -33,6 +33,7 @@ MoeCudaOptions local_options(const MoeEpCudaOptions& opt, int N, int64_t slots, 
   MoeCudaOptions lo;
   lo.capacity = static_cast<int>(N * slots);
   lo.combine = kernels::MoeCombineMode::kStore;
+  lo.bf16_y = 0;  // its fp32 rows go back to the token's rank (expert_outputs)
   lo.fuse_routing = false;
   lo.block_m = opt.block_m;
   lo.gemm_path = opt.gemm_path;

@@ -668,6 +668,41 @@ TEST(MoeWgmmaLayerDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
   }
 }
 
+// [TAG_MOE_BF16_Y] GEMM2 storing bf16 y rows (MoeCudaOptions::bf16_y): each stored value is the
+// fp32 layer's value rounded once to bf16 (the same GEMM, only the read-out converts), reruns are
+// bit-identical, and the output stays within the oracle's bound; at block_m 64 and 128.
+TEST(MoeWgmmaLayerBf16Y, RowsAreTheFp32RowsRoundedOnce) {
+  MOEBIUS_REQUIRE_WGMMA();
+  const Geometry g{512, 256, 128, 8};
+  for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kBF16}) {
+    const cpu::MoeLayerReference L = make_layer(f, g, 128, 21);
+    for (int64_t T : {300, 2048}) {
+      const auto x = random_x(T, g.H, 22);
+      MoeCudaOptions opt = wgmma_options(static_cast<int>(T), 0);
+      opt.bf16_y = 0;
+      auto wide = MoeLayerCuda::create(L, opt);
+      opt.bf16_y = 1;
+      auto narrow = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(wide.ok() && narrow.ok());
+      const std::string label = std::string(weight_format_name(f)) + " " + path_label(**narrow) + " T=" + std::to_string(T);
+      const size_t n = static_cast<size_t>(T) * g.k * g.H;
+      const LayerRun a = run_gpu(**wide, x, T);
+      std::vector<float> y32(n);
+      CUDA_CHECK(cudaMemcpy(y32.data(), (*wide)->expert_outputs(), n * 4, cudaMemcpyDeviceToHost));
+      const LayerRun b = run_gpu(**narrow, x, T);
+      std::vector<uint16_t> y16(n);
+      CUDA_CHECK(cudaMemcpy(y16.data(), (*narrow)->expert_outputs_bf16(), n * 2, cudaMemcpyDeviceToHost));
+      const LayerRun b2 = run_gpu(**narrow, x, T);
+      ASSERT_EQ(a.ids, b.ids) << label;  // the same routing, so the same pairs
+      size_t bad = 0;
+      for (size_t i = 0; i < n; ++i) bad += y16[i] != float_to_bf16_bits(y32[i]);
+      EXPECT_EQ(bad, 0u) << label << ": bf16 y rows that are not the fp32 rows rounded once";
+      EXPECT_EQ(0, std::memcmp(b.out.data(), b2.out.data(), b.out.size() * 2)) << "rerun differs (" << label << ")";
+      expect_close_to(oracle_out(L, x, T, b.ids, b.weights), b.out, "bf16 y " + label);
+    }
+  }
+}
+
 // x whose rows are not 16-byte aligned (the caller's pointer, H % 8 == 0): the layer copies x to an
 // aligned stride before the wgmma GEMM1 (the int formats at block_m 128 have no mma.sync kernel to
 // fall back on); the result still matches, for both tile widths.
