@@ -400,9 +400,8 @@ __device__ __forceinline__ void with_activation_kind(MoeActivation kind, F&& f) 
 // families: lo / hi are tile rows g and g + 8 for
 // the token at padded position pos (pair: its (token, slot) pair, < 0 for padding). Already scaled.
 // kKnownAct: the GEMM1 activation kind is ACT (the caller dispatched once, with_activation_kind);
-// otherwise args.act.kind is read per call. kBf16Y (wgmma GEMM2 with args.y_bf16 only,
-// [TAG_MOE_BF16_Y]): y rows in bf16, each value rounded once.
-template <Epilogue EPI, bool kKnownAct = false, MoeActivation ACT = MoeActivation::kSiLU, bool kBf16Y = false>
+// otherwise args.act.kind is read per call.
+template <Epilogue EPI, bool kKnownAct = false, MoeActivation ACT = MoeActivation::kSiLU>
 __device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, float lo, float hi, int pos, int pair,
                                                     int row_tile, int g) {
   const MoeGemmDims& d = args.dims;
@@ -413,11 +412,7 @@ __device__ __forceinline__ void store_output_column(const GemmKernelArgs& args, 
     if (i < d.n_out) args.h_out[static_cast<int64_t>(pos) * args.h_stride + i] = __float2bfloat16(v);
   } else {
     const int n_lo = row_tile * 16 + g, n_hi = n_lo + 8;
-    if constexpr (EPI == Epilogue::kDownStore && kBf16Y) {
-      __nv_bfloat16* yrow = reinterpret_cast<__nv_bfloat16*>(args.y) + static_cast<int64_t>(pair) * args.y_stride;
-      if (n_lo < d.n_out) yrow[n_lo] = __float2bfloat16(lo);
-      if (n_hi < d.n_out) yrow[n_hi] = __float2bfloat16(hi);
-    } else if constexpr (EPI == Epilogue::kDownStore) {
+    if constexpr (EPI == Epilogue::kDownStore) {
       float* yrow = args.y + static_cast<int64_t>(pair) * args.y_stride;
       if (n_lo < d.n_out) yrow[n_lo] = lo;
       if (n_hi < d.n_out) yrow[n_hi] = hi;

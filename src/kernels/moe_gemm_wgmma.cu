@@ -601,9 +601,8 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
   const float gs_hi = F == MoeWeightFormat::kNvFp4 ? ptrs.global_scale[1] * kNvFp4AccScale : 1.0f;
   // GEMM1: the activation kind is dispatched once per item, not per element (its switch was ~5 of
   // the ~30 instructions of each of a thread's 64 stored columns at N = 128, SASS of run L3).
-  auto store_all = [&](auto act_tag, auto bf16_y_tag) {
+  auto store_all = [&](auto act_tag) {
     constexpr MoeActivation kAct = decltype(act_tag)::value;
-    constexpr bool kBf16Y = decltype(bf16_y_tag)::value;
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf) {
       if (!my_ok[mf]) continue;
@@ -613,20 +612,53 @@ __device__ __forceinline__ void consume_item(const GemmKernelArgs& args, const E
         for (int jj = 0; jj < 2; ++jj) {
           const int r = j * 8 + 2 * t + jj;
           const int pair = pair_ids[r];
-          store_output_column<EPI, true, kAct, kBf16Y>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi,
+          store_output_column<EPI, true, kAct>(args, acc[mf][4 * j + jj] * gs_lo, acc[mf][4 * j + 2 + jj] * gs_hi,
                                                tile * BN + r, pair, my_rt[mf], g);
         }
       }
     }
   };
+  // [TAG_MOE_BF16_Y] bf16 y rows: one 2-byte store per value cost GEMM2 more than the fp32 stores
+  // it replaced (PERF.md run Z5: nvfp4 T = 4096 253 -> 286 us), so lanes g and g ^ 1 (lane ^ 4)
+  // trade one value per row half: the even-g lane then holds columns g, g + 1 of token 8j + 2t,
+  // the odd-g lane the same two columns of token 8j + 2t + 1, and each stores bf16 pairs (4 bytes,
+  // half the store instructions). Shuffles before any early-out: every lane takes part.
+  auto store_y_bf16 = [&]() {
+    const bool odd = (g & 1) != 0;
+    const int col = (g & ~1);
+#pragma unroll
+    for (int mf = 0; mf < kMF; ++mf) {
+      if (!my_ok[mf]) continue;  // warp-uniform
+      const int n_lo = my_rt[mf] * 16 + col, n_hi = n_lo + 8;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        // Own values: token jj = 0 in acc[4j], [4j + 2] (rows g, g + 8), jj = 1 in acc[4j + 1], [4j + 3].
+        const float send_lo = (odd ? acc[mf][4 * j] : acc[mf][4 * j + 1]) * gs_lo;
+        const float send_hi = (odd ? acc[mf][4 * j + 2] : acc[mf][4 * j + 3]) * gs_hi;
+        const float got_lo = __shfl_xor_sync(0xffffffffu, send_lo, 4);
+        const float got_hi = __shfl_xor_sync(0xffffffffu, send_hi, 4);
+        const float own_lo = (odd ? acc[mf][4 * j + 1] : acc[mf][4 * j]) * gs_lo;
+        const float own_hi = (odd ? acc[mf][4 * j + 3] : acc[mf][4 * j + 2]) * gs_hi;
+        const int r = j * 8 + 2 * t + (odd ? 1 : 0);
+        const int pair = pair_ids[r];
+        if (pair < 0) continue;
+        __nv_bfloat16* yrow = reinterpret_cast<__nv_bfloat16*>(args.y) + static_cast<int64_t>(pair) * args.y_stride;
+        // Column order in the pair: the even column first.
+        const __nv_bfloat162 lo2 = odd ? __floats2bfloat162_rn(got_lo, own_lo) : __floats2bfloat162_rn(own_lo, got_lo);
+        const __nv_bfloat162 hi2 = odd ? __floats2bfloat162_rn(got_hi, own_hi) : __floats2bfloat162_rn(own_hi, got_hi);
+        if (n_lo < d.n_out) *reinterpret_cast<__nv_bfloat162*>(yrow + n_lo) = lo2;
+        if (n_hi < d.n_out) *reinterpret_cast<__nv_bfloat162*>(yrow + n_hi) = hi2;
+      }
+    }
+  };
   using NoAct = std::integral_constant<MoeActivation, MoeActivation::kSiLU>;  // GEMM2 has no activation
-  if constexpr (EPI == Epilogue::kGateUp)
-    with_activation_kind(args.act.kind, [&](auto act_tag) { store_all(act_tag, std::false_type{}); });
-  else if constexpr (EPI == Epilogue::kDownStore) {
-    if (args.y_bf16) store_all(NoAct{}, std::true_type{});  // block-uniform
-    else store_all(NoAct{}, std::false_type{});
+  if constexpr (EPI == Epilogue::kGateUp) {
+    with_activation_kind(args.act.kind, store_all);
+  } else if constexpr (EPI == Epilogue::kDownStore) {
+    if (args.y_bf16) store_y_bf16();  // block-uniform
+    else store_all(NoAct{});
   } else {
-    store_all(NoAct{}, std::false_type{});
+    store_all(NoAct{});
   }
 }
 
