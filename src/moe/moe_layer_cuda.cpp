@@ -696,13 +696,18 @@ void MoeLayerCuda::enqueue_experts(const __nv_bfloat16* x, const int32_t* num_to
 }
 
 bool MoeLayerCuda::bf16_y() const {
-  static const bool env_on = [] {
+  // MOEBIUS_MOE_BF16_Y: "0" never, "1" on every wgmma layer, unset: the default rule below.
+  static const int env = [] {
     const char* v = std::getenv("MOEBIUS_MOE_BF16_Y");
-    return v != nullptr && v[0] == '1' && v[1] == '\0';
+    if (v == nullptr || v[0] == '\0' || v[1] != '\0') return -1;
+    return v[0] == '0' ? 0 : v[0] == '1' ? 1 : -1;
   }();
-  const bool requested = opt_.bf16_y > 0 || (opt_.bf16_y < 0 && env_on);
-  return requested && path_ == MoeGemmPath::kPrefillWgmma && opt_.combine == kernels::MoeCombineMode::kStore &&
-         shape_.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(y_) % 16 == 0;
+  const bool wgmma = path_ == MoeGemmPath::kPrefillWgmma;
+  // The default: 128-token tiles only (PERF.md run Z6, H100: T = 1024-4096 3-5% faster in every
+  // format; at block_m 64, T = 256, the paired bf16 stores cost GEMM2 more than the combine saves).
+  const bool wanted = opt_.bf16_y > 0 || (opt_.bf16_y < 0 && (env >= 0 ? env == 1 : block_m_ == 128));
+  return wanted && wgmma && opt_.combine == kernels::MoeCombineMode::kStore && shape_.hidden % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(y_) % 16 == 0;
 }
 
 bool MoeLayerCuda::defers_combine(const __nv_bfloat16* x) const {

@@ -124,9 +124,11 @@ struct MoeCudaOptions {
   // (an experiment knob for whole-model runs).
   int decode_split_k_warps = 0;
   // [TAG_MOE_BF16_Y] GEMM2 of the wgmma path stores y in bf16 and the combine reads bf16 rows
-  // (kernels::MoeCombineMode::kStoreBf16: half the bytes of the y round trip). An experiment until
-  // measured: 1 on, 0 off, -1 (the default) MOEBIUS_MOE_BF16_Y=1 turns it on. Layers whose y rows
-  // someone else reads as fp32 (expert parallelism's local layer) set 0.
+  // (kernels::MoeCombineMode::kStoreBf16: half the bytes of the y round trip; each expert's row
+  // rounded to bf16 once before the same fp32 slot-order sum, still deterministic). 1 on, 0 off,
+  // -1 (the default): on for 128-token wgmma tiles, where it measured faster (PERF.md run Z6), and
+  // MOEBIUS_MOE_BF16_Y=0|1 overrides that. Layers whose y rows someone else reads as fp32 (expert
+  // parallelism's local layer) set 0.
   int bf16_y = -1;
   // Layers given the same pool share one workspace when their layouts match (one geometry and
   // capacity) [TAG_MOE_WORKSPACE_POOL]; null: this layer allocates its own.
@@ -231,6 +233,9 @@ class MoeLayerCuda {
     MOEBIUS_ASSERT(!bf16_y(), "expert_outputs: this layer stores bf16 y rows (MoeCudaOptions::bf16_y)");
     return y_;
   }
+  // [TAG_MOE_BF16_Y] Whether GEMM2 stores y in bf16 (kernels::MoeCombineMode::kStoreBf16; see
+  // MoeCudaOptions::bf16_y).
+  bool bf16_y() const;
   // The same rows in bf16, for a layer that stores them so ([TAG_MOE_BF16_Y]; tests).
   const __nv_bfloat16* expert_outputs_bf16() const {
     MOEBIUS_ASSERT(bf16_y(), "expert_outputs_bf16: this layer stores fp32 y rows");
@@ -348,9 +353,7 @@ class MoeLayerCuda {
   void write_staged_tables();  // both staged tables from the host mirrors (synchronous)
   bool use_staging_ = false;
   bool combine_trigger_early_ = false;
-  // [TAG_MOE_BF16_Y] MOEBIUS_MOE_BF16_Y=1 (experiment, off by default): the wgmma path's GEMM2
-  // stores y in bf16 and the combine reads that (kernels::MoeCombineMode::kStoreBf16).
-  bool bf16_y() const;
+
   std::shared_ptr<Residency> res_;
   int slots_ = 0;
   size_t cold_bytes_ = 0;

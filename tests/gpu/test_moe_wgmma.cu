@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -701,6 +702,24 @@ TEST(MoeWgmmaLayerBf16Y, RowsAreTheFp32RowsRoundedOnce) {
       expect_close_to(oracle_out(L, x, T, b.ids, b.weights), b.out, "bf16 y " + label);
     }
   }
+}
+
+// The default (MoeCudaOptions::bf16_y = -1): bf16 y rows for 128-token wgmma tiles, fp32 rows for
+// 64-token tiles and the other paths (run Z6 measured it faster only at block_m 128).
+TEST(MoeWgmmaLayerBf16Y, OnByDefaultForTheWideTilesOnly) {
+  MOEBIUS_REQUIRE_WGMMA();
+  if (std::getenv("MOEBIUS_MOE_BF16_Y") != nullptr) GTEST_SKIP() << "MOEBIUS_MOE_BF16_Y overrides the default";
+  const Geometry g{512, 256, 128, 8};
+  const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 128, 23);
+  auto wide = MoeLayerCuda::create(L, wgmma_options(2048, 128));
+  auto narrow = MoeLayerCuda::create(L, wgmma_options(2048, 64));
+  MoeCudaOptions decode;
+  decode.capacity = 1;
+  auto small = MoeLayerCuda::create(L, decode);
+  ASSERT_TRUE(wide.ok() && narrow.ok() && small.ok());
+  EXPECT_TRUE((*wide)->bf16_y());
+  EXPECT_FALSE((*narrow)->bf16_y());
+  EXPECT_FALSE((*small)->bf16_y());
 }
 
 // x whose rows are not 16-byte aligned (the caller's pointer, H % 8 == 0): the layer copies x to an
