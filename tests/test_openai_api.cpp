@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chat/chat_template.h"
+#include "core/json_depth.h"
 #include "server/openai_api.h"
 #include "test_util.h"
 
@@ -239,6 +240,41 @@ TEST(OpenAiApi, OversizedBody) {
 TEST(OpenAiApi, TooDeep) {
   std::string body = "{\"model\":\"tiny\",\"prompt\":\"x\",\"junk\":" + std::string(100, '[') + std::string(100, ']') + "}";
   expect_400(parse(Endpoint::kCompletion, body), "");
+}
+
+json tool_turns(const json& arguments);  // below, with the tool-call tests
+
+// [TAG_JSON_VALUES] A body within the byte limit whose values would cost ~100 MB as a document is
+// refused before the parse; a prompt of 100k token ids is not.
+TEST(OpenAiApi, TooManyValues) {
+  ApiLimits l = limits();
+  l.max_body_bytes = 4u << 20;
+  GenerationRequest r;
+  std::string junk = "[";
+  for (int i = 0; i < 300000; ++i) junk += i == 0 ? "[]" : ",[]";
+  junk += "]";
+  const std::string body = "{\"model\":\"tiny\",\"prompt\":\"x\",\"junk\":" + junk + "}";
+  ASSERT_LT(body.size(), l.max_body_bytes);
+  const auto e = parse_request(Endpoint::kCompletion, body, l, &r);
+  expect_400(e, "");
+  EXPECT_NE(e->message.find("262144 JSON values"), std::string::npos) << e->message;
+  json b = completion_body();
+  b["prompt"] = std::vector<int>(100000, 7);
+  EXPECT_FALSE(parse_request(Endpoint::kCompletion, b.dump(), l, &r).has_value());
+  // The same bound inside a tool call's arguments string, a JSON document of its own.
+  json c = chat_body();
+  c["messages"] = tool_turns(junk);
+  const auto ea = parse_request(Endpoint::kChat, c.dump(), l, &r);
+  expect_400(ea, "messages[1].tool_calls[0].function.arguments");
+}
+
+TEST(JsonValueBound, CountsValuesNotKeysAndNothingInStrings) {
+  EXPECT_EQ(json_value_bound(""), 0);
+  EXPECT_EQ(json_value_bound("7"), 1);
+  EXPECT_EQ(json_value_bound("[1,2,3]"), 4);
+  EXPECT_EQ(json_value_bound(R"({"a":1,"b":[true,null]})"), 5);
+  EXPECT_EQ(json_value_bound("[[],{}]"), 5);  // 3 values: an upper bound, one over per empty container
+  EXPECT_EQ(json_value_bound(R"(["[,{", "\",[", 1])"), 4);  // brackets and commas inside strings do not count
 }
 
 TEST(OpenAiApi, UnknownOrMissingModel) {

@@ -43,6 +43,27 @@ inline int64_t json_nesting_depth(std::string_view text) {
   return deepest;
 }
 
+// [TAG_JSON_VALUES] How many values (scalars, strings, arrays, objects; not object keys) a parse
+// of `text` would build, at most: one per '[' or '{' and one per ',' outside strings, plus one. A
+// parsed document costs ~16 bytes per value and up to ~100 per string, array or object (their heap
+// parts), so a 4 MiB request body of "[[],[],...]" became ~100 MB of DOM; the server refuses
+// bodies past ApiLimits::max_json_values before it parses them.
+inline int64_t json_value_bound(std::string_view text) {
+  int64_t values = text.empty() ? 0 : 1;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{' || c == ',') ++values;
+  }
+  return values;
+}
+
 // An Error when `text` nests deeper than `max_depth`; the caller adds the file.
 inline Status check_json_depth(std::string_view text, int64_t max_depth = kMaxJsonFileDepth) {
   if (json_nesting_depth(text) > max_depth) return Error::format("JSON nests deeper than {} levels", max_depth);

@@ -197,6 +197,8 @@ std::optional<ApiError> normalize_tool_calls(json& message, const std::string& p
       const std::string& text = args->get_ref<const std::string&>();
       if (json_nesting_depth(text) > limits.max_json_depth)
         return invalid_request(fmt::format("'{}' nests deeper than {} levels", ap, limits.max_json_depth), ap);
+      if (json_value_bound(text) > limits.max_json_values)
+        return invalid_request(fmt::format("'{}' holds more than {} JSON values", ap, limits.max_json_values), ap);
       json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
       if (parsed.is_discarded()) return invalid_request(fmt::format("'{}' is not valid JSON", ap), ap);
       *args = std::move(parsed);
@@ -576,6 +578,8 @@ std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limit
   // request never needs more than a few levels [TAG_JSON_DEPTH].
   if (json_nesting_depth(body) > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
+  if (json_value_bound(body) > limits.max_json_values)
+    return invalid_request(fmt::format("The request body holds more than {} JSON values.", limits.max_json_values));
   try {
     *doc = json::parse(body);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999

@@ -67,6 +67,10 @@ struct ApiLimits {
   size_t max_stop_bytes = 256;           // per stop string: it bounds the streaming holdback
   int max_top_logprobs = 20;             // chat's top_logprobs (completions: logprobs <= 5)
   int max_json_depth = 64;               // nesting of arrays/objects in the body
+  // Values in the body (json_value_bound, [TAG_JSON_VALUES]), and in a tool call's arguments
+  // string: bounds the parsed document to ~26 MB however the 4 MiB are spent. 2^18 holds a
+  // 128k-token prompt given as token ids, twice over.
+  int64_t max_json_values = int64_t{1} << 18;
   int max_tools = 128;                   // tool definitions per request (OpenAI's limit)
   size_t max_tools_bytes = 256u << 10;   // their JSON, all together (they go into the prompt)
   int max_choices = 128;                 // n: each choice is a sequence of its own (OpenAI's limit)
