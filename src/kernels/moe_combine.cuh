@@ -34,7 +34,7 @@ void launch_moe_combine(const float* y, int y_stride, const float* topk_weights,
 
 // [TAG_MOE_BF16_Y] The same for bf16 y rows (GEMM2 with MoeCombineMode::kStoreBf16): each value
 // widened to fp32, the same slot-order fp32 sum. hidden and y_stride multiples of 8, y 16-byte
-// aligned; out rows 4-byte aligned (out_stride even).
+// aligned; out rows at any offset.
 void launch_moe_combine(const __nv_bfloat16* y, int y_stride, const float* topk_weights, const int32_t* num_tokens,
                         int capacity, int top_k, int hidden, __nv_bfloat16* out, int out_stride, cudaStream_t stream,
                         bool trigger_early = false);

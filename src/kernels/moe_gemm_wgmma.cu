@@ -863,6 +863,9 @@ void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* 
   a.out = out;
   a.out_stride = out_stride;
   a.y_bf16 = mode == MoeCombineMode::kStoreBf16 ? 1 : 0;
+  // The bf16 pair stores ([TAG_MOE_BF16_Y]): 4-byte aligned pairs of adjacent columns.
+  MOEBIUS_LAUNCH_ASSERT(!a.y_bf16 || (reinterpret_cast<uintptr_t>(y) % 4 == 0 && y_stride % 2 == 0 && dims.n_out % 2 == 0),
+                        "wgmma GEMM2, bf16 y: y 4-byte aligned, y_stride and the output width even");
   if (mode != MoeCombineMode::kAtomic) launch_format<Epilogue::kDownStore>(format, a, stream);
   else launch_format<Epilogue::kDownAtomic>(format, a, stream);
 }

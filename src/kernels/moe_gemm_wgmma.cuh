@@ -74,7 +74,9 @@ void launch_moe_gemm_wgmma_gate_up(MoeWeightFormat format, const ExpertMatrixPtr
                                    cudaStream_t stream);
 
 // Arguments as launch_moe_gemm_prefill_down: h [max_padded, h_stride] bf16; kStore writes y
-// [capacity * top_k, y_stride] fp32; kAtomic adds bf16(w * y) into out [capacity, out_stride].
+// [capacity * top_k, y_stride] fp32; kStoreBf16 the same rows in bf16 (y then points to bf16
+// storage: 4-byte aligned, y_stride and the output width even; [TAG_MOE_BF16_Y]); kAtomic adds
+// bf16(w * y) into out [capacity, out_stride].
 void launch_moe_gemm_wgmma_down(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,
                                 const MoeTiles& tiles, const __nv_bfloat16* h, int h_stride, MoeCombineMode mode,
                                 float* y, int y_stride, const float* topk_weights, __nv_bfloat16* out,

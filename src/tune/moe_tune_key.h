@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v4 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v4" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v5 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v5" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -25,7 +25,9 @@ namespace moebius::tune {
 // block_m 128 too, with the group scale folded into the weight (other numerics than a v2 wgmma
 // winner measured), and the heuristic the winners are timed against changed (session 14).
 // 4: the decode GEMM1's split-K warps joined the candidates ([TAG_DECODE_SPLIT_K]).
-inline constexpr int kMoeTuneKeyVersion = 4;
+// 5: 128-token wgmma candidates store bf16 y rows by default ([TAG_MOE_BF16_Y]): their times, and
+// so the winners, changed (session 27).
+inline constexpr int kMoeTuneKeyVersion = 5;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
