@@ -195,9 +195,10 @@ std::optional<ApiError> normalize_tool_calls(json& message, const std::string& p
       (*fn)["arguments"] = json::object();
     } else if (args->is_string()) {
       const std::string& text = args->get_ref<const std::string&>();
-      if (json_nesting_depth(text) > limits.max_json_depth)
+      const JsonShape shape = json_shape(text);
+      if (shape.depth > limits.max_json_depth)
         return invalid_request(fmt::format("'{}' nests deeper than {} levels", ap, limits.max_json_depth), ap);
-      if (json_value_bound(text) > limits.max_json_values)
+      if (shape.values > limits.max_json_values)
         return invalid_request(fmt::format("'{}' holds more than {} JSON values", ap, limits.max_json_values), ap);
       json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
       if (parsed.is_discarded()) return invalid_request(fmt::format("'{}' is not valid JSON", ap), ap);
@@ -576,9 +577,10 @@ std::optional<ApiError> parse_body(std::string_view body, const ApiLimits& limit
   if (!unicode::is_valid_utf8(body)) return invalid_request("The request body is not valid UTF-8.", "", "invalid_utf8");
   // nlohmann parses iteratively, but deep documents still cost recursion when copied and dumped; a
   // request never needs more than a few levels [TAG_JSON_DEPTH].
-  if (json_nesting_depth(body) > limits.max_json_depth)
+  const JsonShape shape = json_shape(body);
+  if (shape.depth > limits.max_json_depth)
     return invalid_request(fmt::format("The request body nests deeper than {} levels.", limits.max_json_depth));
-  if (json_value_bound(body) > limits.max_json_values)
+  if (shape.values > limits.max_json_values)
     return invalid_request(fmt::format("The request body holds more than {} JSON values.", limits.max_json_values));
   try {
     *doc = json::parse(body);
