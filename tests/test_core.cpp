@@ -90,6 +90,42 @@ TEST(CoreDType, Bf16RoundsToNearestEven) {
   EXPECT_EQ(bf16_bits_to_float(0xC040), -3.0f);
 }
 
+// [TAG_FINITE_WEIGHTS] The scans that refuse damaged checkpoint weights: NaN and both infinities
+// anywhere (a block's first and last value, past the first block), the largest finite values not,
+// bf16 data at an odd byte offset.
+TEST(CoreDType, FirstNonFiniteFindsNanAndInfinityOnly) {
+  std::vector<float> v(5000, 1.5f);
+  v[17] = std::numeric_limits<float>::max();
+  v[18] = -std::numeric_limits<float>::max();
+  v[19] = std::numeric_limits<float>::denorm_min();
+  EXPECT_EQ(first_non_finite(v.data(), 5000), -1);
+  EXPECT_EQ(first_non_finite(v.data(), 0), -1);
+  for (int64_t at : {0, 1023, 1024, 4999}) {
+    for (float bad : {NAN, INFINITY, -INFINITY}) {
+      std::vector<float> w = v;
+      w[static_cast<size_t>(at)] = bad;
+      if (at > 0) w[static_cast<size_t>(at) + (at == 4999 ? 0 : 1)] = bad;  // a later one too
+      EXPECT_EQ(first_non_finite(w.data(), 5000), at) << at;
+    }
+  }
+  std::vector<uint8_t> bytes(2 * 5000 + 1, 0);
+  uint8_t* b = bytes.data() + 1;  // odd offset, as safetensors data may be
+  const auto put = [&](int64_t i, uint16_t bits) {
+    b[2 * i] = static_cast<uint8_t>(bits & 0xFF);
+    b[2 * i + 1] = static_cast<uint8_t>(bits >> 8);
+  };
+  for (int64_t i = 0; i < 5000; ++i) put(i, 0x3FC0);
+  put(3, 0x7F7F);  // the largest finite bf16
+  put(4, 0xFF7F);
+  EXPECT_EQ(first_non_finite_bf16(b, 5000), -1);
+  for (uint16_t bad : {uint16_t{0x7FC0}, uint16_t{0x7F80}, uint16_t{0xFF80}, uint16_t{0xFFFF}, uint16_t{0x7F81}}) {
+    put(2047, bad);
+    EXPECT_EQ(first_non_finite_bf16(b, 5000), 2047) << bad;
+    EXPECT_EQ(first_non_finite_bf16(b, 2047), -1) << bad;
+    put(2047, 0x3FC0);
+  }
+}
+
 TEST(CoreDType, Fp16RoundsAndOverflows) {
   EXPECT_EQ(float_to_fp16_bits(1.0f), 0x3C00);
   EXPECT_EQ(float_to_fp16_bits(65504.0f), 0x7BFF);

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
@@ -24,6 +25,7 @@
 #include "model/qwen3_moe_config.h"
 #include "model/qwen3_moe_cpu.h"
 #include "test_util.h"
+#include "fixture_copy.h"
 #include "tiny_fixture.h"
 
 namespace moebius::model {
@@ -409,6 +411,35 @@ std::string damaged_copy(const std::string& drop, const std::string& reshape) {
   }
   EXPECT_TRUE(w.write((dir / "model.safetensors").string()).ok());
   return dir.string();
+}
+
+// [TAG_FINITE_WEIGHTS] A NaN or infinity in a weight is refused at load, naming the tensor and the
+// element: in a dense weight (upcast to fp32), in an expert kept as bf16 (zero copy, scanned in
+// place) and in one quantized online (the quantizer refuses it), each at its [row, column].
+TEST(Qwen3MoeCpu, ANonFiniteWeightIsRefusedAndNamed) {
+  const std::string dense = "model.layers.1.self_attn.o_proj.weight";
+  const std::string expert = "model.layers.0.mlp.experts.3.down_proj.weight";
+  for (const auto& [name, bits] : {std::pair{dense, uint16_t{0x7FC0}}, std::pair{expert, uint16_t{0xFF80}}}) {
+    testing::FixtureTensors t = testing::tiny_fixture_tensors();
+    ASSERT_TRUE(t.count(name)) << name;
+    auto& bytes = t[name].bytes;
+    const size_t i = 37;
+    const int64_t cols = t[name].shape[1];
+    const std::string at = fmt::format("[{}, {}]", 37 / cols, 37 % cols);
+    bytes[2 * i] = static_cast<uint8_t>(bits & 0xFF);
+    bytes[2 * i + 1] = static_cast<uint8_t>(bits >> 8);
+    const std::string dir = testing::write_fixture_copy("nonfinite", t);
+    for (bool quantize : {false, true}) {
+      Qwen3MoeLoadOptions opt;
+      if (quantize) opt.experts_format = WeightFormat::kNvFp4;
+      auto m = Qwen3MoeCpu::load(dir, opt);
+      ASSERT_FALSE(m.ok()) << name;
+      EXPECT_EQ(m.error().tensor(), name) << m.error().what();
+      EXPECT_THAT(m.error().what(), ::testing::HasSubstr("not finite")) << m.error().what();
+      EXPECT_THAT(m.error().what(), ::testing::HasSubstr(at)) << m.error().what();
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 TEST(Qwen3MoeCpu, MissingOrMisshapenTensorIsNamed) {

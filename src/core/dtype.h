@@ -47,6 +47,11 @@ enum class Saturation : uint8_t { kSatFinite, kNoSat };
 
 uint16_t float_to_bf16_bits(float x);
 float bf16_bits_to_float(uint16_t bits);
+// [TAG_FINITE_WEIGHTS] Index of the first NaN or infinity among n values, or -1: a checkpoint
+// weight that is not finite poisons every logit it reaches, so loading refuses it, naming it.
+int64_t first_non_finite(const float* v, int64_t n);
+// The same for n bf16 values stored little-endian at any byte offset (safetensors data).
+int64_t first_non_finite_bf16(const uint8_t* bytes, int64_t n);
 uint16_t float_to_fp16_bits(float x);
 float fp16_bits_to_float(uint16_t bits);
 uint8_t float_to_e4m3_bits(float x, Saturation sat = Saturation::kSatFinite);

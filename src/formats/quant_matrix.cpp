@@ -214,6 +214,10 @@ void dequantize_rows(const QuantMatrix& m, int64_t row_begin, int64_t row_end, f
 Result<QuantMatrix> quantize(WeightFormat format, const float* w, int64_t rows, int64_t cols, int group_size,
                              const QuantizeOptions& options) {
   if (rows <= 0 || cols <= 0) return Error::format("cannot quantize a [{}, {}] matrix", rows, cols);
+  if (format == WeightFormat::kF32 || format == WeightFormat::kBF16) {  // the others check as they quantize
+    if (const int64_t i = first_non_finite(w, rows * cols); i >= 0)
+      return Error::format("{}: weight [{}, {}] is not finite ({})", weight_format_name(format), i / cols, i % cols, w[i]);
+  }
   switch (format) {
     case WeightFormat::kF32: {
       QuantMatrixStorage st;

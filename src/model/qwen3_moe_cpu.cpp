@@ -60,9 +60,23 @@ std::vector<float> to_f32(const TensorView& v) {
 
 }  // namespace
 
+namespace {
+
+// [TAG_FINITE_WEIGHTS] The error for element `i` of a tensor of `shape` that is not finite.
+Error non_finite_error(const Shape& shape, int64_t i, float value) {
+  std::string at = std::to_string(i);
+  if (shape.rank == 2) at = std::to_string(i / shape[1]) + ", " + std::to_string(i % shape[1]);
+  return Error::format("value [{}] is not finite ({}): the checkpoint is damaged", at, value);
+}
+
+}  // namespace
+
 Result<std::vector<float>> load_float_tensor(const SafetensorsCheckpoint& ck, const std::string& name, const Shape& shape) {
   MOEBIUS_ASSIGN_OR_RETURN(TensorView v, get_float_tensor(ck, name, shape));
-  return to_f32(v);
+  std::vector<float> out = to_f32(v);
+  if (const int64_t i = first_non_finite(out.data(), static_cast<int64_t>(out.size())); i >= 0)
+    return non_finite_error(shape, i, out[static_cast<size_t>(i)]).in_tensor(name).in_file(ck.path());
+  return out;
 }
 
 namespace {
@@ -143,6 +157,12 @@ Result<QuantMatrix> load_float_expert(const std::shared_ptr<const SafetensorsChe
   if (!target && opt.unquantized_experts_bf16) target = WeightFormat::kBF16;
   const bool keep_bf16 = v.dtype == DType::kBF16 && (!target || *target == WeightFormat::kBF16);
   if (keep_bf16) {  // zero copy: the matrix points into the mmap, which `owner` keeps alive
+    const auto* bytes = static_cast<const uint8_t*>(v.data);
+    if (const int64_t i = first_non_finite_bf16(bytes, rows * cols); i >= 0) {
+      uint16_t bits;
+      std::memcpy(&bits, bytes + 2 * i, 2);
+      return non_finite_error(Shape{rows, cols}, i, bf16_bits_to_float(bits)).in_tensor(name).in_file(ck->path());
+    }
     QuantMatrix m;
     m.format = WeightFormat::kBF16;
     m.rows = rows;
