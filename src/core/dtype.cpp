@@ -115,36 +115,36 @@ uint16_t float_to_bf16_bits(float x) {
 }
 float bf16_bits_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
-int64_t first_non_finite(const float* v, int64_t n) {
-  // An all-ones exponent is NaN or infinity; the OR of a block's exponents finds it without a
-  // branch per value, and only a hit block is walked again.
-  constexpr uint32_t kExp = 0x7F800000u;
+namespace {
+
+// Index of the first i < n with special(i), or -1. special is OR-ed over blocks of values without
+// a branch per value (the loop vectorizes), and only a block with a hit is walked again.
+template <typename Special>
+int64_t first_special(int64_t n, Special special) {
   constexpr int64_t kBlock = 1024;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);
     bool hit = false;
-    for (int64_t i = b; i < e; ++i) hit |= (std::bit_cast<uint32_t>(v[i]) & kExp) == kExp;
+    for (int64_t i = b; i < e; ++i) hit |= special(i);
     if (!hit) continue;
     for (int64_t i = b; i < e; ++i)
-      if ((std::bit_cast<uint32_t>(v[i]) & kExp) == kExp) return i;
+      if (special(i)) return i;
   }
   return -1;
+}
+
+}  // namespace
+
+int64_t first_non_finite(const float* v, int64_t n) {
+  // An all-ones exponent is NaN or infinity.
+  constexpr uint32_t kExp = 0x7F800000u;
+  return first_special(n, [v](int64_t i) { return (std::bit_cast<uint32_t>(v[i]) & kExp) == kExp; });
 }
 
 int64_t first_non_finite_bf16(const uint8_t* bytes, int64_t n) {
   // Little-endian bf16: the exponent is bits 14..7, i.e. the high byte's low 7 bits and the low
   // byte's top bit. Read byte by byte: safetensors offsets need not be aligned.
-  constexpr int64_t kBlock = 2048;
-  const auto is_special = [&](int64_t i) { return (bytes[2 * i + 1] & 0x7F) == 0x7F && (bytes[2 * i] & 0x80) != 0; };
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t e = std::min(n, b + kBlock);
-    bool hit = false;
-    for (int64_t i = b; i < e; ++i) hit |= is_special(i);
-    if (!hit) continue;
-    for (int64_t i = b; i < e; ++i)
-      if (is_special(i)) return i;
-  }
-  return -1;
+  return first_special(n, [bytes](int64_t i) { return (bytes[2 * i + 1] & 0x7F) == 0x7F && (bytes[2 * i] & 0x80) != 0; });
 }
 
 // ---- fp16 (IEEE binary16). NaN -> 0x7FFF like CUDA's __float2half.

@@ -58,10 +58,6 @@ std::vector<float> to_f32(const TensorView& v) {
   return out;
 }
 
-}  // namespace
-
-namespace {
-
 // [TAG_FINITE_WEIGHTS] The error for element `i` of a tensor of `shape` that is not finite.
 Error non_finite_error(const Shape& shape, int64_t i, float value) {
   std::string at = std::to_string(i);

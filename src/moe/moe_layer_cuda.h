@@ -353,7 +353,6 @@ class MoeLayerCuda {
   void write_staged_tables();  // both staged tables from the host mirrors (synchronous)
   bool use_staging_ = false;
   bool combine_trigger_early_ = false;
-
   std::shared_ptr<Residency> res_;
   int slots_ = 0;
   size_t cold_bytes_ = 0;
