@@ -54,6 +54,11 @@ struct Server {
     o.idle_timeout_s = 30;
     o.error_body = [](int, const std::string& m) { return "{\"error\": \"" + m + "\"}"; };
     http = std::make_unique<HttpServer>(o, [](const HttpRequest& req, HttpResponse& res) {
+      if (req.path == "/abandon") {  // a handler whose client is gone
+        res.abandon();
+        return;
+      }
+      if (req.path == "/silent") return;  // a handler bug: no response at all
       if (req.path == "/stream") {
         res.begin_stream(200, "text/plain");
         res.write("abc");
@@ -160,6 +165,26 @@ TEST(HttpServer, HeadHasNoBodyAndHttp10StreamsAreNotChunked) {
   EXPECT_NE(chunked.find("Transfer-Encoding: chunked"), std::string::npos) << chunked;
   EXPECT_NE(chunked.find("3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n"), std::string::npos) << chunked;
   ::close(v11);
+}
+
+// A handler that abandons its request (its client is gone) gets the connection closed with
+// nothing written, even on keep-alive; one that just returns without answering is a bug and its
+// client gets a 500. (Before abandon(), the API's give-up path looked like the bug: a client that
+// had only half-closed its side and still read saw "500 no response".)
+TEST(HttpServer, AnAbandonedRequestIsClosedWithoutAnAnswer) {
+  Server s(/*io_timeout_s=*/10);
+  const int fd = connect_to(s.http->port());
+  const std::string got = exchange(fd, "GET /abandon HTTP/1.1\r\nHost: a\r\n\r\n", [](const std::string&) { return false; });
+  EXPECT_EQ(got, "") << "an abandoned request was answered";
+  EXPECT_TRUE(closed_by_server(fd, std::chrono::milliseconds(2000)));
+  ::close(fd);
+
+  const int bug = connect_to(s.http->port());
+  const std::string answer = exchange(bug, "GET /silent HTTP/1.1\r\nHost: a\r\n\r\n",
+                                      [](const std::string& t) { return t.find("no response") != std::string::npos; });
+  EXPECT_EQ(answer.rfind("HTTP/1.1 500", 0), 0u) << answer;
+  EXPECT_NE(answer.find("no response"), std::string::npos) << answer;
+  ::close(bug);
 }
 
 // [TAG_HTTP_SERVER_LIFETIME] serve() stops waiting for connections after io_timeout_s, while a

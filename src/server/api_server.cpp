@@ -378,7 +378,8 @@ void ApiServer::whole(Endpoint endpoint, const GenerationRequest& req, const std
     }
     if (done < n && res.client_gone()) {
       choices.cancel();
-      return;  // nobody to answer; the HTTP layer closes the connection
+      res.abandon();  // nobody to answer: the connection closes without a response
+      return;
     }
   }
   std::vector<ChoiceDelta> out(n);
@@ -517,7 +518,10 @@ void ApiServer::stream(Endpoint endpoint, const GenerationRequest& req, const st
   }
   if (done < n) {
     choices.cancel();  // client gone, a write failed, or an engine error: free the KV now
-    if (!ok || res.client_gone()) return;
+    if (!ok || res.client_gone()) {
+      res.abandon();  // the stream stays unterminated: the connection closes
+      return;
+    }
   }
   if (ok) ok = res.write(kSseDone);
   if (ok) res.end_stream();

@@ -277,6 +277,7 @@ void HttpServer::connection(int fd) {
       if (!res.started()) res.send(500, "application/json", options_.error_body(500, "internal error"));
       return;
     }
+    if (res.abandoned()) return;  // closed with nothing more written (abandon())
     if (!res.started()) res.send(500, "application/json", options_.error_body(500, "no response"));
     if (!res.keep_alive()) return;
   }

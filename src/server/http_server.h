@@ -47,6 +47,12 @@ class HttpResponse {
   void end_stream();
   // True when the peer closed or reset the connection (checked without blocking).
   bool client_gone() const;
+  // The handler gives up on this request without an answer, because its client is gone
+  // (client_gone()): the connection is closed with nothing more written. Without it, a handler
+  // that returns before responding gets a 500 "no response", which is for handler bugs; a client
+  // that only half-closed its side and still reads would see that 500 instead of a close.
+  void abandon() { abandoned_ = true; }
+  bool abandoned() const { return abandoned_; }
 
   bool started() const { return started_; }
   bool failed() const { return failed_; }
@@ -62,6 +68,7 @@ class HttpResponse {
   bool head_only_ = false;
   bool http10_ = false;
   bool failed_ = false;
+  bool abandoned_ = false;
   int status_ = 0;
 };
 
