@@ -3,9 +3,17 @@
 // Qwen3's think blocks and Hermes tool calls (the random tiny model never would; the node tests
 // cover the real model and client). Whole and streamed responses must carry the same
 // reasoning_content, content and tool_calls, with finish_reason "tool_calls".
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -39,8 +47,11 @@ class ScriptedRunner final : public testing::ForwardingRunner {
     script_.clear();
     for (tokenizer::TokenId id : tiny_tokenizer().encode(text)) script_.push_back(static_cast<int32_t>(id));
   }
+  // Each step takes this long (a generation the client can leave in the middle of).
+  void set_step_delay(std::chrono::milliseconds d) { delay_ms_ = static_cast<int>(d.count()); }
   std::string describe() const override { return "scripted"; }
   Status step(std::span<const RunnerSeq> seqs, std::vector<float>& logits) override {
+    if (const int d = delay_ms_.load(); d > 0) std::this_thread::sleep_for(std::chrono::milliseconds(d));
     std::lock_guard<std::mutex> lock(mu_);
     const auto vocab = static_cast<size_t>(config().vocab_size);
     logits.assign(vocab * static_cast<size_t>(std::count_if(seqs.begin(), seqs.end(),
@@ -62,6 +73,7 @@ class ScriptedRunner final : public testing::ForwardingRunner {
   std::mutex mu_;
   std::vector<int32_t> script_;
   std::unordered_map<int64_t, size_t> produced_;  // tokens answered per sequence
+  std::atomic<int> delay_ms_{0};
 };
 
 class ChatApiServer : public ::testing::Test {
@@ -171,6 +183,47 @@ const json kTools = json::parse(R"([{"type": "function", "function": {"name": "g
 const std::string kAnswer =
     "<think>\nThe user wants the weather.\n</think>\n\nLet me look that up.\n<tool_call>\n{\"name\": \"get_weather\", "
     "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
+
+// A client that half-closes its side after sending a whole (not streamed) request is taken for
+// gone, as uvicorn does: its generation is cancelled and the connection closes with no answer.
+// Before HttpResponse::abandon() it got the HTTP layer's 500 "no response", meant for handler bugs.
+TEST_F(ChatApiServer, AHalfClosedClientIsLeftWithoutAnAnswerNotA500) {
+  std::string script;
+  for (int i = 0; i < 150; ++i) script += "word ";
+  runner_->set_script(script);
+  runner_->set_step_delay(std::chrono::milliseconds(20));  // ~3 s of generation unless cancelled
+  const json body = {{"model", "tiny"}, {"max_tokens", 200}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  const std::string payload = body.dump();
+  const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " + std::to_string(payload.size()) + "\r\n\r\n" + payload;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(http_->port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  const auto t0 = std::chrono::steady_clock::now();
+  ::shutdown(fd, SHUT_WR);
+  std::string got;
+  char tmp[4096];
+  bool closed = false;
+  while (!closed) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 10000) <= 0) break;
+    const ssize_t n = ::recv(fd, tmp, sizeof(tmp), 0);
+    if (n <= 0) closed = true;
+    else got.append(tmp, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  EXPECT_TRUE(closed) << "the server kept the connection open";
+  EXPECT_EQ(got, "") << "a client taken for gone was answered";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2)) << "the generation ran on";
+  runner_->set_step_delay(std::chrono::milliseconds(0));
+  // The cancelled sequence freed its slot: a normal request is served.
+  const auto [status, events] = chat("ok", {});
+  EXPECT_EQ(status, 200);
+}
 
 TEST_F(ChatApiServer, ToolCallsWholeAndStreamed) {
   auto [status, whole] = chat(kAnswer, {{"tools", kTools}});
