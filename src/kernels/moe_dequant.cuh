@@ -18,6 +18,10 @@
 //              the normal range), and the accumulator by scale_2 * 2^52 at the end. The scale
 //              pair {row g, row g+8} sits in one register; each half multiplies its row's
 //              registers (HMUL2 with a .H0_H0 / .H1_H1 operand).
+//              ~11 ALU-pipe instructions and 4 HMUL2 per 256 weights (SASS, docs/PERF.md run Z9d).
+//              Moving the rotations and the scale's shift onto the FMA pipe as IMAD/IMAD.HI
+//              made the wgmma GEMMs 6-15% slower (run Z10: two more instructions per step, and
+//              these kernels follow their instruction count, not their busiest pipe).
 //   bf16:      the words are the fragment.
 #pragma once
 
