@@ -3,9 +3,6 @@
 // Qwen3's think blocks and Hermes tool calls (the random tiny model never would; the node tests
 // cover the real model and client). Whole and streamed responses must carry the same
 // reasoning_content, content and tool_calls, with finish_reason "tool_calls".
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -26,6 +23,7 @@
 #include "server/http_client.h"
 #include "server/http_server.h"
 #include "serve_test_util.h"
+#include "socket_test_util.h"
 #include "test_util.h"
 #include "tiny_fixture.h"
 
@@ -196,25 +194,13 @@ TEST_F(ChatApiServer, AHalfClosedClientIsLeftWithoutAnAnswerNotA500) {
   const std::string payload = body.dump();
   const std::string request = "POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
                               "Content-Length: " + std::to_string(payload.size()) + "\r\n\r\n" + payload;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(http_->port()));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  const int fd = testing::connect_loopback(http_->port());
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
   const auto t0 = std::chrono::steady_clock::now();
   ::shutdown(fd, SHUT_WR);
-  std::string got;
-  char tmp[4096];
-  bool closed = false;
-  while (!closed) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 10000) <= 0) break;
-    const ssize_t n = ::recv(fd, tmp, sizeof(tmp), 0);
-    if (n <= 0) closed = true;
-    else got.append(tmp, static_cast<size_t>(n));
-  }
+  const testing::Drained reply = testing::read_until_close(fd, std::chrono::milliseconds(10000));
+  const bool closed = reply.closed;
+  const std::string& got = reply.bytes;
   ::close(fd);
   EXPECT_TRUE(closed) << "the server kept the connection open";
   EXPECT_EQ(got, "") << "a client taken for gone was answered";

@@ -16,21 +16,14 @@
 #include <thread>
 
 #include "server/http_server.h"
+#include "socket_test_util.h"
 
 namespace moebius::server {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int connect_to(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  return fd;
-}
+int connect_to(int port) { return testing::connect_loopback(port); }
 
 // True once the server has closed its side (a read returns 0 or fails), polling for up to `wait`.
 bool closed_by_server(int fd, std::chrono::milliseconds wait) {
