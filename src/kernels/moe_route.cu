@@ -395,11 +395,12 @@ static_assert(kRouteSmallMaxTokens <= kSmallWideClusterBlocks, "a block per toke
 static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
 static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the scores");
 
-// One thread-block cluster of CB blocks (8, or 16 for capacities above 4).
+// One thread-block cluster of CB blocks (8, or 16 for capacities above kRouterDotMaxCapacity = 4).
 // Phase 1, every block: the (expert, token chunk of TOK) items are spread over the cluster's warps;
 // each computes its logits (router_dot, so the same bits as moe_router_logits_kernel) and stores
 // them into the shared memory of the block that owns the token, through the cluster's distributed
-// shared memory. The router rows are prefetched into L2 before pdl_wait (they are weights). A
+// shared memory. The 16-block cluster with vectorisable shapes instead gives each block one tile of
+// 16 experts x the live tokens on mma (the separate router's tiles above capacity 4, same bits). The router rows are prefetched into L2 before pdl_wait (they are weights). A
 // cluster barrier (release/acquire) then hands every owner its tokens' logits.
 // Owners: block 0 owns every token when T < kSmallTokensPerBlockMin, else block t owns token t.
 // One or two tokens (decode): block 0's warp t routes token t with route_one_token (the separate
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ unsigned char s_group_kept[kRouteSmallMaxTokens][VPT * 32];
   // Phase 2: each entry's rank key (NaN: not eligible, never beats anything) and raw weight; the
   // winners by slot.
-  __shared__ float s_key[kRouteSmallMaxTokens][VPT * 32];
+  __shared__ __align__(16) float s_key[kRouteSmallMaxTokens][VPT * 32];
   __shared__ float s_weight[kRouteSmallMaxTokens][VPT * 32];
   __shared__ int s_win_id[kRouteSmallMaxTokens][kRouteMaxTopK];
   __shared__ float s_win_w[kRouteSmallMaxTokens][kRouteMaxTopK];
@@ -448,6 +449,13 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ int s_count[kRouteSmallMaxExperts];
   __shared__ int s_offsets[kRouteSmallMaxExperts + 1];
   __shared__ int s_padded_offsets[kRouteSmallMaxExperts + 1];
+  // Phase 1 on tensor-core tiles (the 16-block cluster with vectorisable shapes): the 16 warps'
+  // partial sums. s_key is free until phase 2 and holds them from E > 96 (VPT >= 4) on.
+  constexpr bool kTiles = kVec && CB == kSmallWideClusterBlocks;
+  constexpr int kRedFloats = kRouterTileWarps * kRouterTileValues;
+  constexpr bool kRedInKey = kRouteSmallMaxTokens * VPT * 32 >= kRedFloats;
+  __shared__ __align__(16) float s_red_own[kTiles && !kRedInKey ? kRedFloats : 1];
+  float* s_red = kRedInKey ? &s_key[0][0] : s_red_own;
 
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
@@ -478,7 +486,28 @@ __global__ void __launch_bounds__(kSmallThreads)
   // on the others'). The 16-block cluster counts chunks from T, so a short step does less work.
   const bool one_chunk = CB == kSmallClusterBlocks;
   const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
-  for (int item = rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
+  if constexpr (kTiles) {
+    // Capacities above kRouterDotMaxCapacity: block `rank` computes experts [16 rank, 16 rank + 16)
+    // for the T <= 8 live tokens on mma tiles, exactly as moe_router_logits_tile_kernel's block of
+    // the same expert group (router_tile_partial, then router_tile_sum in warp order), so the same
+    // bits as the separate router; the rows it prefetched above are its own. Why: router_dot's
+    // ~2 instructions per multiply-add made this phase ~4.9 us at T = 8 on the cluster (run M3's
+    // probe, 8541 cycles), where one mma does 2048 multiply-adds.
+    static_assert(kSmallWarps == kRouterTileWarps && kSmallThreads >= kRouterTileValues &&
+                      kRouteSmallMaxCapacity <= kRouterTileTokens,
+                  "one tile per block: 16 warps, every token of the capacity in one 8-token chunk");
+    const int e0 = rank * kRouterTileExperts;
+    if (T > 0 && e0 < E) {  // uniform over the block
+      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, 0, T, warp, lane, s_red);
+      __syncthreads();
+      if (tid < kRouterTileValues) {
+        const int e = e0 + tid / kRouterTileTokens, j = tid % kRouterTileTokens;
+        const float v = router_tile_sum<kRouterTileWarps>(s_red, tid);
+        if (e < E && j < T) cluster.map_shared_rank(&s_logits[j][0], owner_of(j))[e] = v;
+      }
+    }
+  }
+  for (int item = kTiles ? E * chunks : rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
     const int e = item / chunks, t0 = (item - e * chunks) * TOK;
     const int nt = min(TOK, T - t0);
     float acc[TOK];
@@ -753,7 +782,9 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   // step with one token does not compute 4 (the result bits are the same either way). Capacities
   // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items.
   const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : 4;
-  const bool wide = capacity > 4;
+  // The 16-block cluster takes the capacities whose separate router runs tiles (vectorisable shapes).
+  static_assert(kRouterDotMaxCapacity == 4, "the 8-block cluster's router_dot serves capacities up to 4");
+  const bool wide = capacity > kRouterDotMaxCapacity;
   auto go = [&](auto kernel, int cluster_blocks) {
     if (cluster_blocks > 8)  // a cluster above the portable 8 needs the opt-in
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));

@@ -103,11 +103,14 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
 // The arithmetic depends on the capacity (never on the live count), so a layer's logits do not:
 //   capacity <= kRouterDotMaxCapacity, or hidden / x_stride not multiples of 8, or rows not 16-byte
 //     aligned: one warp per (expert, 8 tokens), fp32 FMAs per lane and a butterfly (router_dot);
-//     the fused small-batch routing has the same bits.
+//     the fused small-batch routing's 8-block cluster has the same bits.
 //   above: tensor-core tiles of 16 experts x 8 tokens, the hidden dimension split over 16 warps
 //     and summed in warp order (mma accumulation, within the bound test_moe_router_gemm.cu
-//     states). The tensor-core router GEMM (moe_router_gemm.cuh) takes over at larger capacities.
-inline constexpr int kRouterDotMaxCapacity = 8;
+//     states); the fused routing's 16-block cluster has the same bits. The tensor-core router GEMM
+//     (moe_router_gemm.cuh) takes over at larger capacities.
+// Why 4: the capacities that take the 16-block cluster (5-8) compute their logits on tiles there
+// (docs/PERF.md run A4), and the separate router must give the same bits at every capacity.
+inline constexpr int kRouterDotMaxCapacity = 4;
 void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
                               const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
                               cudaStream_t stream);
@@ -117,14 +120,15 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
 // Limits, checked by moe_route_small_supported: capacity <= kRouteSmallMaxCapacity (8), E <= 256,
 // capacity * k <= 256. (The kernel is laid out for 16 tokens, kRouteSmallMaxTokens; capacities 9-16
-// are refused because the separate router computes them on tensor-core tiles, whose bits differ
-// from this kernel's router_dot.)
+// are refused: the tiles' logits would need a second 8-token chunk, and the layer takes the
+// separate kernels there, kFusedRoutingMaxTokens.)
 //   logits   [capacity, E] fp32, written (the logits the routing used).
-// It launches one thread-block cluster (sm_90): 8 blocks up to capacity 4, 16 (non-portable) above.
+// It launches one thread-block cluster (sm_90): 8 blocks up to capacity kRouterDotMaxCapacity
+// (router_dot), 16 (non-portable) above (tensor-core tiles when the shapes vectorise).
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
-inline constexpr int kRouteSmallMaxCapacity = kRouterDotMaxCapacity < kRouteSmallMaxTokens ? kRouterDotMaxCapacity
-                                                                                          : kRouteSmallMaxTokens;
+inline constexpr int kRouteSmallMaxCapacity = 8;
+static_assert(kRouteSmallMaxCapacity <= kRouteSmallMaxTokens, "the fused routing is laid out for 16 tokens");
 inline constexpr int kRouteSmallMaxExperts = 256;
 inline constexpr int kRouteSmallMaxPairs = 256;
 bool moe_route_small_supported(int capacity, const RouteParams& params);
