@@ -395,12 +395,13 @@ static_assert(kRouteSmallMaxTokens <= kSmallWideClusterBlocks, "a block per toke
 static_assert(kSmallThreads >= kRouteSmallMaxExperts, "one thread per expert in the scan");
 static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the scores");
 
-// One thread-block cluster of CB blocks (8, or 16 for capacities above kRouterDotMaxCapacity = 4).
+// One thread-block cluster of CB blocks (8, or 16 for capacities above 4).
 // Phase 1, every block: the (expert, token chunk of TOK) items are spread over the cluster's warps;
 // each computes its logits (router_dot, so the same bits as moe_router_logits_kernel) and stores
 // them into the shared memory of the block that owns the token, through the cluster's distributed
-// shared memory. The 16-block cluster with vectorisable shapes instead gives each block one tile of
-// 16 experts x the live tokens on mma (the separate router's tiles above capacity 4, same bits). The router rows are prefetched into L2 before pdl_wait (they are weights). A
+// shared memory. Above capacity kRouterDotMaxCapacity (1) with vectorisable shapes, block b takes
+// the tiles of 16 experts x the live tokens b, b + CB, ... on mma instead (the separate router's
+// tiles, the same bits). The router rows are prefetched into L2 before pdl_wait (they are weights). A
 // cluster barrier (release/acquire) then hands every owner its tokens' logits.
 // Owners: block 0 owns every token when T < kSmallTokensPerBlockMin, else block t owns token t.
 // One or two tokens (decode): block 0's warp t routes token t with route_one_token (the separate
@@ -451,7 +452,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ int s_padded_offsets[kRouteSmallMaxExperts + 1];
   // Phase 1 on tensor-core tiles (the 16-block cluster with vectorisable shapes): the 16 warps'
   // partial sums. s_key is free until phase 2 and holds them from E > 96 (VPT >= 4) on.
-  constexpr bool kTiles = kVec && CB == kSmallWideClusterBlocks;
+  constexpr bool kTiles = kVec && (TOK > 1 || CB == kSmallWideClusterBlocks);  // capacity > 1
   constexpr int kRedFloats = kRouterTileWarps * kRouterTileValues;
   constexpr bool kRedInKey = kRouteSmallMaxTokens * VPT * 32 >= kRedFloats;
   __shared__ __align__(16) float s_red_own[kTiles && !kRedInKey ? kRedFloats : 1];
@@ -487,24 +488,28 @@ __global__ void __launch_bounds__(kSmallThreads)
   const bool one_chunk = CB == kSmallClusterBlocks;
   const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
   if constexpr (kTiles) {
-    // Capacities above kRouterDotMaxCapacity: block `rank` computes experts [16 rank, 16 rank + 16)
-    // for the T <= 8 live tokens on mma tiles, exactly as moe_router_logits_tile_kernel's block of
-    // the same expert group (router_tile_partial, then router_tile_sum in warp order), so the same
-    // bits as the separate router; the rows it prefetched above are its own. Why: router_dot's
+    // Capacities above kRouterDotMaxCapacity: block `rank` computes the expert groups [e0, e0 + 16),
+    // e0 = 16 rank, 16 (rank + CB), ... for the T <= 8 live tokens on mma tiles, exactly as
+    // moe_router_logits_tile_kernel's block of the same group (router_tile_partial, then
+    // router_tile_sum in warp order), so the same bits as the separate router. Why: router_dot's
     // ~2 instructions per multiply-add made this phase ~4.9 us at T = 8 on the cluster (run M3's
     // probe, 8541 cycles), where one mma does 2048 multiply-adds.
     static_assert(kSmallWarps == kRouterTileWarps && kSmallThreads >= kRouterTileValues &&
                       kRouteSmallMaxCapacity <= kRouterTileTokens,
-                  "one tile per block: 16 warps, every token of the capacity in one 8-token chunk");
-    const int e0 = rank * kRouterTileExperts;
-    if (T > 0 && e0 < E) {  // uniform over the block
-      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, 0, T, warp, lane, s_red);
+                  "a tile per block and round: 16 warps, every token of the capacity in one 8-token chunk");
+    // The tiles read the capacity's rows, not the live count's (as one_chunk below): a token's
+    // column of an mma depends on its own row only, so rows past T change no live logit, and the
+    // loads need not wait for *num_tokens.
+    const int rows = min(capacity, kRouterTileTokens);
+    for (int e0 = rank * kRouterTileExperts; rows > 0 && e0 < E; e0 += CB * kRouterTileExperts) {  // uniform
+      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, 0, rows, warp, lane, s_red);
       __syncthreads();
       if (tid < kRouterTileValues) {
         const int e = e0 + tid / kRouterTileTokens, j = tid % kRouterTileTokens;
         const float v = router_tile_sum<kRouterTileWarps>(s_red, tid);
         if (e < E && j < T) cluster.map_shared_rank(&s_logits[j][0], owner_of(j))[e] = v;
       }
+      __syncthreads();  // s_red is read before the next group's partials overwrite it
     }
   }
   for (int item = kTiles ? E * chunks : rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
@@ -782,9 +787,9 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
   // step with one token does not compute 4 (the result bits are the same either way). Capacities
   // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items.
   const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : 4;
-  // The 16-block cluster takes the capacities whose separate router runs tiles (vectorisable shapes).
-  static_assert(kRouterDotMaxCapacity == 4, "the 8-block cluster's router_dot serves capacities up to 4");
-  const bool wide = capacity > kRouterDotMaxCapacity;
+  // TOK 1 (capacity 1) is the only instance on router_dot when the shapes vectorise (kTiles).
+  static_assert(kRouterDotMaxCapacity == 1, "the fused kernel's tiles start at capacity 2");
+  const bool wide = capacity > 4;
   auto go = [&](auto kernel, int cluster_blocks) {
     if (cluster_blocks > 8)  // a cluster above the portable 8 needs the opt-in
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));

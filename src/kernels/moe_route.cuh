@@ -103,14 +103,15 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
 // The arithmetic depends on the capacity (never on the live count), so a layer's logits do not:
 //   capacity <= kRouterDotMaxCapacity, or hidden / x_stride not multiples of 8, or rows not 16-byte
 //     aligned: one warp per (expert, 8 tokens), fp32 FMAs per lane and a butterfly (router_dot);
-//     the fused small-batch routing's 8-block cluster has the same bits.
+//     the fused small-batch routing has the same bits.
 //   above: tensor-core tiles of 16 experts x 8 tokens, the hidden dimension split over 16 warps
 //     and summed in warp order (mma accumulation, within the bound test_moe_router_gemm.cu
-//     states); the fused routing's 16-block cluster has the same bits. The tensor-core router GEMM
+//     states); the fused routing has the same bits. The tensor-core router GEMM
 //     (moe_router_gemm.cuh) takes over at larger capacities.
-// Why 4: the capacities that take the 16-block cluster (5-8) compute their logits on tiles there
-// (docs/PERF.md run A4), and the separate router must give the same bits at every capacity.
-inline constexpr int kRouterDotMaxCapacity = 4;
+// Why 1: from two tokens the fused routing computes its logits on tiles (docs/PERF.md run A4: the
+// routing stage at T = 8 11.9 -> 9.5 us), and the separate router must give the same bits at every
+// capacity. One token keeps router_dot: a warp per expert is the shortest chain there.
+inline constexpr int kRouterDotMaxCapacity = 1;
 void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
                               const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,
                               cudaStream_t stream);
@@ -123,8 +124,8 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 // are refused: the tiles' logits would need a second 8-token chunk, and the layer takes the
 // separate kernels there, kFusedRoutingMaxTokens.)
 //   logits   [capacity, E] fp32, written (the logits the routing used).
-// It launches one thread-block cluster (sm_90): 8 blocks up to capacity kRouterDotMaxCapacity
-// (router_dot), 16 (non-portable) above (tensor-core tiles when the shapes vectorise).
+// It launches one thread-block cluster (sm_90): 8 blocks up to capacity 4, 16 (non-portable)
+// above; router_dot at capacity 1, tensor-core tiles above when the shapes vectorise.
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
 inline constexpr int kRouteSmallMaxCapacity = 8;
