@@ -114,12 +114,15 @@ struct Inputs {
 };
 
 // Router rows N(0, 1/sqrt(H)) and activations N(0, 1), rounded to bf16; skewed routing adds a
-// large component along a shared direction to experts 3 and e % 5 == 1.
-Inputs make_inputs(const Config& c, int capacity, uint32_t seed) {
+// large component along a shared direction to experts 3 and e % 5 == 1. Rows t >= live (the
+// capacity's dead rows) hold NaN: the fused kernel reads them (its loads do not wait for the live
+// count) and must drop what it computes from them, so a NaN reaching a live logit fails the test.
+Inputs make_inputs(const Config& c, int capacity, int live, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> n01(0.0f, 1.0f);
   std::vector<uint16_t> x(static_cast<size_t>(capacity) * c.H), w(static_cast<size_t>(c.E) * c.H);
   for (auto& v : x) v = float_to_bf16_bits(c.skewed ? 1.0f + 0.1f * n01(rng) : n01(rng));
+  std::fill(x.begin() + static_cast<int64_t>(live) * c.H, x.end(), uint16_t{0x7FC0});  // bf16 NaN
   const float sd = 1.0f / std::sqrt(static_cast<float>(c.H));
   for (int e = 0; e < c.E; ++e)
     for (int h = 0; h < c.H; ++h) {
@@ -147,7 +150,7 @@ void check(const Config& c, int T, int capacity, int block_m, uint32_t seed) {
                                     << (c.params.scoring == RouteScoring::kSigmoid ? " sigmoid" : ""));
   ASSERT_TRUE(kernels::moe_route_small_supported(capacity, c.params));
   CudaStream s;
-  Inputs in = make_inputs(c, capacity, seed);
+  Inputs in = make_inputs(c, capacity, T, seed);
   const auto* x = reinterpret_cast<const __nv_bfloat16*>(in.x.data());
   const auto* w = reinterpret_cast<const __nv_bfloat16*>(in.w.data());
   const float* bias = in.has_bias ? in.bias.data() : nullptr;
@@ -219,7 +222,7 @@ TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
   const Config c{2048, 128, 8, softmax(128, 8)};
   constexpr int kCap = kernels::kRouteSmallMaxCapacity, kBlockM = 8;
   CudaStream s;
-  Inputs in = make_inputs(c, kCap, 77);
+  Inputs in = make_inputs(c, kCap, kCap, 77);  // every row live: the replays vary the count
   const auto* x = reinterpret_cast<const __nv_bfloat16*>(in.x.data());
   const auto* w = reinterpret_cast<const __nv_bfloat16*>(in.w.data());
   DeviceBuffer<int32_t> d_T(1);
