@@ -488,28 +488,30 @@ __global__ void __launch_bounds__(kSmallThreads)
   const bool one_chunk = CB == kSmallClusterBlocks;
   const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
   if constexpr (kTiles) {
-    // Capacities above kRouterDotMaxCapacity: block `rank` computes the expert groups [e0, e0 + 16),
-    // e0 = 16 rank, 16 (rank + CB), ... for the T <= 8 live tokens on mma tiles, exactly as
-    // moe_router_logits_tile_kernel's block of the same group (router_tile_partial, then
-    // router_tile_sum in warp order), so the same bits as the separate router. Why: router_dot's
-    // ~2 instructions per multiply-add made this phase ~4.9 us at T = 8 on the cluster (run M3's
+    // Capacities above kRouterDotMaxCapacity: the tiles (16-expert group g, 8-token chunk c) are
+    // dealt to the blocks, tile i = g * chunks + c to block i mod CB, and each computes its logits
+    // exactly as moe_router_logits_tile_kernel's block of the same tile (router_tile_partial, then
+    // router_tile_sum in warp order): the same bits as the separate router. Why: router_dot's ~2
+    // instructions per multiply-add made this phase ~4.9 us at T = 8 on the cluster (run M3's
     // probe, 8541 cycles), where one mma does 2048 multiply-adds.
-    static_assert(kSmallWarps == kRouterTileWarps && kSmallThreads >= kRouterTileValues &&
-                      kRouteSmallMaxCapacity <= kRouterTileTokens,
-                  "a tile per block and round: 16 warps, every token of the capacity in one 8-token chunk");
+    static_assert(kSmallWarps == kRouterTileWarps && kSmallThreads >= kRouterTileValues,
+                  "a tile per block and round: 16 warps, 128 sums");
     // The tiles read the capacity's rows, not the live count's (as one_chunk below): a token's
     // column of an mma depends on its own row only, so rows past T change no live logit, and the
     // loads need not wait for *num_tokens.
-    const int rows = min(capacity, kRouterTileTokens);
-    for (int e0 = rank * kRouterTileExperts; rows > 0 && e0 < E; e0 += CB * kRouterTileExperts) {  // uniform
-      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, 0, rows, warp, lane, s_red);
+    const int tile_chunks = (capacity + kRouterTileTokens - 1) / kRouterTileTokens;
+    const int tiles = (E + kRouterTileExperts - 1) / kRouterTileExperts * tile_chunks;
+    for (int i = rank; i < tiles; i += CB) {  // uniform over the block
+      const int e0 = i / tile_chunks * kRouterTileExperts, t0 = i % tile_chunks * kRouterTileTokens;
+      const int rows = min(kRouterTileTokens, capacity - t0);
+      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, t0, rows, warp, lane, s_red);
       __syncthreads();
       if (tid < kRouterTileValues) {
-        const int e = e0 + tid / kRouterTileTokens, j = tid % kRouterTileTokens;
+        const int e = e0 + tid / kRouterTileTokens, t = t0 + tid % kRouterTileTokens;
         const float v = router_tile_sum<kRouterTileWarps>(s_red, tid);
-        if (e < E && j < T) cluster.map_shared_rank(&s_logits[j][0], owner_of(j))[e] = v;
+        if (e < E && t < T) cluster.map_shared_rank(&s_logits[t][0], owner_of(t))[e] = v;
       }
-      __syncthreads();  // s_red is read before the next group's partials overwrite it
+      __syncthreads();  // s_red is read before the next tile's partials overwrite it
     }
   }
   for (int item = kTiles ? E * chunks : rank * kSmallWarps + warp; item < E * chunks; item += kWarpStride) {
@@ -785,7 +787,8 @@ void launch_moe_route_small(const __nv_bfloat16* x, int x_stride, const __nv_bfl
                    reinterpret_cast<uintptr_t>(router_weight) % 16 == 0;
   // Tokens per router_dot pass: the capacity rounded up to a power of two, at most 4, so a decode
   // step with one token does not compute 4 (the result bits are the same either way). Capacities
-  // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items.
+  // 5-16 take the 16-block cluster, whose 256 warps then split E x ceil(T / 4) items (router_dot,
+  // shapes that do not vectorise) or whose blocks split the tiles.
   const int tok = capacity <= 1 ? 1 : capacity <= 2 ? 2 : 4;
   // TOK 1 (capacity 1) is the only instance on router_dot when the shapes vectorise (kTiles).
   static_assert(kRouterDotMaxCapacity == 1, "the fused kernel's tiles start at capacity 2");

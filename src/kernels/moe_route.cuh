@@ -119,16 +119,14 @@ void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_b
 // Fused small-batch routing: router logits + kernel A + kernel B (padded) in ONE launch, for
 // decode. The outputs are exactly those of launch_moe_router_logits, launch_moe_route_topk and
 // launch_moe_align with the same arguments (bit-identical: the logits use the same arithmetic).
-// Limits, checked by moe_route_small_supported: capacity <= kRouteSmallMaxCapacity (8), E <= 256,
-// capacity * k <= 256. (The kernel is laid out for 16 tokens, kRouteSmallMaxTokens; capacities 9-16
-// are refused: the tiles' logits would need a second 8-token chunk, and the layer takes the
-// separate kernels there, kFusedRoutingMaxTokens.)
+// Limits, checked by moe_route_small_supported: capacity <= kRouteSmallMaxCapacity (16), E <= 256,
+// capacity * k <= 256.
 //   logits   [capacity, E] fp32, written (the logits the routing used).
 // It launches one thread-block cluster (sm_90): 8 blocks up to capacity 4, 16 (non-portable)
 // above; router_dot at capacity 1, tensor-core tiles above when the shapes vectorise.
 //   other outputs as in launch_moe_route_topk / launch_moe_align (padded variant).
 inline constexpr int kRouteSmallMaxTokens = 16;
-inline constexpr int kRouteSmallMaxCapacity = 8;
+inline constexpr int kRouteSmallMaxCapacity = 16;
 static_assert(kRouteSmallMaxCapacity <= kRouteSmallMaxTokens, "the fused routing is laid out for 16 tokens");
 inline constexpr int kRouteSmallMaxExperts = 256;
 inline constexpr int kRouteSmallMaxPairs = 256;

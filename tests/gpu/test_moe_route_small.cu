@@ -195,7 +195,7 @@ TEST(MoeRouteSmallGpu, MatchesSeparateKernelsBitForBit) {
   uint32_t seed = 1;
   for (const Config& c : configs) {
     const int max_cap = std::min(kernels::kRouteSmallMaxCapacity, kernels::kRouteSmallMaxPairs / c.k);
-    for (int T : {0, 1, 2, 3, 4, 5, 8}) {
+    for (int T : {0, 1, 2, 3, 4, 5, 8, 9, 12, 16}) {
       if (T > max_cap) continue;
       for (int block_m : {1, 8, 16}) {
         check(c, T, std::min(max_cap, T + 3), block_m, seed++);
