@@ -108,8 +108,8 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
 //     and summed in warp order (mma accumulation, within the bound test_moe_router_gemm.cu
 //     states); the fused routing has the same bits. The tensor-core router GEMM
 //     (moe_router_gemm.cuh) takes over at larger capacities.
-// Why 1: from two tokens the fused routing computes its logits on tiles (docs/PERF.md run A4: the
-// routing stage at T = 8 11.9 -> 9.5 us), and the separate router must give the same bits at every
+// Why 1: tiles from two tokens made the routing stage at T = 3-8 ~2.5 us shorter in both the fused
+// and the separate kernels (docs/PERF.md runs Z16-Z19), and the two must give the same bits at every
 // capacity. One token keeps router_dot: a warp per expert is the shortest chain there.
 inline constexpr int kRouterDotMaxCapacity = 1;
 void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,

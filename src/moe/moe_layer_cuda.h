@@ -69,7 +69,7 @@ inline constexpr int kPrefillMinTokensPerExpert = 16;
 // block of its own (kernels/moe_route.cu). Measured on the H200 against the three separate kernels
 // (docs/PERF.md run M3, Qwen3-30B-A3B nvfp4 layer us, fused / separate): T=1 20.4 / 27.3, T=4
 // 43.6 / 46.7, T=8 64.0-64.4 / 66.8-66.9, T=16 97.4-97.5 / 95.5-95.7. Since the separate router
-// also runs on tensor-core tiles from capacity 2 (session 29, docs/PERF.md runs A6-A7, H100, nvfp4
+// also runs on tensor-core tiles from capacity 2 (session 29, docs/PERF.md runs Z18-Z19, H100, nvfp4
 // layer us, separate / fused, both on tiles): T=1 26.2 / 20.9, T=2 31.6 / 29.7, T=3 39.9 / 40.9,
 // T=4 44.1 / 45.0, T=8 62.6 / 64.9, T=16 93.8-94.1 / 96.7-97.0: the three kernels overlap each other
 // through PDL better than the fused kernel's cluster barriers, so the fused kernel serves one and
