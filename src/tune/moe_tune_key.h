@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v5 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v5" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v6 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v6" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -27,7 +27,10 @@ namespace moebius::tune {
 // 4: the decode GEMM1's split-K warps joined the candidates ([TAG_DECODE_SPLIT_K]).
 // 5: 128-token wgmma candidates store bf16 y rows by default ([TAG_MOE_BF16_Y]): their times, and
 // so the winners, changed (session 27).
-inline constexpr int kMoeTuneKeyVersion = 5;
+// 6: the router runs on tensor-core tiles from capacity 2 and the layer fuses the routing for one
+// and two tokens only (session 29): a fused-routing winner above 2 now resolves to the separate
+// kernels, and every decode time from capacity 3 changed.
+inline constexpr int kMoeTuneKeyVersion = 6;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
