@@ -400,8 +400,8 @@ static_assert(kRouteSmallMaxTokens <= kSmallWarps, "one warp per token for the s
 // each computes its logits (router_dot, so the same bits as moe_router_logits_kernel) and stores
 // them into the shared memory of the block that owns the token, through the cluster's distributed
 // shared memory. Above capacity kRouterDotMaxCapacity (1) with vectorisable shapes, block b takes
-// the tiles of 16 experts x the live tokens b, b + CB, ... on mma instead (the separate router's
-// tiles, the same bits). The router rows are prefetched into L2 before pdl_wait (they are weights). A
+// the tiles (16 experts x 8 tokens) b, b + CB, ... on mma instead (the separate router's tiles,
+// the same bits). The router rows are prefetched into L2 before pdl_wait (they are weights). A
 // cluster barrier (release/acquire) then hands every owner its tokens' logits.
 // Owners: block 0 owns every token when T < kSmallTokensPerBlockMin, else block t owns token t.
 // One or two tokens (decode): block 0's warp t routes token t with route_one_token (the separate
@@ -450,8 +450,8 @@ __global__ void __launch_bounds__(kSmallThreads)
   __shared__ int s_count[kRouteSmallMaxExperts];
   __shared__ int s_offsets[kRouteSmallMaxExperts + 1];
   __shared__ int s_padded_offsets[kRouteSmallMaxExperts + 1];
-  // Phase 1 on tensor-core tiles (the 16-block cluster with vectorisable shapes): the 16 warps'
-  // partial sums. s_key is free until phase 2 and holds them from E > 96 (VPT >= 4) on.
+  // Phase 1 on tensor-core tiles (capacity > 1, vectorisable shapes): the 16 warps' partial sums.
+  // s_key is free until phase 2 and holds them from E > 96 (VPT >= 4) on.
   constexpr bool kTiles = kVec && (TOK > 1 || CB == kSmallWideClusterBlocks);  // capacity > 1
   constexpr int kRedFloats = kRouterTileWarps * kRouterTileValues;
   constexpr bool kRedInKey = kRouteSmallMaxTokens * VPT * 32 >= kRedFloats;
