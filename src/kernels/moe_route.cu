@@ -368,14 +368,10 @@ __global__ void __launch_bounds__(kRouterTileWarps * 32)
   const int T = live_tokens(num_tokens, capacity);
   if (t0 >= T) return;  // [TAG_MOE_GRAPH_CAPACITY] uniform over the block
   const int nt = min(kRouterTileTokens, T - t0);
-  router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, num_experts, e0, t0, nt, warp, lane, s_red);
-  __syncthreads();
-  const int i = threadIdx.x;
-  if (i < kRouterTileValues) {
-    const int e = e0 + i / kRouterTileTokens, j = i % kRouterTileTokens;
-    const float v = router_tile_sum<kRouterTileWarps>(s_red, i);
-    if (e < num_experts && j < nt) logits[static_cast<int64_t>(t0 + j) * num_experts + e] = v;
-  }
+  router_tile_block<kRouterTileWarps>(x, x_stride, wr, hidden, num_experts, e0, t0, nt, warp, lane, s_red,
+                                      [&](int e, int t, float v) {
+                                        if (t < t0 + nt) logits[static_cast<int64_t>(t) * num_experts + e] = v;
+                                      });
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -489,9 +485,9 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int chunks = one_chunk ? 1 : (T + TOK - 1) / TOK;
   if constexpr (kTiles) {
     // Capacities above kRouterDotMaxCapacity: the tiles (16-expert group g, 8-token chunk c) are
-    // dealt to the blocks, tile i = g * chunks + c to block i mod CB, and each computes its logits
-    // exactly as moe_router_logits_tile_kernel's block of the same tile (router_tile_partial, then
-    // router_tile_sum in warp order): the same bits as the separate router. Why: router_dot's ~2
+    // dealt to the blocks, tile i = g * tile_chunks + c to block i mod CB, and each computes its
+    // logits exactly as moe_router_logits_tile_kernel's block of the same tile (router_tile_block):
+    // the same bits as the separate router. Why: router_dot's ~2
     // instructions per multiply-add made this phase ~4.9 us at T = 8 on the cluster (run M3's
     // probe, 8541 cycles), where one mma does 2048 multiply-adds.
     static_assert(kSmallWarps == kRouterTileWarps && kSmallThreads >= kRouterTileValues,
@@ -504,13 +500,10 @@ __global__ void __launch_bounds__(kSmallThreads)
     for (int i = rank; i < tiles; i += CB) {  // uniform over the block
       const int e0 = i / tile_chunks * kRouterTileExperts, t0 = i % tile_chunks * kRouterTileTokens;
       const int rows = min(kRouterTileTokens, capacity - t0);
-      router_tile_partial<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, t0, rows, warp, lane, s_red);
-      __syncthreads();
-      if (tid < kRouterTileValues) {
-        const int e = e0 + tid / kRouterTileTokens, t = t0 + tid % kRouterTileTokens;
-        const float v = router_tile_sum<kRouterTileWarps>(s_red, tid);
-        if (e < E && t < T) cluster.map_shared_rank(&s_logits[t][0], owner_of(t))[e] = v;
-      }
+      router_tile_block<kRouterTileWarps>(x, x_stride, wr, hidden, E, e0, t0, rows, warp, lane, s_red,
+                                          [&](int e, int t, float v) {
+                                            if (t < T) cluster.map_shared_rank(&s_logits[t][0], owner_of(t))[e] = v;
+                                          });
       __syncthreads();  // s_red is read before the next tile's partials overwrite it
     }
   }

@@ -500,6 +500,26 @@ __device__ __forceinline__ float router_tile_sum(const float* s_red, int i) {
   return v;
 }
 
+// One block's whole tile: the partials, a block barrier, then threads i < 128 sum logit i in warp
+// order and hand it to store(e, t, v) for experts e < num_experts (tokens t in [t0, t0 + 8): the
+// caller drops the dead ones). The block that computes a tile does not change its bits, so the
+// separate router (moe_router_logits_tile_kernel) and the fused routing share this. A caller that
+// reuses s_red for another tile syncs the block first.
+template <int WARPS, typename Store>
+__device__ __forceinline__ void router_tile_block(const __nv_bfloat16* __restrict__ x, int x_stride,
+                                                  const __nv_bfloat16* __restrict__ wr, int hidden, int num_experts,
+                                                  int e0, int t0, int nt, int warp, int lane, float* s_red,
+                                                  Store store) {
+  router_tile_partial<WARPS>(x, x_stride, wr, hidden, num_experts, e0, t0, nt, warp, lane, s_red);
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i < kRouterTileValues) {
+    const int e = e0 + i / kRouterTileTokens, t = t0 + i % kRouterTileTokens;
+    const float v = router_tile_sum<WARPS>(s_red, i);
+    if (e < num_experts) store(e, t, v);
+  }
+}
+
 
 // The align of n <= 32 pairs by one warp (decode), the outputs of moe_align_count +
 // moe_align_scatter (padded): lane p < n holds pair p's expert in `expert` (other lanes: ignored).
