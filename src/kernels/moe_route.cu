@@ -318,6 +318,69 @@ __global__ void __launch_bounds__(kAlignSmallThreads)
       padded_offsets, padded_pair_ids, tile_expert, num_tiles);
 }
 
+// Top-k and align in one block (the separate routing's kernels A and B for small batches): the
+// count of kernel boundaries is what a few tokens pay for, not the work (docs/PERF.md run Z18:
+// top-k 3.8 and align 4.4 us of stage time at T = 8-16, each mostly a launch and a dependent
+// wait). Warp w routes token w with route_one_token (the top-k kernel's arithmetic), its ids go to
+// shared memory, and the block aligns them as moe_align_small_kernel does (one warp for n <= 32
+// pairs, as the fused routing's warp path): the same bits as the two kernels. One token per warp
+// (capacity <= 32), so the block's chain is one token's top-k plus the align; ungrouped scoring
+// only (the group-limited top-k needs a warp's E-float scratch: 64 KB for 32 warps at E = 512), and
+// E <= 256: at 1024 threads a lane has 64 registers, and the 16 logits a lane of E = 512 spilled.
+constexpr int kTopKAlignThreads = kRouteTopKAlignMaxCapacity * 32;
+static_assert(kTopKAlignThreads >= kRouteTopKAlignMaxExperts, "align_pairs_chunked and scan: a thread per expert");
+static_assert(kRouteTopKAlignMaxCapacity * kRouteMaxTopK <= kAlignSmallMaxPairs, "the pairs fit s_ids");
+template <int VPT>
+__global__ void __launch_bounds__(kTopKAlignThreads)
+    moe_route_topk_align_kernel(const float* __restrict__ logits,            // [capacity, E]
+                                const float* __restrict__ correction_bias,  // [E] or nullptr
+                                const int32_t* __restrict__ num_tokens,     // [1]
+                                int capacity, RouteParams params, int block_m, int max_tiles,
+                                int32_t* __restrict__ topk_ids,          // [capacity, k]
+                                float* __restrict__ topk_weights,        // [capacity, k]
+                                int32_t* __restrict__ expert_offsets,    // [E+1]
+                                int32_t* __restrict__ sorted_pair_ids,   // [capacity*k]
+                                int32_t* __restrict__ padded_offsets,    // [E+1]
+                                int32_t* __restrict__ padded_pair_ids,   // [max_padded]
+                                int32_t* __restrict__ tile_expert,       // [max_tiles]
+                                int32_t* __restrict__ num_tiles) {       // [1]
+  __shared__ int s_ids[kAlignSmallMaxPairs];
+  __shared__ uint16_t s_chunk[kAlignSmallMaxChunks * kRouteMaxExperts];
+  __shared__ int s_count[kRouteMaxExperts];
+  __shared__ int s_offsets[kRouteMaxExperts + 1];
+  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
+  pdl_wait();  // logits come from the previous kernel
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int T = live_tokens(num_tokens, capacity);  // [TAG_MOE_GRAPH_CAPACITY]
+  const int k = params.top_k, E = params.num_experts;
+  if (warp < T) {  // uniform over the warp; only warp-level barriers inside
+    int my_id;
+    float my_weight;
+    route_one_token<VPT>(logits + static_cast<int64_t>(warp) * E, correction_bias, params, nullptr, nullptr, lane,
+                         my_id, my_weight);
+    if (lane < k) {
+      const int item = warp * k + lane;
+      topk_ids[item] = my_id;
+      topk_weights[item] = my_weight;
+      s_ids[item] = my_id;
+    }
+  }
+  const int n = T * k;
+  if (n <= 32) {
+    __syncthreads();  // the ids in s_ids
+    if (warp == 0)
+      align_pairs_in_warp<VPT>(s_ids[lane < n ? lane : 0], n, E, block_m, max_tiles, lane, expert_offsets,
+                               sorted_pair_ids, padded_offsets, padded_pair_ids, tile_expert, num_tiles);
+    return;
+  }
+  // align_pairs_chunked's first barrier orders the s_ids stores before any read.
+  align_pairs_chunked<kTopKAlignThreads, kAlignSmallMaxChunks>(s_ids, n, E, block_m, max_tiles, s_chunk, s_count,
+                                                               s_offsets, s_padded_offsets, expert_offsets,
+                                                               sorted_pair_ids, padded_offsets, padded_pair_ids,
+                                                               tile_expert, num_tiles);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Router logits (the "mlp.gate" GEMV)
 // ------------------------------------------------------------------------------------------------
@@ -724,6 +787,43 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
              expert_offsets, padded_offsets, sorted_pair_ids, padded_pair_ids);
 }
 
+bool moe_route_topk_align_supported(int capacity, const RouteParams& p) {
+  return capacity >= 0 && capacity <= kRouteTopKAlignMaxCapacity && p.num_experts >= 1 &&
+         p.num_experts <= kRouteTopKAlignMaxExperts && p.top_k >= 1 && p.top_k <= kRouteMaxTopK &&
+         p.top_k <= p.num_experts &&
+         p.n_groups == 1 && p.topk_groups == 1;
+}
+
+void launch_moe_route_topk_align(const float* logits, const float* correction_bias, const int32_t* num_tokens,
+                                 int capacity, const RouteParams& params, int block_m, int32_t* topk_ids,
+                                 float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                                 int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
+                                 int32_t* num_tiles, cudaStream_t stream) {
+  const int E = params.num_experts;
+  MOEBIUS_LAUNCH_ASSERT(moe_route_topk_align_supported(capacity, params), "shape outside the one-block top-k + align");
+  MOEBIUS_LAUNCH_ASSERT(block_m >= 1, "block_m must be >= 1");
+  MOEBIUS_LAUNCH_ASSERT(params.scoring == RouteScoring::kSigmoid || correction_bias == nullptr,
+                        "a correction bias needs sigmoid scoring");
+  MOEBIUS_LAUNCH_ASSERT(num_tokens != nullptr && topk_ids != nullptr && topk_weights != nullptr &&
+                            expert_offsets != nullptr && sorted_pair_ids != nullptr && padded_offsets != nullptr &&
+                            padded_pair_ids != nullptr && tile_expert != nullptr && num_tiles != nullptr &&
+                            (capacity == 0 || logits != nullptr),
+                        "every output of the top-k + align must be set");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(logits) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(correction_bias) % 4 == 0,
+                        "logits and bias must be 4-byte aligned");
+  const int max_tiles = static_cast<int>(moe_align_max_tiles(capacity, params.top_k, E, block_m));
+  auto go = [&](auto kernel) {
+    launch_pdl(kernel, dim3(1), dim3(kTopKAlignThreads), 0, stream, logits, correction_bias, num_tokens, capacity,
+               params, block_m, max_tiles, topk_ids, topk_weights, expert_offsets, sorted_pair_ids, padded_offsets,
+               padded_pair_ids, tile_expert, num_tiles);
+  };
+  // VPT as launch_route: the smallest power of two with 32 * VPT >= E.
+  if (E <= 32) go(moe_route_topk_align_kernel<1>);
+  else if (E <= 64) go(moe_route_topk_align_kernel<2>);
+  else if (E <= 128) go(moe_route_topk_align_kernel<4>);
+  else go(moe_route_topk_align_kernel<8>);
+}
 
 void launch_moe_router_logits(const __nv_bfloat16* x, int x_stride, const __nv_bfloat16* router_weight,
                               const int32_t* num_tokens, int capacity, int hidden, int num_experts, float* logits,

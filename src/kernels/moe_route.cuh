@@ -98,6 +98,20 @@ void launch_moe_align(const int32_t* topk_ids, const int32_t* num_tokens, int ca
                       int block_m, int32_t* expert_offsets, int32_t* sorted_pair_ids, int32_t* padded_offsets,
                       int32_t* padded_pair_ids, int32_t* tile_expert, int32_t* num_tiles, cudaStream_t stream);
 
+// Kernels A and B (padded) in one launch for small batches: the outputs of launch_moe_route_topk
+// followed by launch_moe_align with the same arguments, bit for bit, with one kernel boundary
+// fewer. One block, a warp per token. Limits (moe_route_topk_align_supported): capacity <=
+// kRouteTopKAlignMaxCapacity, ungrouped scoring (n_groups == 1), E <= 256, k <= 16.
+//   logits [capacity, E] fp32; other arguments as launch_moe_route_topk and launch_moe_align.
+inline constexpr int kRouteTopKAlignMaxCapacity = 32;
+inline constexpr int kRouteTopKAlignMaxExperts = 256;
+bool moe_route_topk_align_supported(int capacity, const RouteParams& params);
+void launch_moe_route_topk_align(const float* logits, const float* correction_bias, const int32_t* num_tokens,
+                                 int capacity, const RouteParams& params, int block_m, int32_t* topk_ids,
+                                 float* topk_weights, int32_t* expert_offsets, int32_t* sorted_pair_ids,
+                                 int32_t* padded_offsets, int32_t* padded_pair_ids, int32_t* tile_expert,
+                                 int32_t* num_tiles, cudaStream_t stream);
+
 // Router logits: logits[t][e] = sum_h W[e][h] * x[t][h] in fp32 (the router, "mlp.gate").
 //   x       [capacity, x_stride] bf16;  W [E, H] bf16 row-major;  logits [capacity, E] fp32.
 // The arithmetic depends on the capacity (never on the live count), so a layer's logits do not:

@@ -1,5 +1,6 @@
 // The fused small-batch routing kernel (launch_moe_route_small: router logits + top-k + align in
-// one launch) against the three separate kernels it replaces (launch_moe_router_logits,
+// one launch), and the one-block top-k + align (launch_moe_route_topk_align), against the separate
+// kernels they replace (launch_moe_router_logits,
 // launch_moe_route_topk, launch_moe_align), which test_moe_route.cu checks against the CPU oracle.
 // The contract is bit-identical outputs, so every buffer is compared exactly, after poisoning both
 // sides; guard bands must stay intact and rows past the live count untouched. Every launch is
@@ -143,12 +144,26 @@ Inputs make_inputs(const Config& c, int capacity, int live, uint32_t seed) {
   return in;
 }
 
-void check(const Config& c, int T, int capacity, int block_m, uint32_t seed) {
+// The separate router kernel, then top-k and align in one launch (launch_moe_route_topk_align).
+void run_topk_align(const Config& c, int capacity, int block_m, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                    const float* bias, const int32_t* d_T, Outputs& o, cudaStream_t s) {
+  kernels::launch_moe_router_logits(x, c.H, w, d_T, capacity, c.H, c.E, o.logits.data(), s);
+  kernels::launch_moe_route_topk_align(o.logits.data(), bias, d_T, capacity, c.params, block_m, o.ids.data(),
+                                       o.weights.data(), o.offsets.data(), o.sorted.data(), o.padded_offsets.data(),
+                                       o.padded.data(), o.tiles.data(), o.num_tiles.data(), s);
+}
+
+using Runner = void (*)(const Config&, int, int, const __nv_bfloat16*, const __nv_bfloat16*, const float*,
+                        const int32_t*, Outputs&, cudaStream_t);
+
+// `run` (the fused routing unless told otherwise) against run_separate, every output byte.
+void check(const Config& c, int T, int capacity, int block_m, uint32_t seed, Runner run = run_fused) {
   SCOPED_TRACE(::testing::Message() << "H=" << c.H << " E=" << c.E << " k=" << c.k << " T=" << T
                                     << " capacity=" << capacity << " block_m=" << block_m
                                     << (c.skewed ? " skewed" : "")
                                     << (c.params.scoring == RouteScoring::kSigmoid ? " sigmoid" : ""));
-  ASSERT_TRUE(kernels::moe_route_small_supported(capacity, c.params));
+  if (run == run_fused) ASSERT_TRUE(kernels::moe_route_small_supported(capacity, c.params));
+  if (run == run_topk_align) ASSERT_TRUE(kernels::moe_route_topk_align_supported(capacity, c.params));
   CudaStream s;
   Inputs in = make_inputs(c, capacity, T, seed);
   const auto* x = reinterpret_cast<const __nv_bfloat16*>(in.x.data());
@@ -162,9 +177,9 @@ void check(const Config& c, int T, int capacity, int block_m, uint32_t seed) {
   got.poison(s);
   run_separate(c, capacity, block_m, x, w, bias, d_T.data(), want, s);
   // Twice: the second launch must not depend on anything the first left behind.
-  run_fused(c, capacity, block_m, x, w, bias, d_T.data(), got, s);
+  run(c, capacity, block_m, x, w, bias, d_T.data(), got, s);
   got.poison(s);
-  run_fused(c, capacity, block_m, x, w, bias, d_T.data(), got, s);
+  run(c, capacity, block_m, x, w, bias, d_T.data(), got, s);
   s.sync();
   expect_same(got.logits, want.logits, "logits");
   expect_same(got.ids, want.ids, "topk_ids");
@@ -216,11 +231,10 @@ TEST(MoeRouteSmallGpu, SkewedRoutingLeavesExpertsEmpty) {
   }
 }
 
-// One capture at the largest capacity (8) replays for every live count, including 0.
-TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
-  MOEBIUS_REQUIRE_GPU();
+// One capture at the largest capacity replays for every live count, including 0.
+void check_graph_replay(Runner run, int kCap) {
   const Config c{2048, 128, 8, softmax(128, 8)};
-  constexpr int kCap = kernels::kRouteSmallMaxCapacity, kBlockM = 8;
+  constexpr int kBlockM = 8;
   CudaStream s;
   Inputs in = make_inputs(c, kCap, kCap, 77);  // every row live: the replays vary the count
   const auto* x = reinterpret_cast<const __nv_bfloat16*>(in.x.data());
@@ -232,7 +246,7 @@ TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  run_fused(c, kCap, kBlockM, x, w, nullptr, d_T.data(), got, s);
+  run(c, kCap, kBlockM, x, w, nullptr, d_T.data(), got, s);
   CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int T : {kCap, 1, 0, kCap - 1, kCap, 3}) {
@@ -251,6 +265,59 @@ TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(MoeRouteSmallGpu, GraphReplayServesEveryTokenCount) {
+  MOEBIUS_REQUIRE_GPU();
+  check_graph_replay(run_fused, kernels::kRouteSmallMaxCapacity);
+}
+
+// Top-k + align in one block (launch_moe_route_topk_align) against the two kernels, bit for bit:
+// every ungrouped shape from one token to the capacity limit, the n <= 32 warp align and the
+// chunked block align, block_m 1 (no padding) to 64, E up to 256 (a lane's 8 logits) and k = 16.
+TEST(MoeRouteTopKAlignGpu, MatchesTopKThenAlignBitForBit) {
+  MOEBIUS_REQUIRE_GPU();
+  constexpr int kCap = kernels::kRouteTopKAlignMaxCapacity;
+  RouteParams sigmoid = softmax(256, 8);  // sigmoid + correction bias, no group limit
+  sigmoid.scoring = RouteScoring::kSigmoid;
+  sigmoid.routed_scaling_factor = 2.5f;
+  RouteParams no_renorm = softmax(128, 8);
+  no_renorm.renormalize = false;
+  const std::vector<Config> configs = {
+      {2048, 128, 8, softmax(128, 8)},  // Qwen3-30B-A3B
+      {4096, 8, 2, softmax(8, 2)},      // Mixtral-8x7B
+      {64, 60, 4, softmax(60, 4)},      // E = 60
+      {100, 64, 8, softmax(64, 8)},     // H not a multiple of 8: the router's scalar path
+      {1024, 256, 8, sigmoid},          // sigmoid with bias and scaling
+      {512, 128, 8, no_renorm},         // weights not renormalised
+      {256, 256, 16, softmax(256, 16)}, // E = 256, k = 16: the limits
+  };
+  uint32_t seed = 1000;
+  for (const Config& c : configs)
+    for (int T : {0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 31, kCap}) {
+      for (int block_m : {1, 8, 16, 64}) check(c, T, std::min(kCap, T + 3), block_m, seed++, run_topk_align);
+      if (T == kCap || T == 4) check(c, T, T, 8, seed++, run_topk_align);  // capacity == T exactly
+    }
+  for (int T : {1, 7, kCap}) {
+    Config c{2048, 128, 8, softmax(128, 8), /*skewed=*/true};  // most experts empty
+    check(c, T, kCap, 8, 2000u + static_cast<uint32_t>(T), run_topk_align);
+  }
+}
+
+TEST(MoeRouteTopKAlignGpu, GraphReplayServesEveryTokenCount) {
+  MOEBIUS_REQUIRE_GPU();
+  check_graph_replay(run_topk_align, kernels::kRouteTopKAlignMaxCapacity);
+}
+
+// The limits: group-limited scoring, capacities above 32 and E above 256 keep the two kernels.
+TEST(MoeRouteTopKAlign, SupportedShapes) {
+  EXPECT_TRUE(kernels::moe_route_topk_align_supported(0, softmax(128, 8)));
+  EXPECT_TRUE(kernels::moe_route_topk_align_supported(kernels::kRouteTopKAlignMaxCapacity, softmax(256, 16)));
+  EXPECT_FALSE(kernels::moe_route_topk_align_supported(kernels::kRouteTopKAlignMaxCapacity + 1, softmax(128, 8)));
+  EXPECT_FALSE(kernels::moe_route_topk_align_supported(4, deepseek()));
+  EXPECT_FALSE(kernels::moe_route_topk_align_supported(4, softmax(257, 8)));
+  EXPECT_FALSE(kernels::moe_route_topk_align_supported(4, softmax(8, 9)));
+  EXPECT_FALSE(kernels::moe_route_topk_align_supported(-1, softmax(128, 8)));
 }
 
 }  // namespace
