@@ -126,6 +126,7 @@ const char* moe_stage_name(MoeStage s) {
   switch (s) {
     case MoeStage::kRouteFused: return "route(fused)";
     case MoeStage::kRouterLogits: return "router";
+    case MoeStage::kTopKAlign: return "topk+align";
     case MoeStage::kTopK: return "topk";
     case MoeStage::kAlign: return "align";
     case MoeStage::kExpertsFused: return "experts(fused)";
@@ -446,6 +447,13 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   workspace_bytes_ = total;
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
+  const char* topk_align_env = std::getenv("MOEBIUS_ROUTE_TOPK_ALIGN");
+  if (topk_align_env != nullptr && std::string(topk_align_env) != "0" && std::string(topk_align_env) != "1")
+    return Error::format("MOEBIUS_ROUTE_TOPK_ALIGN must be 0 or 1, got '{}'", topk_align_env);
+  const bool want_topk_align =
+      topk_align_env != nullptr ? std::string(topk_align_env) == "1" : opt.fuse_topk_align;
+  topk_align_ = !fused_routing_ && want_topk_align && cap <= kTopKAlignMaxTokens &&
+                kernels::moe_route_topk_align_supported(cap, route_);
   // The fused kernel reads experts with the copy engine from device memory only (cold experts in
   // mapped host memory keep the three kernels) and needs 16-byte rows of x for its staging.
   // MOEBIUS_FUSED_EXPERTS=0|1 overrides the option in every layer (an experiment knob for
@@ -669,9 +677,10 @@ Result<std::unique_ptr<MoeLayerCuda>> MoeLayerCuda::create_dummy(const cpu::MoeS
 bool MoeLayerCuda::uses_stage(MoeStage stage) const {
   switch (stage) {
     case MoeStage::kRouteFused: return fused_routing_;
-    case MoeStage::kRouterLogits:
+    case MoeStage::kRouterLogits: return !fused_routing_;
+    case MoeStage::kTopKAlign: return topk_align_;
     case MoeStage::kTopK:
-    case MoeStage::kAlign: return !fused_routing_;
+    case MoeStage::kAlign: return !fused_routing_ && !topk_align_;
     case MoeStage::kExpertsFused: return fused_experts_;
     case MoeStage::kGateUp:
     case MoeStage::kDown: return !fused_experts_;
@@ -721,7 +730,8 @@ bool MoeLayerCuda::defers_combine(const __nv_bfloat16* x) const {
 kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfloat16* x, const int32_t* num_tokens,
                                                                   cudaStream_t stream) {
   MOEBIUS_ASSERT(defers_combine(x), "forward_deferring_combine: this layer cannot defer its combine");
-  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopK, MoeStage::kAlign})
+  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopKAlign, MoeStage::kTopK,
+                     MoeStage::kAlign})
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, nullptr, stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, nullptr, stream, /*with_combine=*/false);
   kernels::MoeCombineSource c;
@@ -736,7 +746,8 @@ kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfl
 
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
                            cudaStream_t stream) {
-  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopK, MoeStage::kAlign})
+  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopKAlign, MoeStage::kTopK,
+                     MoeStage::kAlign})
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, out, stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, out, stream);
 }
@@ -801,6 +812,12 @@ void MoeLayerCuda::enqueue_stage(MoeStage stage, const __nv_bfloat16* x, const i
       return;
     case MoeStage::kRouterLogits:
       enqueue_router_logits(x, H, router_weight_, num_tokens, cap, H, E, logits_, stream);
+      return;
+    case MoeStage::kTopKAlign:
+      MOEBIUS_ASSERT(topk_align_);
+      kernels::launch_moe_route_topk_align(logits_, correction_bias_, num_tokens, cap, route_, block_m_, topk_ids_,
+                                           topk_weights_, expert_offsets_, sorted_pair_ids_, padded_offsets_,
+                                           padded_pair_ids_, tile_expert_, num_tiles_, stream);
       return;
     case MoeStage::kTopK:
       kernels::launch_moe_route_topk(logits_, correction_bias_, num_tokens, cap, route_, topk_ids_, topk_weights_,

@@ -28,12 +28,14 @@ namespace moebius::moe {
 
 // The kernels of one forward, in order. Each reads what the previous ones left in the
 // workspace, so a single stage can be replayed on its own (benchmarks time them one by one).
-// kRouteFused (router + top-k + align in one kernel, small capacities) replaces the three
-// stages after it; kExpertsFused (GEMM1, GEMM2 and the combine in one persistent kernel,
+// kRouteFused (router + top-k + align in one kernel, small capacities) replaces the routing
+// stages after it; kTopKAlign (top-k + align in one block, small capacities) replaces kTopK and
+// kAlign; kExpertsFused (GEMM1, GEMM2 and the combine in one persistent kernel,
 // kernels/moe_fused_experts.cuh) replaces the three after it; uses_stage() says which a layer runs.
 enum class MoeStage : int {
   kRouteFused,
   kRouterLogits,
+  kTopKAlign,
   kTopK,
   kAlign,
   kExpertsFused,
@@ -77,6 +79,14 @@ inline constexpr int kPrefillMinTokensPerExpert = 16;
 // compare them (the kernel takes up to 16, kernels::kRouteSmallMaxCapacity).
 inline constexpr int kFusedRoutingMaxTokens = 2;
 
+// The largest capacity whose separate routing runs top-k and align as one kernel
+// (kernels::launch_moe_route_topk_align, which takes up to 32). Measured (docs/PERF.md run Z23, H100,
+// Qwen3-30B-A3B nvfp4 layer us, two kernels / one, three rounds): T=3 40.0 / 38.6, T=4 44.1 /
+// 43.1, T=8 63.4 / 63.2, T=16 93.6 / 93.7, T=24 114.4 / 115.8, T=32 125.3 / 128.0. One block's chain
+// (a warp per token, then the align) wins while the pairs fit the one-warp align (n <= 32) and
+// breaks even to ~16 tokens; above, the top-k kernel's blocks on several SMs are quicker.
+inline constexpr int kTopKAlignMaxTokens = 8;
+
 // Whether the router logits of a layer with this capacity run on the tensor-core router GEMM
 // (kernels/moe_router_gemm.cuh, when moe_router_gemm_supported) rather than the small-batch router
 // (launch_moe_router_logits: 16 x 8 tensor-core tiles above capacity 8). The GEMM is latency-bound
@@ -111,6 +121,11 @@ struct MoeCudaOptions {
   // it (capacity <= kFusedRoutingMaxTokens and kernels::moe_route_small_supported); false forces
   // the three separate kernels.
   bool fuse_routing = true;
+  // Where the routing is not fused: top-k and align in one kernel when the capacity allows it
+  // (capacity <= kTopKAlignMaxTokens and kernels::moe_route_topk_align_supported: ungrouped
+  // scoring, E <= 256); false keeps the two kernels. Same bits either way.
+  // MOEBIUS_ROUTE_TOPK_ALIGN=0|1 overrides it in every layer (an A/B knob for benchmarks).
+  bool fuse_topk_align = true;
   // The decode experts in one persistent kernel (kernels/moe_fused_experts.cuh) where it applies:
   // the decode path with block_m 8 (capacity <= kernels::kFusedExpertsMaxTokens), the kStore
   // combine, an nvfp4, int4 or int2 layer whose experts are all device resident, hidden % 8 == 0,
@@ -320,6 +335,7 @@ class MoeLayerCuda {
   int block_m_ = 8;
   int split_k_warps_ = 4;
   bool fused_routing_ = false;
+  bool topk_align_ = false;  // kTopKAlign in place of kTopK + kAlign (separate routing only)
   bool fused_experts_ = false;
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;

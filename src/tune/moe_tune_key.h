@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v6 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v6" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v7 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v7" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -30,7 +30,9 @@ namespace moebius::tune {
 // 6: the router runs on tensor-core tiles from capacity 2 and the layer fuses the routing for one
 // and two tokens only (session 29): a fused-routing winner above 2 now resolves to the separate
 // kernels, and every decode time from capacity 3 changed.
-inline constexpr int kMoeTuneKeyVersion = 6;
+// 7: the separate routing runs top-k and align as one kernel up to capacity 32 (session 30): the
+// separate-routing times at capacities 3-32, and so the fused/separate winners, changed.
+inline constexpr int kMoeTuneKeyVersion = 7;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H

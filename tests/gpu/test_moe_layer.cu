@@ -216,6 +216,42 @@ TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
   }
 }
 
+// The separate routing's top-k and align in one kernel (MoeCudaOptions::fuse_topk_align, capacities
+// up to kTopKAlignMaxTokens): the layer runs the kTopKAlign stage in place of kTopK and kAlign
+// exactly where the rule says, and its ids, weights and output are the two kernels' bits (and the
+// oracle's, on a geometry small enough to run it).
+TEST(MoeLayerGpuRouting, TopKAlignKernelMatchesTheTwoKernels) {
+  MOEBIUS_REQUIRE_GPU();
+  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{256, 128, 16, 4}}) {
+    const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 16, 43);
+    for (int64_t T : {1, 3, 5, 8, 9, 16}) {
+      const auto x = random_x(T, g.H, 60 + T);
+      const std::string label = "H=" + std::to_string(g.H) + " T=" + std::to_string(T);
+      MoeCudaOptions opt;
+      opt.capacity = static_cast<int>(T);
+      opt.fuse_routing = false;
+      opt.fuse_topk_align = false;
+      auto two = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(two.ok()) << two.error().what();
+      EXPECT_FALSE((*two)->uses_stage(MoeStage::kTopKAlign)) << label;
+      EXPECT_TRUE((*two)->uses_stage(MoeStage::kTopK) && (*two)->uses_stage(MoeStage::kAlign)) << label;
+      const LayerRun ref = run_gpu(**two, x, T);
+      opt.fuse_topk_align = true;
+      auto one = MoeLayerCuda::create(L, opt);
+      ASSERT_TRUE(one.ok()) << one.error().what();
+      const bool fused = T <= kTopKAlignMaxTokens;
+      EXPECT_EQ(fused, (*one)->uses_stage(MoeStage::kTopKAlign)) << label;
+      EXPECT_EQ(!fused, (*one)->uses_stage(MoeStage::kTopK)) << label;
+      EXPECT_EQ(!fused, (*one)->uses_stage(MoeStage::kAlign)) << label;
+      const LayerRun r = run_gpu(**one, x, T);
+      EXPECT_EQ(ref.ids, r.ids) << label;
+      EXPECT_EQ(0, std::memcmp(ref.weights.data(), r.weights.data(), ref.weights.size() * 4)) << label;
+      EXPECT_EQ(0, std::memcmp(ref.out.data(), r.out.data(), ref.out.size() * 2)) << label;
+      if (g.H != 2048) expect_matches_oracle(L, x, T, r.ids, r.weights, r.out, label + " top-k + align");
+    }
+  }
+}
+
 // [TAG_DECODE_SPLIT_K] The decode GEMM1 with 8 warps splitting K (MoeCudaOptions::decode_split_k_warps
 // = 8) where it applies (nvfp4 and int4 at K = 2048, one token tile): against the oracle for every
 // rows-per-block value, token counts 1-64 and both int4 group instances (128: compile-time group
