@@ -328,8 +328,9 @@ __global__ void __launch_bounds__(kAlignSmallThreads)
 // only (the group-limited top-k needs a warp's E-float scratch: 64 KB for 32 warps at E = 512), and
 // E <= 256: at 1024 threads a lane has 64 registers, and the 16 logits a lane of E = 512 spilled.
 constexpr int kTopKAlignThreads = kRouteTopKAlignMaxCapacity * 32;
+constexpr int kTopKAlignMaxPairs = kRouteTopKAlignMaxCapacity * kRouteMaxTopK;  // 512
+constexpr int kTopKAlignMaxChunks = kTopKAlignMaxPairs / 32;
 static_assert(kTopKAlignThreads >= kRouteTopKAlignMaxExperts, "align_pairs_chunked and scan: a thread per expert");
-static_assert(kRouteTopKAlignMaxCapacity * kRouteMaxTopK <= kAlignSmallMaxPairs, "the pairs fit s_ids");
 template <int VPT>
 __global__ void __launch_bounds__(kTopKAlignThreads)
     moe_route_topk_align_kernel(const float* __restrict__ logits,            // [capacity, E]
@@ -344,11 +345,11 @@ __global__ void __launch_bounds__(kTopKAlignThreads)
                                 int32_t* __restrict__ padded_pair_ids,   // [max_padded]
                                 int32_t* __restrict__ tile_expert,       // [max_tiles]
                                 int32_t* __restrict__ num_tiles) {       // [1]
-  __shared__ int s_ids[kAlignSmallMaxPairs];
-  __shared__ uint16_t s_chunk[kAlignSmallMaxChunks * kRouteMaxExperts];
-  __shared__ int s_count[kRouteMaxExperts];
-  __shared__ int s_offsets[kRouteMaxExperts + 1];
-  __shared__ int s_padded_offsets[kRouteMaxExperts + 1];
+  __shared__ int s_ids[kTopKAlignMaxPairs];
+  __shared__ uint16_t s_chunk[kTopKAlignMaxChunks * kRouteTopKAlignMaxExperts];
+  __shared__ int s_count[kRouteTopKAlignMaxExperts];
+  __shared__ int s_offsets[kRouteTopKAlignMaxExperts + 1];
+  __shared__ int s_padded_offsets[kRouteTopKAlignMaxExperts + 1];
   pdl_wait();  // logits come from the previous kernel
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -375,7 +376,7 @@ __global__ void __launch_bounds__(kTopKAlignThreads)
     return;
   }
   // align_pairs_chunked's first barrier orders the s_ids stores before any read.
-  align_pairs_chunked<kTopKAlignThreads, kAlignSmallMaxChunks>(s_ids, n, E, block_m, max_tiles, s_chunk, s_count,
+  align_pairs_chunked<kTopKAlignThreads, kTopKAlignMaxChunks>(s_ids, n, E, block_m, max_tiles, s_chunk, s_count,
                                                                s_offsets, s_padded_offsets, expert_offsets,
                                                                sorted_pair_ids, padded_offsets, padded_pair_ids,
                                                                tile_expert, num_tiles);
