@@ -811,8 +811,9 @@ void launch_moe_route_topk_align(const float* logits, const float* correction_bi
                             (capacity == 0 || logits != nullptr),
                         "every output of the top-k + align must be set");
   MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(logits) % 4 == 0 &&
-                            reinterpret_cast<uintptr_t>(correction_bias) % 4 == 0,
-                        "logits and bias must be 4-byte aligned");
+                            reinterpret_cast<uintptr_t>(correction_bias) % 4 == 0 &&
+                            reinterpret_cast<uintptr_t>(num_tokens) % 4 == 0,
+                        "logits, bias and num_tokens must be 4-byte aligned");
   const int max_tiles = static_cast<int>(moe_align_max_tiles(capacity, params.top_k, E, block_m));
   auto go = [&](auto kernel) {
     launch_pdl(kernel, dim3(1), dim3(kTopKAlignThreads), 0, stream, logits, correction_bias, num_tokens, capacity,

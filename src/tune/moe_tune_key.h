@@ -30,8 +30,8 @@ namespace moebius::tune {
 // 6: the router runs on tensor-core tiles from capacity 2 and the layer fuses the routing for one
 // and two tokens only (session 29): a fused-routing winner above 2 now resolves to the separate
 // kernels, and every decode time from capacity 3 changed.
-// 7: the separate routing runs top-k and align as one kernel up to capacity 32 (session 30): the
-// separate-routing times at capacities 3-32, and so the fused/separate winners, changed.
+// 7: the separate routing runs top-k and align as one kernel up to capacity 8 (session 30): the
+// separate-routing times at capacities 1-8, and so the fused/separate winners, changed.
 inline constexpr int kMoeTuneKeyVersion = 7;
 
 struct MoeTuneKey {
