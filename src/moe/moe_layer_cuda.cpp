@@ -93,6 +93,20 @@ int pick_wgmma_block_m(int capacity, int top_k, int num_experts) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
+// A layer option that an environment variable may override for A/B runs: unset, the option;
+// "0" or "1", that; anything else is an error naming the variable.
+Result<bool> option_or_env(const char* name, bool option) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return option;
+  const std::string s(v);
+  if (s != "0" && s != "1") return Error::format("{} must be 0 or 1, got '{}'", name, s);
+  return s == "1";
+}
+
+// The routing stages of a forward in order; uses_stage() picks the ones this layer runs.
+constexpr MoeStage kRoutingStages[] = {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopKAlign,
+                                       MoeStage::kTopK, MoeStage::kAlign};
+
 }  // namespace
 
 int ExpertResidency::cold_count() const {
@@ -447,21 +461,14 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   workspace_bytes_ = total;
   for (auto& f : place) f(static_cast<uint8_t*>(workspace_->data()));
   fused_routing_ = opt.fuse_routing && cap <= kFusedRoutingMaxTokens && kernels::moe_route_small_supported(cap, route_);
-  const char* topk_align_env = std::getenv("MOEBIUS_ROUTE_TOPK_ALIGN");
-  if (topk_align_env != nullptr && std::string(topk_align_env) != "0" && std::string(topk_align_env) != "1")
-    return Error::format("MOEBIUS_ROUTE_TOPK_ALIGN must be 0 or 1, got '{}'", topk_align_env);
-  const bool want_topk_align =
-      topk_align_env != nullptr ? std::string(topk_align_env) == "1" : opt.fuse_topk_align;
+  MOEBIUS_ASSIGN_OR_RETURN(const bool want_topk_align, option_or_env("MOEBIUS_ROUTE_TOPK_ALIGN", opt.fuse_topk_align));
   topk_align_ = !fused_routing_ && want_topk_align && cap <= kTopKAlignMaxTokens &&
                 kernels::moe_route_topk_align_supported(cap, route_);
   // The fused kernel reads experts with the copy engine from device memory only (cold experts in
   // mapped host memory keep the three kernels) and needs 16-byte rows of x for its staging.
   // MOEBIUS_FUSED_EXPERTS=0|1 overrides the option in every layer (an experiment knob for
   // whole-model runs; the GPU tests expect it unset).
-  const char* fuse_env = std::getenv("MOEBIUS_FUSED_EXPERTS");
-  if (fuse_env != nullptr && std::string(fuse_env) != "0" && std::string(fuse_env) != "1")
-    return Error::format("MOEBIUS_FUSED_EXPERTS must be 0 or 1, got '{}'", fuse_env);
-  const bool want_fused = fuse_env != nullptr ? std::string(fuse_env) == "1" : opt.fuse_experts;
+  MOEBIUS_ASSIGN_OR_RETURN(const bool want_fused, option_or_env("MOEBIUS_FUSED_EXPERTS", opt.fuse_experts));
   fused_experts_ = want_fused && path_ == MoeGemmPath::kDecode &&
                    opt.combine == kernels::MoeCombineMode::kStore && slots_ == E && H % 8 == 0 &&
                    kernels::moe_fused_experts_supported(kf, dims13_, dims2_, cap, block_m_, k, E, static_cast<int>(max_tiles_));
@@ -730,8 +737,7 @@ bool MoeLayerCuda::defers_combine(const __nv_bfloat16* x) const {
 kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfloat16* x, const int32_t* num_tokens,
                                                                   cudaStream_t stream) {
   MOEBIUS_ASSERT(defers_combine(x), "forward_deferring_combine: this layer cannot defer its combine");
-  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopKAlign, MoeStage::kTopK,
-                     MoeStage::kAlign})
+  for (MoeStage s : kRoutingStages)
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, nullptr, stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, nullptr, stream, /*with_combine=*/false);
   kernels::MoeCombineSource c;
@@ -746,8 +752,7 @@ kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfl
 
 void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __nv_bfloat16* out,
                            cudaStream_t stream) {
-  for (MoeStage s : {MoeStage::kRouteFused, MoeStage::kRouterLogits, MoeStage::kTopKAlign, MoeStage::kTopK,
-                     MoeStage::kAlign})
+  for (MoeStage s : kRoutingStages)
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, out, stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, out, stream);
 }
