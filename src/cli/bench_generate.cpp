@@ -29,6 +29,9 @@
 // GPU), the swaps and their PCIe bytes per token, counted over the steps whose routing reached the
 // cache during the run (it arrives one step late, two in the back-to-back decode loop:
 // Qwen3MoeCuda::expert_cache_stats); the "pcie" rows add the swap bytes per token to the reads.
+// With --expert-prefetch N the "expert prefetch" rows give, over the same extra decode steps, the
+// experts copied ahead per token and how many of them were routed to (Qwen3MoeCuda::
+// last_step_prefetch); the "pcie" rows count each copy once and no zero-copy read for its hits.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -76,6 +79,7 @@ struct BenchGenerateOptions {
   std::string placement_file;
   std::string cold_path = "auto";
   offload::ExpertCacheFlags expert_cache;
+  int expert_prefetch = 0;
   int max_resident_experts = -1;
   double pcie_gbps = 55.3;
 };
@@ -125,6 +129,7 @@ Status run(const BenchGenerateOptions& o) {
   co.cold_path = o.cold_path;
   co.max_resident_experts = o.max_resident_experts;
   co.expert_cache = expert_cache;
+  co.expert_prefetch = o.expert_prefetch;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
@@ -162,7 +167,7 @@ Status run(const BenchGenerateOptions& o) {
     return Ok{};
   };
 
-  std::vector<std::string> pcie_rows, cache_rows;
+  std::vector<std::string> pcie_rows, cache_rows, prefetch_rows;
   // The expert cache's counts over one run; its swap bytes per token for the pcie rows.
   auto cache_run = [&](const char* phase, int64_t context, const offload::ModelCacheStats& before) -> double {
     if (!m->expert_cache_on()) return 0.0;
@@ -247,12 +252,22 @@ Status run(const BenchGenerateOptions& o) {
     const double swap_bytes = cache_run("decode", C, cache_before);  // per token
     if (m->offloaded()) {  // the routing of a few more steps (eager, captured), read back one by one
       double pcie = 0;
+      model::Qwen3MoeCuda::PrefetchCounts pf;  // [TAG_EXPERT_PREFETCH] over the same steps
       m->set_routing_capture(true);
       for (int i = 0; i < kPcieSteps; ++i) {
         MOEBIUS_TRY(step(kWarmup + o.decode_steps + i));
         pcie += static_cast<double>(m->last_step_cold_bytes(1));
+        const model::Qwen3MoeCuda::PrefetchCounts c = m->last_step_prefetch(1);
+        pf.copied += c.copied;
+        pf.hits += c.hits;
+        pf.routed_cold += c.routed_cold;
       }
       m->set_routing_capture(false);
+      if (m->expert_prefetch_on())
+        prefetch_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>9.1f}% {:>9.1f}%", "decode", C,
+                                            static_cast<double>(pf.copied) / kPcieSteps,
+                                            100.0 * static_cast<double>(pf.hits) / std::max<double>(pf.copied, 1),
+                                            100.0 * static_cast<double>(pf.hits) / std::max<double>(pf.routed_cold, 1)));
       pcie = pcie / kPcieSteps + swap_bytes;
       pcie_rows.push_back(fmt::format("{:<8} {:>8} {:>10.2f} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C, pcie / 1e6,
                                       swap_bytes / 1e6, pcie * tok_s / 1e9, 100.0 * pcie * tok_s / 1e9 / o.pcie_gbps));
@@ -284,6 +299,13 @@ Status run(const BenchGenerateOptions& o) {
                 "steps", "dropped");
     for (const std::string& r : cache_rows) std::printf("%s\n", r.c_str());
   }
+  if (!prefetch_rows.empty()) {
+    std::printf("\nexpert prefetch (%s): experts copied ahead per token, the share of them routed to (precision), "
+                "the share of the predicted layers' routed cold experts they covered (recall)\n",
+                m->memory_plan().expert_prefetch.c_str());
+    std::printf("%-8s %8s %10s %10s %10s\n", "phase", "context", "copied/tok", "precision", "recall");
+    for (const std::string& r : prefetch_rows) std::printf("%s\n", r.c_str());
+  }
   return Ok{};
 }
 
@@ -312,7 +334,7 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
-  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file, &o->expert_cache);
+  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file, &o->expert_cache, &o->expert_prefetch);
   cmd->add_option("--cold-path", o->cold_path, "prefill: auto (cost model), zero-copy or staged")
       ->capture_default_str();
   cmd->add_option("--max-resident-experts", o->max_resident_experts,

@@ -4,7 +4,7 @@
 namespace moebius::cli {
 
 void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
-                         offload::ExpertCacheFlags* expert_cache) {
+                         offload::ExpertCacheFlags* expert_cache, int* expert_prefetch) {
   cmd->add_option("--gpu-memory-budget", *gpu_memory_budget,
                   "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
                   "pinned host memory (default: every expert on the GPU)");
@@ -20,6 +20,12 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
   cmd->add_option("--expert-cache-swaps", expert_cache->max_swaps,
                   "--expert-cache: experts swapped in per MoE layer per step at most (each moves 2 experts' bytes over "
                   "PCIe); 0 only measures the hit rate")
+      ->capture_default_str();
+  // 8: kernels::kExpertPrefetchMaxSlots (the CUDA runner checks it again).
+  cmd->add_option("--expert-prefetch", *expert_prefetch,
+                  "cuda, with --gpu-memory-budget: after each MoE layer of a decode step, predict the next MoE layer's "
+                  "routing and copy up to N of its cold experts to the GPU while the layers between run; 0: off")
+      ->check(CLI::Range(0, 8))
       ->capture_default_str();
 }
 

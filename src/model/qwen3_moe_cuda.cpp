@@ -26,6 +26,7 @@
 #include "kernels/swiglu.cuh"
 #include "model/qwen3_moe_cpu.h"
 #include "model/qwen3_moe_cuda_cache.h"
+#include "model/qwen3_moe_cuda_prefetch.h"
 #include "model/qwen3_moe_cuda_ep.h"
 #include "moe/moe_layer_cuda.h"
 #include "offload/cost_model.h"
@@ -107,6 +108,7 @@ std::string format_memory_plan(const MemoryPlan& p) {
     s += fmt::format("  expert cache        {}{}\n", p.expert_cache,
                      p.cache_host ? fmt::format("; routing read-back {:.1f} MB pinned", static_cast<double>(p.cache_host) / 1e6)
                                   : std::string());
+  if (!p.expert_prefetch.empty()) s += fmt::format("  expert prefetch     {}\n", p.expert_prefetch);
   return s;
 }
 
@@ -460,7 +462,11 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
                static_cast<uint64_t>(c.num_hidden_layers);
   r.workspace = estimate_runtime_bytes(w2) - std::min(r.kv_cache, estimate_runtime_bytes(w2));
   r.expert_bytes = moe::expert_region_bytes(w13, w2, 1);
-  r.staging = r.expert_bytes;  // swap_experts' scratch
+  // [TAG_EXPERT_PREFETCH] The prefetch's slots (setup_expert_prefetch; only when something is
+  // cold, but reserved whenever asked: the plan decides what is cold).
+  const uint64_t prefetch_bytes =
+      opt_.expert_prefetch > 0 && !opt_.expert_cache ? static_cast<uint64_t>(opt_.expert_prefetch) * r.expert_bytes : 0;
+  r.staging = r.expert_bytes + prefetch_bytes;  // swap_experts' scratch, the prefetch slots
   r.num_moe_layers = L;
   r.num_experts = E;
   // The plan, capped by max_resident_experts.
@@ -486,11 +492,11 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
   for (int it = 0; stage && it < 16 && !bp.all_resident(); ++it) {
     const int min_resident = *std::min_element(bp.per_layer.begin(), bp.per_layer.end());
     const uint64_t need = 2 * moe::expert_region_bytes(w13, w2, E - min_resident);
-    if (need + r.expert_bytes <= r.staging) break;
-    r.staging = need + r.expert_bytes;
+    if (need + r.expert_bytes + prefetch_bytes <= r.staging) break;
+    r.staging = need + r.expert_bytes + prefetch_bytes;
     MOEBIUS_ASSIGN_OR_RETURN(bp, make_plan());
   }
-  planned_staging_ = r.staging - r.expert_bytes;
+  planned_staging_ = r.staging - r.expert_bytes - prefetch_bytes;
   plan_.budget = opt_.gpu_memory_budget.empty() ? 0 : budget;
   std::string placement = "uniform";
   offload::Placement pl;
@@ -653,6 +659,8 @@ uint64_t Qwen3MoeCuda::last_step_cold_bytes(int rows) const {
   std::vector<int64_t> n(static_cast<size_t>(config_.num_experts));
   MOEBIUS_ASSERT(routing_capture_ != nullptr && rows <= opt_.max_tokens);
   const size_t per_layer = static_cast<size_t>(opt_.max_tokens) * static_cast<size_t>(k);
+  // [TAG_EXPERT_PREFETCH] Experts copied ahead cross PCIe once (the copy) and are read from the device.
+  const std::vector<std::vector<int>> prefetched = last_step_prefetched();
   for (size_t i = 0; i < moe_layer_ids_.size(); ++i) {
     const Layer& L = layers_[static_cast<size_t>(moe_layer_ids_[i])];
     const moe::MoeLayerCuda& m = L.moe.for_tokens(rows);
@@ -665,6 +673,8 @@ uint64_t Qwen3MoeCuda::last_step_cold_bytes(int rows) const {
     std::fill(n.begin(), n.end(), 0);
     for (int32_t e : ids)
       if (e >= 0 && e < config_.num_experts) ++n[static_cast<size_t>(e)];
+    bytes += m.expert_bytes() * prefetched[i].size();
+    for (int e : prefetched[i]) n[static_cast<size_t>(e)] = 0;
     // The GEMMs read an expert's weights once per token tile of block_m rows.
     for (int e = 0; e < config_.num_experts; ++e)
       if (n[static_cast<size_t>(e)] > 0 && !m.expert_resident(e))
@@ -813,6 +823,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
   }
   MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->setup_expert_cache());
+  MOEBIUS_TRY(m->setup_expert_prefetch());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -862,6 +873,7 @@ void Qwen3MoeCuda::commit_weights(const Qwen3MoeStagedWeights& w) {
   MOEBIUS_ASSERT(w.layers.size() == layers_.size(), "commit_weights of weights staged for another model");
   // Whatever was enqueued (a bench may enqueue without waiting) finishes on the old weights.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  prefetch_restore_all();  // [TAG_EXPERT_PREFETCH] no table entry may point at a copy of old weights
   upload_embeddings(w);
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& L = layers_[l];
@@ -941,6 +953,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
   CUDA_CHECK(cudaStreamSynchronize(s));
   MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->setup_expert_cache());
+  MOEBIUS_TRY(m->setup_expert_prefetch());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -975,6 +988,14 @@ uint64_t Qwen3MoeCuda::moe_expert_bytes(int l) const {
   return layers_[static_cast<size_t>(l)].moe.expert_bytes();
 }
 
+const moe::MoeLayerCuda& Qwen3MoeCuda::moe_layer_at(size_t i) const {
+  return layers_[static_cast<size_t>(moe_layer_ids_.at(i))].moe.primary();
+}
+
+const float* Qwen3MoeCuda::moe_post_norm_at(size_t i) const {
+  return layers_[static_cast<size_t>(moe_layer_ids_.at(i))].post_norm;
+}
+
 uint64_t Qwen3MoeCuda::kv_bytes_per_context_token() const {
   return static_cast<uint64_t>(config_.num_hidden_layers) * 2 * config_.num_key_value_heads * config_.head_dim * 2;
 }
@@ -1000,6 +1021,9 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
                        layers_[static_cast<size_t>(staged_layers_.front())].moe.for_tokens(rows).uses_staging();
   size_t staged_j = 0;
   int moe_index = 0;
+  // [TAG_EXPERT_PREFETCH] Small steps copy the next MoE layer's predicted cold experts ahead.
+  const bool prefetching = !staging && prefetch_step(rows);
+  last_step_prefetched_ = prefetching;
   if (staging) {
     CUDA_CHECK(cudaEventRecord(stage_start_, s));
     CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, stage_start_, 0));
@@ -1061,12 +1085,15 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       moe::MoeLayerCuda& moe_layer = L.moe.for_tokens(rows);  // the smallest bucket >= rows
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
+      if (prefetching) prefetch_join(static_cast<size_t>(moe_index), s);
+      const __nv_bfloat16* moe_out = nullptr;  // the MoE output in y_, if not deferred
       if (rows <= fold_combine_max_rows_ && l + 1 < c.num_hidden_layers && folds_input_norm(l + 1) &&
           moe_layer.defers_combine(h_)) {
         deferred = moe_layer.forward_deferring_combine(h_, num_tokens, s);
         ++folded_combines_;
       } else {
         moe_layer.forward(h_, num_tokens, y_, s);
+        moe_out = y_;
       }
       // Eager steps for the routing capture (set_routing_capture turns graphs off); every step, graph
       // replays included, for the expert cache [TAG_EXPERT_CACHE] (qwen3_moe_cuda_cache.h: the layers
@@ -1077,6 +1104,9 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
                                    moe_layer.topk_ids(), sizeof(int32_t) * static_cast<size_t>(rows) *
                                                              static_cast<size_t>(c.num_experts_per_tok),
                                    cudaMemcpyDeviceToDevice, s));
+      // The next MoE layer's prediction reads the residual after this one (resid + its output).
+      if (prefetching && static_cast<size_t>(moe_index) + 1 < moe_layer_ids_.size())
+        prefetch_issue(static_cast<size_t>(moe_index) + 1, resid, moe_out, num_tokens, rows, s);
       ++moe_index;
       if (staged) {
         CUDA_CHECK(cudaEventRecord(stage_done_[staged_j % 2], s));

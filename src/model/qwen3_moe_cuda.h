@@ -132,6 +132,13 @@ struct Qwen3MoeCudaOptions {
   // qwen3_moe_cuda_cache.h): nullopt keeps the load-time placement. It needs cold experts; when the
   // budget holds every expert it stays off and the memory plan says so. Not with expert parallelism.
   std::optional<offload::CacheOptions> expert_cache;
+  // Next-layer expert prefetch [TAG_EXPERT_PREFETCH] (`--expert-prefetch N`, docs/OFFLOAD.md,
+  // qwen3_moe_cuda_prefetch.h): in steps of at most kernels::kExpertPrefetchMaxTokens rows, after
+  // each MoE layer the next one's routing is predicted and up to N of its cold experts are copied
+  // into device slots while the layers between run, so PCIe works while no MoE layer reads it.
+  // 0: off. At most kernels::kExpertPrefetchMaxSlots; needs cold experts (off otherwise, and the
+  // memory plan says so); not with the dynamic cache (both move experts) or expert parallelism.
+  int expert_prefetch = 0;
   // [TAG_MOE_DEFERRED_COMBINE] Steps of at most this many rows leave each MoE layer's combine to
   // the next layer's qkv GEMV, whose folded RMSNorm forms the same bf16 rows from GEMM2's output
   // (one kernel less per MoE layer; every GEMV block then reads k fp32 rows of H per token from L2,
@@ -162,6 +169,7 @@ struct MemoryPlan {
   std::string placement;    // "uniform" or the profile's path
   std::string cold_paths;   // the cost model's zero-copy / staged choice per capacity bucket
   std::string expert_cache; // the dynamic cache's settings, or why it is off ("": not asked for)
+  std::string expert_prefetch;  // the prefetch's settings, or why it is off ("": not asked for)
   uint64_t cache_host = 0;  // the cache's pinned routing read-back (not in total())
   std::string expert_format;
   int64_t kv_tokens = 0;    // tokens the KV pool holds
@@ -289,6 +297,15 @@ class Qwen3MoeCuda {
   // cold expert routed to by n tokens being read ceil(n / block_m) times (once per token tile; an
   // upper bound, since L2 may serve a repeat). Synchronizes the stream. `rows`: the step's tokens.
   uint64_t last_step_cold_bytes(int rows) const;
+  // [TAG_EXPERT_PREFETCH] The last step's prefetch (run with routing capture on; synchronizes):
+  // experts copied ahead, how many of them the layer then routed to, and the routed cold experts
+  // of the layers that were predicted. last_step_cold_bytes counts the copies and leaves the hits
+  // out of the zero-copy reads. Zeros when the step did not prefetch.
+  struct PrefetchCounts {
+    int64_t copied = 0, hits = 0, routed_cold = 0;
+  };
+  PrefetchCounts last_step_prefetch(int rows) const;
+  bool expert_prefetch_on() const { return prefetch_ != nullptr; }
 
   // Expert parallelism (see the header comment). ep_size() is 1 without it.
   int ep_rank() const;
@@ -312,6 +329,7 @@ class Qwen3MoeCuda {
   struct Graph;
   struct EpState;  // qwen3_moe_cuda_ep.h
   struct CacheState;  // qwen3_moe_cuda_cache.h
+  struct PrefetchState;  // qwen3_moe_cuda_prefetch.h
   Qwen3MoeCuda();
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
   // [TAG_EXPERT_OFFLOAD] With a budget: plans the device memory (offload/memory_budget.h) for
@@ -340,6 +358,20 @@ class Qwen3MoeCuda {
   Status move_expert(int layer, int cold, int resident);
   Status cache_before_step();
   void cache_after_step(int rows);
+  // [TAG_EXPERT_PREFETCH] (qwen3_moe_cuda_prefetch.cpp). setup_expert_prefetch: at load, after
+  // setup_expert_cache; the slots (reserved by plan_offload), record, cold masks, stream, events.
+  // prefetch_step: whether this step of `rows` prefetches. prefetch_issue: after MoE layer i-1's
+  // forward (x = resid + delta), predicts MoE layer i and starts its copy on the prefetch stream.
+  // prefetch_join: before MoE layer i's forward, the main stream waits for that copy.
+  // prefetch_restore_all: every table entry back home (before a weight update).
+  Status setup_expert_prefetch();
+  bool prefetch_step(int rows) const;
+  void prefetch_issue(size_t i, const float* resid, const __nv_bfloat16* delta, const int32_t* num_tokens, int rows,
+                      cudaStream_t s);
+  void prefetch_join(size_t i, cudaStream_t s);
+  void prefetch_restore_all();
+  // Per MoE layer, the experts the last step copied ahead for it (empty: none; synchronizes).
+  std::vector<std::vector<int>> last_step_prefetched() const;
   // Whether enqueue_layers copies each MoE layer's top-k ids into routing_capture_.
   bool copies_routing(bool decode) const { return (capture_routing_ && !decode) || cache_ != nullptr; }
   Result<void*> device_alloc(size_t bytes, uint64_t* account);
@@ -366,6 +398,9 @@ class Qwen3MoeCuda {
   Status ep_run_empty_layers();
   Status attach_ep_layers(int l, std::unique_ptr<moe::MoeLayerEpCuda> decode);  // + prefill, bytes
   uint64_t moe_expert_bytes(int l) const;  // one expert's packed bytes in model layer l
+  // The i-th MoE layer's primary MoeLayerCuda and post-attention norm weight ([H] fp32).
+  const moe::MoeLayerCuda& moe_layer_at(size_t i) const;
+  const float* moe_post_norm_at(size_t i) const;
   uint64_t routing_buffer_bytes() const;   // routing_capture_: every MoE layer's ids at max_tokens
 
   Qwen3MoeConfig config_;
@@ -440,6 +475,8 @@ class Qwen3MoeCuda {
 
   std::unique_ptr<EpState> ep_;  // expert parallelism; null without
   std::unique_ptr<CacheState> cache_;  // the dynamic expert cache; null when off
+  std::unique_ptr<PrefetchState> prefetch_;  // the next-layer expert prefetch; null when off
+  bool last_step_prefetched_ = false;
 };
 
 }  // namespace moebius::model

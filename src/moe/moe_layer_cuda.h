@@ -309,6 +309,20 @@ class MoeLayerCuda {
   // The host address of the cold region (the DMA source) and its device alias.
   const uint8_t* cold_region_host() const { return cw13_; }
 
+  // [TAG_EXPERT_PREFETCH] What the model runner's next-layer prefetch reads and writes
+  // (kernels/expert_prefetch.cuh): this layer's router, its address tables (shared by every
+  // share_weights layer) and the bytes of one expert's four arrays.
+  struct PrefetchView {
+    const __nv_bfloat16* router = nullptr;  // [E, H]
+    const float* correction_bias = nullptr; // [E] or null
+    kernels::ExpertMatrixPtrs* table13 = nullptr;
+    kernels::ExpertMatrixPtrs* table2 = nullptr;
+    size_t w13_bytes = 0, s13_bytes = 0, w2_bytes = 0, s2_bytes = 0;
+  };
+  PrefetchView prefetch_view() const {
+    return {router_weight_, correction_bias_, table13_, table2_, w13_bytes_, s13_bytes_, w2_bytes_, s2_bytes_};
+  }
+
  private:
   MoeLayerCuda() = default;
   Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/expert_prefetch.cuh"
 #include "model/block_allocator.h"
 #include "model/generate.h"
 #include "model/sampler.h"
@@ -422,6 +423,82 @@ TEST(OffloadCuda, DynamicCacheNeedsColdExpertsAndValidOptions) {
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.error().what().find("--expert-cache"), std::string::npos) << m.error().what();
   EXPECT_NE(m.error().what().find("decay"), std::string::npos) << m.error().what();
+}
+
+// [TAG_EXPERT_PREFETCH] The next-layer prefetch (MoE layer 2 predicted after MoE layer 0, with the
+// dense layer 1 between) against the same offloaded runner without it: every logit bit-identical
+// in graph decode, in eager steps, and in a prefill that follows decode steps (the last owner's
+// entries still point at the slots then); the prefetch really copies. (The offloaded runner is
+// itself bit-identical to the all-resident one: OffloadedForwardIsBitIdenticalToAllResident.)
+TEST(OffloadCuda, PrefetchKeepsLogitsBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  for (std::optional<WeightFormat> f : {std::optional<WeightFormat>{}, std::optional<WeightFormat>{WeightFormat::kNvFp4},
+                                        std::optional<WeightFormat>{WeightFormat::kInt4},
+                                        std::optional<WeightFormat>{WeightFormat::kInt2}}) {
+    for (int resident : {0, 5}) {
+      for (int slots : {2, 8}) {
+        SCOPED_TRACE(::testing::Message() << (f ? weight_format_name(*f) : "as stored") << ", " << resident
+                                          << " of 16 resident, " << slots << " slots");
+        auto base = load(options(f, resident));
+        Qwen3MoeCudaOptions o = options(f, resident);
+        o.expert_prefetch = slots;
+        auto pf = load(o);
+        ASSERT_TRUE(base && pf);
+        ASSERT_TRUE(pf->expert_prefetch_on()) << pf->memory_plan().expert_prefetch;
+        EXPECT_FALSE(base->expert_prefetch_on());
+        EXPECT_NE(format_memory_plan(pf->memory_plan()).find("expert prefetch"), std::string::npos);
+        Seq sb(*base), sp(*pf);
+        expect_bit_identical("prefill", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
+        const int64_t g0 = pf->graph_steps();
+        expect_bit_identical("decode", decode(*base, sb, kDecode), decode(*pf, sp, kDecode));
+        EXPECT_EQ(pf->graph_steps() - g0, static_cast<int64_t>(kDecode.size()) - 1);  // graphs ran
+        // Eager steps with the routing captured: the copies happened, and a hit is read from the
+        // device, not counted again as a zero-copy read.
+        base->set_routing_capture(true);
+        pf->set_routing_capture(true);
+        expect_bit_identical("eager decode", decode(*base, sb, {3}), decode(*pf, sp, {3}));
+        const Qwen3MoeCuda::PrefetchCounts c = pf->last_step_prefetch(1);
+        EXPECT_GT(c.copied, 0);
+        EXPECT_LE(c.copied, slots);
+        EXPECT_LE(c.hits, c.copied);
+        EXPECT_LE(c.hits, c.routed_cold);
+        EXPECT_GT(c.routed_cold, 0);
+        const uint64_t cold_base = base->last_step_cold_bytes(1), cold_pf = pf->last_step_cold_bytes(1);
+        EXPECT_GT(cold_pf, 0u);
+        if (c.hits == c.copied) EXPECT_EQ(cold_pf, cold_base);  // every copy replaced one read
+        if (c.hits < c.copied) EXPECT_GT(cold_pf, cold_base);   // a miss is bytes on top
+        EXPECT_EQ(base->last_step_prefetch(1).copied, 0);
+        base->set_routing_capture(false);
+        pf->set_routing_capture(false);
+        // A prefill after decode steps reads the slots the last prefetch left in the tables.
+        expect_bit_identical("prefill after decode", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
+        expect_bit_identical("decode again", decode(*base, sb, {1, 2}), decode(*pf, sp, {1, 2}));
+      }
+    }
+  }
+}
+
+TEST(OffloadCuda, PrefetchNeedsColdExpertsAndValidOptions) {
+  MOEBIUS_REQUIRE_GPU();
+  {  // every expert resident: off, and the plan says why
+    Qwen3MoeCudaOptions o = options(WeightFormat::kInt4);
+    o.expert_prefetch = 2;
+    auto m = load(o);
+    ASSERT_TRUE(m);
+    EXPECT_FALSE(m->expert_prefetch_on());
+    EXPECT_NE(m->memory_plan().expert_prefetch.find("every expert is resident"), std::string::npos)
+        << m->memory_plan().expert_prefetch;
+  }
+  Qwen3MoeCudaOptions too_many = options(WeightFormat::kInt4, 5);
+  too_many.expert_prefetch = kernels::kExpertPrefetchMaxSlots + 1;
+  auto m = Qwen3MoeCuda::load(fixture_dir(), too_many);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.error().what().find("--expert-prefetch"), std::string::npos) << m.error().what();
+  Qwen3MoeCudaOptions both = cached(WeightFormat::kInt4, offload::CachePolicy::kLru, 5);
+  both.expert_prefetch = 2;
+  auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
+  ASSERT_FALSE(m2.ok());
+  EXPECT_NE(m2.error().what().find("--expert-prefetch"), std::string::npos) << m2.error().what();
 }
 
 }  // namespace

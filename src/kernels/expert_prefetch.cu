@@ -1,0 +1,314 @@
+// Next-layer expert prefetch [TAG_EXPERT_PREFETCH]; launchers and protocol in expert_prefetch.cuh,
+// CPU reference cpu/expert_prefetch.cpp.
+//
+// Predict: grid ceil(E / 8) blocks of 8 warps. Every block normalises the T <= 8 live rows itself
+// (T x H fp32 + bf16 from L2: 24 KB a row at Qwen3-235B's H = 4096, far less than the router's
+// E x H bf16 = 1 MB that the grid splits), keeps them in shared memory as bf16, and each warp
+// takes one expert: its router row is read once (16-byte loads, lane-strided) and dotted with
+// every row. The last block to finish (threadFenceReduction: fence, one atomic, the block that
+// brings the count to the grid size) ranks the logits from L2 and writes the record. The ranking
+// is O(T E^2) comparisons (E = 128: 64 per thread per token), cheaper than a sort at these sizes,
+// and exact: the Borda counts are integers, so the selection is the CPU reference's for the same
+// logits. On the critical path of the step: ~3 launch-bound microseconds a MoE layer against the
+// ~700 us an offloaded Qwen3-235B layer spends on PCIe.
+//
+// Copy: `blocks` x 512 threads stream each segment (an expert's w13 weights, w13 scales, w2
+// weights, w2 scales) with four 16-byte loads in flight per thread: a PCIe read takes ~1-2 us, so
+// the ~50 GB/s link needs ~100 KB in flight (Little's law), and 16 blocks x 512 x 64 B is 512 KB.
+// Sources are the saved home entries, so the same kernel copies from mapped pinned memory or from
+// the device. Segments whose addresses or sizes are not 16-byte multiples (scale arrays of some
+// shapes) go by 4-byte words, then bytes.
+#include "kernels/expert_prefetch.cuh"
+
+#include <algorithm>
+
+#include "kernels/cuda_check.h"
+
+namespace moebius::kernels {
+namespace {
+
+constexpr int kPredictWarps = 8;
+constexpr int kPredictThreads = kPredictWarps * 32;
+constexpr int kCopyThreads = 512;
+constexpr int kCopyLoadsInFlight = 4;
+
+// Table entries written by this block earlier in the kernel: read through L2, never a stale L1 line.
+__device__ __forceinline__ ExpertMatrixPtrs load_entry_cg(const ExpertMatrixPtrs* p) {
+  static_assert(sizeof(ExpertMatrixPtrs) == 24 && alignof(ExpertMatrixPtrs) == 8, "three 8-byte words");
+  const unsigned long long* w = reinterpret_cast<const unsigned long long*>(p);
+  unsigned long long v[3];
+#pragma unroll
+  for (int i = 0; i < 3; ++i) v[i] = __ldcg(w + i);
+  ExpertMatrixPtrs e;
+  memcpy(&e, v, sizeof(e));
+  return e;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [kPredictWarps] */) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch reuse
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = 0;
+#pragma unroll
+  for (int w = 0; w < kPredictWarps; ++w) s += scratch[w];
+  return s;
+}
+
+// dynamic shared memory: xn [capacity][hidden] bf16.
+__global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kernel(const ExpertPrefetchPredictArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* xn = reinterpret_cast<__nv_bfloat16*>(smem);
+  __shared__ float red[kPredictWarps];
+  __shared__ float rscale[kExpertPrefetchMaxTokens];
+  __shared__ float lg[kExpertPrefetchMaxTokens * kExpertPrefetchMaxExperts];  // the last block's logits
+  __shared__ int score[kExpertPrefetchMaxExperts];
+  __shared__ int sel[kExpertPrefetchMaxSlots];
+  __shared__ int ncand;
+  __shared__ bool last;
+  const int H = a.hidden, E = a.num_experts, tid = threadIdx.x;
+  const int T = max(0, min(*a.num_tokens, a.capacity));
+
+  // Each live row's RMS scale, then its normalised bf16 row (cpu: bf16(x * r * w)).
+  for (int t = 0; t < T; ++t) {
+    const float* x = a.resid + static_cast<size_t>(t) * H;
+    const __nv_bfloat16* d = a.delta ? a.delta + static_cast<size_t>(t) * H : nullptr;
+    float ss = 0;
+    for (int i = tid; i < H; i += kPredictThreads) {
+      const float v = x[i] + (d ? __bfloat162float(d[i]) : 0.0f);
+      ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    if (tid == 0) rscale[t] = rsqrtf(ss / static_cast<float>(H) + a.eps);
+  }
+  __syncthreads();
+  for (int t = 0; t < T; ++t) {
+    const float* x = a.resid + static_cast<size_t>(t) * H;
+    const __nv_bfloat16* d = a.delta ? a.delta + static_cast<size_t>(t) * H : nullptr;
+    for (int i = tid; i < H; i += kPredictThreads) {
+      const float v = x[i] + (d ? __bfloat162float(d[i]) : 0.0f);
+      xn[static_cast<size_t>(t) * H + i] = __float2bfloat16(v * rscale[t] * a.norm_weight[i]);
+    }
+  }
+  __syncthreads();
+
+  // One expert per warp: router row . every row.
+  const int warp = tid / 32, lane = tid % 32;
+  const int e = blockIdx.x * kPredictWarps + warp;
+  if (e < E) {
+    float acc[kExpertPrefetchMaxTokens];
+#pragma unroll
+    for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) acc[t] = 0;
+    const __nv_bfloat16* w = a.router + static_cast<size_t>(e) * H;
+    for (int i = lane * 8; i < H; i += 32 * 8) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + i);
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+      for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+        if (t >= T) break;
+        const uint4 xv = *reinterpret_cast<const uint4*>(xn + static_cast<size_t>(t) * H + i);
+        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 wf = __bfloat1622float2(w2[j]), xf = __bfloat1622float2(x2[j]);
+          acc[t] = fmaf(wf.x, xf.x, acc[t]);
+          acc[t] = fmaf(wf.y, xf.y, acc[t]);
+        }
+      }
+    }
+    const float bias = a.correction_bias ? a.correction_bias[e] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+      if (t >= T) break;
+      float v = acc[t];
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) a.logits[static_cast<size_t>(t) * E + e] = v + bias;
+    }
+  }
+
+  // The last block ranks and writes the record.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = tid; i < T * E; i += kPredictThreads) lg[i] = __ldcg(a.logits + i);
+  if (tid == 0) ncand = 0;
+  __syncthreads();
+  for (int x = tid; x < E; x += kPredictThreads) {
+    int s = 0;
+    for (int t = 0; t < T; ++t) {
+      const float* l = lg + t * E;
+      const float v = l[x];
+      int rank = 0;
+      for (int o = 0; o < E; ++o) rank += (l[o] > v || (l[o] == v && o < x)) ? 1 : 0;
+      s += max(0, a.top_k - rank);
+    }
+    score[x] = s;
+  }
+  __syncthreads();
+  for (int x = tid; x < E; x += kPredictThreads) {
+    if (a.cold[x] == 0 || score[x] <= 0) continue;
+    atomicAdd(&ncand, 1);
+    int rank = 0;
+    for (int o = 0; o < E; ++o)
+      rank += (a.cold[o] != 0 && score[o] > 0 && (score[o] > score[x] || (score[o] == score[x] && o < x))) ? 1 : 0;
+    if (rank < a.slots) sel[rank] = x;
+  }
+  // The set's previous owner gets its home entries back before anything reads the new owner's.
+  ExpertPrefetchRecord* rec = a.record;
+  const int old_count = min(rec->count, kExpertPrefetchMaxSlots);
+  if (tid < old_count && rec->table13 != nullptr) {
+    const int id = rec->ids[tid];
+    rec->table13[id] = rec->saved13[tid];
+    rec->table2[id] = rec->saved2[tid];
+  }
+  __syncthreads();
+  const int count = min(ncand, a.slots);
+  if (tid < count) {
+    const int id = sel[tid];
+    rec->ids[tid] = id;
+    rec->saved13[tid] = load_entry_cg(a.table13 + id);
+    rec->saved2[tid] = load_entry_cg(a.table2 + id);
+    if (a.log) a.log[1 + tid] = id;
+  }
+  if (tid == 0) {
+    rec->count = count;
+    rec->table13 = count > 0 ? a.table13 : nullptr;
+    rec->table2 = count > 0 ? a.table2 : nullptr;
+    if (a.log) a.log[0] = count;
+    *a.counter = 0;  // ready for the next launch (graph replays need no memset)
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ V load_stream(const V* p) {
+  return __ldcs(p);  // read once: evict-first in L2 (the source is never read again by this step)
+}
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// n elements of V from src to dst, grid-strided, kCopyLoadsInFlight loads per thread per round.
+template <typename V>
+__device__ void copy_elems(const V* __restrict__ src, V* __restrict__ dst, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * kCopyThreads;
+  size_t i = static_cast<size_t>(blockIdx.x) * kCopyThreads + threadIdx.x;
+  for (; i + (kCopyLoadsInFlight - 1) * stride < n; i += kCopyLoadsInFlight * stride) {
+    V v[kCopyLoadsInFlight];
+#pragma unroll
+    for (int r = 0; r < kCopyLoadsInFlight; ++r) v[r] = load_stream(src + i + r * stride);
+#pragma unroll
+    for (int r = 0; r < kCopyLoadsInFlight; ++r) dst[i + r * stride] = v[r];
+  }
+  for (; i < n; i += stride) dst[i] = load_stream(src + i);
+}
+
+__device__ void copy_segment(const uint8_t* src, uint8_t* dst, size_t bytes) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  size_t done = 0;
+  if ((mis & 15) == 0) {
+    copy_elems(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), bytes / 16);
+    done = bytes / 16 * 16;
+  } else if ((mis & 3) == 0) {
+    copy_elems(reinterpret_cast<const uint32_t*>(src), reinterpret_cast<uint32_t*>(dst), bytes / 4);
+    done = bytes / 4 * 4;
+  }
+  if (blockIdx.x == 0)  // the tail (or everything, for byte-aligned arrays)
+    for (size_t i = done + threadIdx.x; i < bytes; i += kCopyThreads) dst[i] = src[i];
+}
+
+__global__ void __launch_bounds__(kCopyThreads) expert_prefetch_copy_kernel(const ExpertPrefetchRecord* rec,
+                                                                           const ExpertPrefetchSlots s) {
+  const int count = min(rec->count, kExpertPrefetchMaxSlots);
+  for (int i = 0; i < count; ++i) {
+    uint8_t* slot = s.base + static_cast<size_t>(i) * s.stride;
+    const ExpertMatrixPtrs a = rec->saved13[i], b = rec->saved2[i];
+    copy_segment(static_cast<const uint8_t*>(a.weight), slot, s.w13_bytes);
+    if (a.scales) copy_segment(static_cast<const uint8_t*>(a.scales), slot + s.off_s13, s.s13_bytes);
+    copy_segment(static_cast<const uint8_t*>(b.weight), slot + s.off_w2, s.w2_bytes);
+    if (b.scales) copy_segment(static_cast<const uint8_t*>(b.scales), slot + s.off_s2, s.s2_bytes);
+  }
+}
+
+__global__ void expert_prefetch_publish_kernel(const ExpertPrefetchRecord* rec, const ExpertPrefetchSlots s) {
+  const int i = threadIdx.x;
+  if (i >= min(rec->count, kExpertPrefetchMaxSlots) || rec->table13 == nullptr) return;
+  uint8_t* slot = s.base + static_cast<size_t>(i) * s.stride;
+  ExpertMatrixPtrs a = rec->saved13[i], b = rec->saved2[i];
+  a.weight = slot;
+  a.scales = a.scales ? slot + s.off_s13 : nullptr;
+  b.weight = slot + s.off_w2;
+  b.scales = b.scales ? slot + s.off_s2 : nullptr;
+  rec->table13[rec->ids[i]] = a;
+  rec->table2[rec->ids[i]] = b;
+}
+
+__global__ void expert_prefetch_restore_kernel(ExpertPrefetchRecord* rec) {
+  const int i = threadIdx.x;
+  if (i < min(rec->count, kExpertPrefetchMaxSlots) && rec->table13 != nullptr) {
+    rec->table13[rec->ids[i]] = rec->saved13[i];
+    rec->table2[rec->ids[i]] = rec->saved2[i];
+  }
+  __syncthreads();
+  if (i == 0) {
+    rec->count = 0;
+    rec->table13 = nullptr;
+    rec->table2 = nullptr;
+  }
+}
+
+}  // namespace
+
+void launch_expert_prefetch_predict(const ExpertPrefetchPredictArgs& a, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(a.resid && a.norm_weight && a.router && a.cold && a.num_tokens && a.table13 && a.table2 &&
+                            a.record && a.logits && a.counter,
+                        "expert prefetch predict: null argument");
+  MOEBIUS_LAUNCH_ASSERT(a.hidden > 0 && a.hidden % 8 == 0, "expert prefetch predict: hidden must be a multiple of 8");
+  MOEBIUS_LAUNCH_ASSERT(a.num_experts > 0 && a.num_experts <= kExpertPrefetchMaxExperts,
+                        "expert prefetch predict: num_experts out of range");
+  MOEBIUS_LAUNCH_ASSERT(a.top_k > 0 && a.top_k <= a.num_experts, "expert prefetch predict: top_k out of range");
+  MOEBIUS_LAUNCH_ASSERT(a.capacity > 0 && a.capacity <= kExpertPrefetchMaxTokens,
+                        "expert prefetch predict: capacity out of range");
+  MOEBIUS_LAUNCH_ASSERT(a.slots >= 0 && a.slots <= kExpertPrefetchMaxSlots, "expert prefetch predict: slots out of range");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(a.router) % 16 == 0, "expert prefetch predict: router 16-byte aligned");
+  const size_t smem = sizeof(__nv_bfloat16) * static_cast<size_t>(a.capacity) * static_cast<size_t>(a.hidden);
+  MOEBIUS_LAUNCH_ASSERT(smem <= 160 * 1024, "expert prefetch predict: capacity x hidden too large for shared memory");
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(expert_prefetch_predict_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+  const int blocks = (a.num_experts + kPredictWarps - 1) / kPredictWarps;
+  expert_prefetch_predict_kernel<<<blocks, kPredictThreads, smem, stream>>>(a);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_expert_prefetch_copy(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots, int blocks,
+                                 cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(record != nullptr && slots.base != nullptr, "expert prefetch copy: null argument");
+  MOEBIUS_LAUNCH_ASSERT(blocks > 0 && blocks <= 1024, "expert prefetch copy: blocks out of range");
+  MOEBIUS_LAUNCH_ASSERT(slots.stride % 256 == 0 && reinterpret_cast<uintptr_t>(slots.base) % 256 == 0,
+                        "expert prefetch copy: slots must be 256-byte aligned");
+  expert_prefetch_copy_kernel<<<blocks, kCopyThreads, 0, stream>>>(record, slots);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_expert_prefetch_publish(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots,
+                                    cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(record != nullptr && slots.base != nullptr, "expert prefetch publish: null argument");
+  expert_prefetch_publish_kernel<<<1, 32, 0, stream>>>(record, slots);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_expert_prefetch_restore(ExpertPrefetchRecord* record, cudaStream_t stream) {
+  MOEBIUS_LAUNCH_ASSERT(record != nullptr, "expert prefetch restore: null argument");
+  expert_prefetch_restore_kernel<<<1, 32, 0, stream>>>(record);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moebius::kernels

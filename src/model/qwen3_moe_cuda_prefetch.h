@@ -1,0 +1,62 @@
+// Qwen3MoeCuda's next-layer expert prefetch [TAG_EXPERT_PREFETCH] (private to qwen3_moe_cuda.cpp
+// and qwen3_moe_cuda_prefetch.cpp; docs/OFFLOAD.md, "Prefetch"; the kernels and their protocol in
+// kernels/expert_prefetch.cuh).
+//
+// In a step of at most kernels::kExpertPrefetchMaxTokens rows, for MoE layers i = 1, 2, ...:
+//
+//   main stream:     MoE i-1 -> predict(i) [puts MoE i-1's entries back home] -> event fork
+//                    -> attention, dense GEMVs of the layers between ... -> wait ready -> MoE i
+//   prefetch stream:                 wait fork -> copy(i) -> publish(i) -> event ready
+//
+// One slot set is enough: copy(i) needs MoE i-1's output, so it starts after MoE i-1 has finished
+// reading the slots, and predict(i) has put MoE i-1's table entries back home by then, so an entry
+// never points at another expert's bytes. Between steps the last owner keeps pointing at a valid
+// copy (any step, eager prefill included, reads the right bytes) until the next step's predict(1).
+//
+// The main stream's wait costs nothing when the copy finished under the layers between, and while
+// it waits PCIe is busy with bytes the layer reads from the device (a right guess) instead of over
+// the link. The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
+// not combined; expert parallelism has no offload.
+#pragma once
+
+#ifdef MOEBIUS_HAS_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/expert_prefetch.cuh"
+#include "model/qwen3_moe_cuda.h"
+#include "moe/moe_layer_cuda.h"
+
+namespace moebius::model {
+
+struct Qwen3MoeCuda::PrefetchState {
+  PrefetchState() = default;
+  ~PrefetchState();
+  PrefetchState(const PrefetchState&) = delete;
+  PrefetchState& operator=(const PrefetchState&) = delete;
+
+  int slots = 0;                                  // experts per MoE layer (--expert-prefetch)
+  int copy_blocks = 16;                           // the copy kernel's grid
+  kernels::ExpertPrefetchSlots set;               // the slots (device)
+  kernels::ExpertPrefetchRecord* record = nullptr;   // device: the slots' owner and saved entries
+  float* logits = nullptr;                        // [kExpertPrefetchMaxTokens, E] device scratch
+  unsigned* counter = nullptr;                    // [1] device, zeroed
+  uint8_t* cold = nullptr;                        // [MoE layers][E] device: 1 where the expert is cold
+  int32_t* log = nullptr;                         // [MoE layers][1 + kExpertPrefetchMaxSlots] device
+  std::vector<uint8_t> cold_host;                 // the same, on the host (statistics)
+  struct Target {                                 // per MoE layer: what predicting it reads
+    moe::MoeLayerCuda::PrefetchView view;
+    const float* norm = nullptr;                  // [H] its post-attention RMSNorm weight
+  };
+  std::vector<Target> targets;                    // [MoE layers]
+  std::vector<uint8_t> issued;                    // [MoE layers] host: prefetched in the current step
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, ready = nullptr;
+};
+
+}  // namespace moebius::model
+
+#endif  // MOEBIUS_HAS_CUDA
