@@ -183,16 +183,10 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   }
 }
 
+// Read once (ld.global.cs: evict-first in L2; this step never reads the source again).
 template <typename V>
 __device__ __forceinline__ V load_stream(const V* p) {
-  return __ldcs(p);  // read once: evict-first in L2 (the source is never read again by this step)
-}
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+  return __ldcs(p);
 }
 
 // n elements of V from src to dst, grid-strided, kCopyLoadsInFlight loads per thread per round.

@@ -55,6 +55,22 @@ struct ExpertPrefetchSlots {
   size_t off_s13 = 0, off_w2 = 0, off_s2 = 0;
   size_t w13_bytes = 0, s13_bytes = 0, w2_bytes = 0, s2_bytes = 0;
 };
+// The slots at `base` for experts of these array sizes, each array 256-byte aligned.
+inline ExpertPrefetchSlots expert_prefetch_slots(uint8_t* base, size_t w13_bytes, size_t s13_bytes, size_t w2_bytes,
+                                                 size_t s2_bytes) {
+  auto a256 = [](size_t n) { return (n + 255) / 256 * 256; };
+  ExpertPrefetchSlots s;
+  s.base = base;
+  s.w13_bytes = w13_bytes;
+  s.s13_bytes = s13_bytes;
+  s.w2_bytes = w2_bytes;
+  s.s2_bytes = s2_bytes;
+  s.off_s13 = a256(w13_bytes);
+  s.off_w2 = s.off_s13 + a256(s13_bytes);
+  s.off_s2 = s.off_w2 + a256(w2_bytes);
+  s.stride = s.off_s2 + a256(s2_bytes);
+  return s;
+}
 
 struct ExpertPrefetchPredictArgs {
   const float* resid = nullptr;          // [capacity, hidden] fp32: the residual stream after layer j's attention

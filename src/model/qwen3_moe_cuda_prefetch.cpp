@@ -14,7 +14,6 @@ namespace moebius::model {
 
 namespace {
 constexpr size_t kLogStride = 1 + kernels::kExpertPrefetchMaxSlots;  // count, ids
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 }  // namespace
 
 Qwen3MoeCuda::PrefetchState::~PrefetchState() {
@@ -49,14 +48,7 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   st->slots = n;
   const moe::MoeLayerCuda::PrefetchView v = moe_layer_at(0).prefetch_view();
   kernels::ExpertPrefetchSlots& set = st->set;
-  set.w13_bytes = v.w13_bytes;
-  set.s13_bytes = v.s13_bytes;
-  set.w2_bytes = v.w2_bytes;
-  set.s2_bytes = v.s2_bytes;
-  set.off_s13 = align256(v.w13_bytes);
-  set.off_w2 = set.off_s13 + align256(v.s13_bytes);
-  set.off_s2 = set.off_w2 + align256(v.w2_bytes);
-  set.stride = set.off_s2 + align256(v.s2_bytes);
+  set = kernels::expert_prefetch_slots(nullptr, v.w13_bytes, v.s13_bytes, v.w2_bytes, v.s2_bytes);
   for (size_t i = 1; i < L; ++i) {  // one geometry for every MoE layer (Qwen3-MoE has one)
     const moe::MoeLayerCuda::PrefetchView w = moe_layer_at(i).prefetch_view();
     MOEBIUS_ASSERT(w.w13_bytes == v.w13_bytes && w.s13_bytes == v.s13_bytes && w.w2_bytes == v.w2_bytes &&

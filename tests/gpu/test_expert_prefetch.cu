@@ -248,16 +248,7 @@ TEST(ExpertPrefetchGpu, CopyAndPublishPointTheTablesAtExactCopies) {
       d_t2.upload(t2);
 
       // Slots as the runner lays them out; poisoned, so padding written by mistake shows.
-      auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
-      ExpertPrefetchSlots s;
-      s.w13_bytes = h.w13;
-      s.s13_bytes = h.s13;
-      s.w2_bytes = h.w2;
-      s.s2_bytes = h.s2;
-      s.off_s13 = a256(h.w13);
-      s.off_w2 = s.off_s13 + a256(h.s13);
-      s.off_s2 = s.off_w2 + a256(h.w2);
-      s.stride = s.off_s2 + a256(h.s2);
+      ExpertPrefetchSlots s = kernels::expert_prefetch_slots(nullptr, h.w13, h.s13, h.w2, h.s2);
       constexpr int kSlots = 5;
       testing::DeviceBuffer<uint8_t> slots(kSlots * s.stride);
       slots.poison(0xEE);
@@ -373,16 +364,7 @@ TEST(ExpertPrefetchGpu, TheSequenceReplaysInAGraph) {
   d_cold.upload(std::vector<uint8_t>(E, 1));
   CUDA_CHECK(cudaMemset(d_rec.data(), 0, sizeof(ExpertPrefetchRecord)));
   CUDA_CHECK(cudaMemset(d_counter.data(), 0, sizeof(unsigned)));
-  auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
-  ExpertPrefetchSlots s;
-  s.w13_bytes = h.w13;
-  s.s13_bytes = h.s13;
-  s.w2_bytes = h.w2;
-  s.s2_bytes = h.s2;
-  s.off_s13 = a256(h.w13);
-  s.off_w2 = s.off_s13 + a256(h.s13);
-  s.off_s2 = s.off_w2 + a256(h.w2);
-  s.stride = s.off_s2 + a256(h.s2);
+  ExpertPrefetchSlots s = kernels::expert_prefetch_slots(nullptr, h.w13, h.s13, h.w2, h.s2);
   testing::DeviceBuffer<uint8_t> slots(kSlots * s.stride);
   s.base = slots.data();
 
