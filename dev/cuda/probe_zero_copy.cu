@@ -11,6 +11,10 @@
 //   v1       4-byte loads (the narrow-read baseline)
 // Sizes: 256 MiB and 1 GiB (a decode layer reads ~36 MB of cold experts, a staged prefill layer
 // copies ~577 MB). Prints GB/s (1e9 bytes) per variant, best of 5 timed with CUDA events.
+// Then the next-layer prefetch's question ([TAG_EXPERT_PREFETCH], docs/PERF.md run Z28): how fast
+// do SMALL grids read 10 MB (two Qwen3-235B int2 experts), alone and while a kernel that holds
+// every SM (two 512-thread blocks with 77 KiB of shared memory each, like the dense GEMVs) runs on
+// another stream; the copy's stream at normal or the greatest priority.
 // Usage: dev_probe_zero_copy   (no arguments)
 #include <cuda_runtime_api.h>
 
@@ -18,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "kernels/cuda_check.h"
 
@@ -89,6 +94,68 @@ float best_ms(cudaStream_t s, F&& launch) {
   return best;
 }
 
+// Holds its SM for about `ns` nanoseconds (a stand-in for the decode step's kernels).
+__global__ void hold_sm(long long ns) {
+  extern __shared__ unsigned char smem[];
+  const long long t0 = clock64();
+  // clock64 counts SM cycles; ~1.7 GHz on H100/H200 under load.
+  while (clock64() - t0 < ns * 17 / 10)
+    if (blockDim.x <= 0) smem[threadIdx.x] = static_cast<unsigned char>(t0);  // never: smem need not be touched
+}
+
+// The prefetch copy's shapes: (blocks, threads) reading `bytes` of mapped memory with v4x4, alone
+// and beside hold_sm on every SM.
+void small_grid_sweep(int sms, unsigned* sink) {
+  const size_t bytes = size_t{10} << 20;
+  void* host = nullptr;
+  CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocPortable | cudaHostAllocMapped));
+  std::memset(host, 0x5a, bytes);
+  void* alias = nullptr;
+  CUDA_CHECK(cudaHostGetDevicePointer(&alias, host, 0));
+  const auto* p4 = static_cast<const uint4*>(alias);
+  int least = 0, greatest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t busy, lo, hi;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&busy, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithPriority(&lo, cudaStreamNonBlocking, least));
+  CUDA_CHECK(cudaStreamCreateWithPriority(&hi, cudaStreamNonBlocking, greatest));
+  const int hold_smem = 77 * 1024;
+  CUDA_CHECK(cudaFuncSetAttribute(hold_sm, cudaFuncAttributeMaxDynamicSharedMemorySize, hold_smem));
+  std::printf("\nprefetch copy of 10 MB: us (GB/s), alone and beside ~2 ms of kernels on every SM: 'smem' 2 x 512\n"
+              "threads with 77 KiB each (room left for threads, not shared memory), 'full' 4 x 512 threads (none left)\n");
+  std::printf("%7s %7s %16s %16s %16s %16s\n", "blocks", "threads", "alone", "smem, normal", "smem, greatest",
+              "full, greatest");
+  const int shapes[][2] = {{16, 512}, {16, 128}, {32, 128}, {66, 128}, {sms, 128}, {sms, 256}, {2 * sms, 128}};
+  for (const auto& sh : shapes) {
+    const int blocks = sh[0], threads = sh[1];
+    const size_t n4 = bytes / 16;
+    float t[4];
+    t[0] = best_ms(lo, [&] { read_v4x4<<<blocks, threads, 0, lo>>>(p4, n4, sink); });
+    CUDA_CHECK(cudaGetLastError());
+    const struct {
+      cudaStream_t cs;
+      int per_sm, smem;
+    } modes[3] = {{lo, 2, hold_smem}, {hi, 2, hold_smem}, {hi, 4, 0}};
+    for (int m = 0; m < 3; ++m) {
+      t[m + 1] = best_ms(modes[m].cs, [&] {
+        hold_sm<<<modes[m].per_sm * sms, 512, modes[m].smem, busy>>>(2000000);
+        read_v4x4<<<blocks, threads, 0, modes[m].cs>>>(p4, n4, sink);
+      });
+      CUDA_CHECK(cudaGetLastError());
+      CUDA_CHECK(cudaStreamSynchronize(busy));
+    }
+    auto cell = [&](float ms) {
+      char b[32];
+      std::snprintf(b, sizeof(b), "%.0f (%.1f)", ms * 1e3, static_cast<double>(bytes) / (ms * 1e-3) / 1e9);
+      return std::string(b);
+    };
+    std::printf("%7d %7d %16s %16s %16s %16s\n", blocks, threads, cell(t[0]).c_str(), cell(t[1]).c_str(),
+                cell(t[2]).c_str(), cell(t[3]).c_str());
+  }
+  for (cudaStream_t x : {busy, lo, hi}) CUDA_CHECK(cudaStreamDestroy(x));
+  CUDA_CHECK(cudaFreeHost(host));
+}
+
 }  // namespace
 
 int main() {
@@ -131,6 +198,7 @@ int main() {
     CUDA_CHECK(cudaFree(dev_buf));
     CUDA_CHECK(cudaFreeHost(host));
   }
+  small_grid_sweep(sms, sink);
   CUDA_CHECK(cudaFree(sink));
   CUDA_CHECK(cudaStreamDestroy(s));
   return 0;
