@@ -204,6 +204,11 @@ TEST(ExpertCacheCli, BadFlagsAreRefusedBeforeLoading) {
        "Could not convert: --expert-cache-swaps"},
       {serve + "--backend cuda --gpu-memory-budget 2 --expert-cache lru --expert-cache-decay -1",
        "'--expert-cache-decay': must be in (0, 1]"},
+      // [TAG_EXPERT_PREFETCH] The prefetch is an offload flag too, with its range checked first.
+      {gen + "--expert-prefetch 2", "'--expert-prefetch': expert offload needs --backend cuda"},
+      {serve + "--expert-prefetch 1", "'--expert-prefetch': expert offload needs --backend cuda"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-prefetch 9", "--expert-prefetch"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-prefetch -1", "--expert-prefetch"},
   };
   for (const Bad& b : bad) {
     // A serve that wrongly accepted its flags would serve forever: bounded.
