@@ -346,13 +346,13 @@ fold_combine_ab() {
 }
 [ "${MOEBIUS_FOLD_COMBINE_AB:-0}" = 1 ] && step fold-combine-ab fold_combine_ab
 
-# Expert offload (docs/OFFLOAD.md): the offload GPU tests alone first (their log is short), then
+# Expert offload (docs/OFFLOAD.md): the offload and prefetch GPU tests alone first (their log is short), then
 # Qwen3-235B-A22B with dummy int2 experts (60 GB) under a 24 GiB budget: ~10% of the experts
 # resident, the rest read from pinned host memory (zero-copy decode, staged prefill); decode and
 # prefill tok/s, PCIe bytes per token and GB/s against 55.3 GB/s; then all experts resident for
 # comparison (~60-70 s together); MOEBIUS_OFFLOAD_FULL=1 adds the zero-copy prefill. docs/PERF.md.
 [ -x "$BUILD/tests/moebius_gpu_tests" ] && step offload-gpu-tests "$BUILD/tests/moebius_gpu_tests" --gtest_brief=1 \
-  --gtest_filter='OffloadCuda.*'
+  --gtest_filter='OffloadCuda.*:ExpertPrefetchGpu.*'
 bench_offload() {
   "$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2 --no-autotune \
     --gpu-memory-budget 24 --context 1024,10240 --prefill 1024 --decode-steps 32 || return 1
@@ -377,6 +377,27 @@ bench_offload_cache() {
 }
 if [ "${MOEBIUS_OFFLOAD_CACHE:-0}" = 1 ]; then
   step bench-offload-cache timeout 300 bash -c "$(declare -f bench_offload_cache); BUILD=$BUILD; bench_offload_cache"
+fi
+# The next-layer expert prefetch (docs/OFFLOAD.md, "Prefetch"), opt-in with
+# MOEBIUS_OFFLOAD_PREFETCH=1: the 24 GiB decode without it and with --expert-prefetch 2 (the copy's
+# default grid and priority), its grid and priority knobs one at a time, 4 slots, then the 2-slot
+# run under the CUPTI timeline (does the copy kernel add to the step's critical path?).
+bench_offload_prefetch() {
+  local gen=("$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2
+    --no-autotune --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 32)
+  echo "== prefetch 0"; "${gen[@]}" || return 1
+  echo "== prefetch 2"; "${gen[@]}" --expert-prefetch 2 || return 1
+  echo "== prefetch 2, default priority"; MOEBIUS_PREFETCH_PRIORITY=0 "${gen[@]}" --expert-prefetch 2 || return 1
+  echo "== prefetch 2, 16 copy blocks"; MOEBIUS_PREFETCH_COPY_BLOCKS=16 "${gen[@]}" --expert-prefetch 2 || return 1
+  echo "== prefetch 4"; "${gen[@]}" --expert-prefetch 4 || return 1
+  if [ -f "$BUILD/libmoebius_kernel_trace.so" ]; then
+    echo "== prefetch 2, traced"
+    MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" \
+      LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" "${gen[@]}" --expert-prefetch 2 || return 1
+  fi
+}
+if [ "${MOEBIUS_OFFLOAD_PREFETCH:-0}" = 1 ]; then
+  step bench-offload-prefetch timeout 420 bash -c "$(declare -f bench_offload_prefetch); BUILD=$BUILD; bench_offload_prefetch"
 fi
 
 # moebius serve with the CUDA backend on the tiny fixture: start it, one completion and one

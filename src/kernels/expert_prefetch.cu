@@ -12,9 +12,13 @@
 // logits. On the critical path of the step: ~3 launch-bound microseconds a MoE layer against the
 // ~700 us an offloaded Qwen3-235B layer spends on PCIe.
 //
-// Copy: `blocks` x 512 threads stream each segment (an expert's w13 weights, w13 scales, w2
-// weights, w2 scales) with four 16-byte loads in flight per thread: a PCIe read takes ~1-2 us, so
-// the ~50 GB/s link needs ~100 KB in flight (Little's law), and 16 blocks x 512 x 64 B is 512 KB.
+// Copy: `blocks` x 128 threads stream each segment (an expert's w13 weights, w13 scales, w2
+// weights, w2 scales) with eight 16-byte loads in flight per thread: a PCIe read takes ~1-2 us, so
+// the ~50 GB/s link needs ~100 KB in flight (Little's law), and one 16 KB block per SM is ~2 MB.
+// Small blocks because the copy runs beside the step's attention and GEMV kernels, which hold the
+// SMs back to back: a 128-thread block with few registers finds room on an SM that a 512-thread
+// one waits for (run Z28: 16 x 512 threads at the stream's default priority did not overlap them).
+// The launch carries a priority so its blocks are dispatched ahead of the main stream's pending ones.
 // Sources are the saved home entries, so the same kernel copies from mapped pinned memory or from
 // the device. Segments whose addresses or sizes are not 16-byte multiples (scale arrays of some
 // shapes) go by 4-byte words, then bytes.
@@ -29,8 +33,8 @@ namespace {
 
 constexpr int kPredictWarps = 8;
 constexpr int kPredictThreads = kPredictWarps * 32;
-constexpr int kCopyThreads = 512;
-constexpr int kCopyLoadsInFlight = 4;
+constexpr int kCopyThreads = 128;
+constexpr int kCopyLoadsInFlight = 8;
 
 // Table entries written by this block earlier in the kernel: read through L2, never a stale L1 line.
 __device__ __forceinline__ ExpertMatrixPtrs load_entry_cg(const ExpertMatrixPtrs* p) {
@@ -283,13 +287,22 @@ void launch_expert_prefetch_predict(const ExpertPrefetchPredictArgs& a, cudaStre
 }
 
 void launch_expert_prefetch_copy(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots, int blocks,
-                                 cudaStream_t stream) {
+                                 int priority, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(record != nullptr && slots.base != nullptr, "expert prefetch copy: null argument");
   MOEBIUS_LAUNCH_ASSERT(blocks > 0 && blocks <= 1024, "expert prefetch copy: blocks out of range");
   MOEBIUS_LAUNCH_ASSERT(slots.stride % 256 == 0 && reinterpret_cast<uintptr_t>(slots.base) % 256 == 0,
                         "expert prefetch copy: slots must be 256-byte aligned");
-  expert_prefetch_copy_kernel<<<blocks, kCopyThreads, 0, stream>>>(record, slots);
-  CUDA_CHECK_LAUNCH();
+  // The priority as a launch attribute, not only the stream's: stream capture keeps it on the node.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kCopyThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributePriority;
+  attr[0].val.priority = priority;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, expert_prefetch_copy_kernel, record, slots));
 }
 
 void launch_expert_prefetch_publish(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots,

@@ -100,9 +100,10 @@ struct ExpertPrefetchPredictArgs {
 void launch_expert_prefetch_predict(const ExpertPrefetchPredictArgs& args, cudaStream_t stream);
 
 // The record's experts from their saved homes into the slots (any mix of device and mapped pinned
-// host sources). `blocks` copy blocks (the copy competes with the main stream's kernels for SMs).
+// host sources). `blocks` copy blocks (the copy competes with the main stream's kernels for SMs) at
+// launch priority `priority` (cudaDeviceGetStreamPriorityRange: 0 is the default, lower is sooner).
 void launch_expert_prefetch_copy(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots, int blocks,
-                                 cudaStream_t stream);
+                                 int priority, cudaStream_t stream);
 
 // The record's table entries pointed at the slots (global scales kept).
 void launch_expert_prefetch_publish(const ExpertPrefetchRecord* record, const ExpertPrefetchSlots& slots,

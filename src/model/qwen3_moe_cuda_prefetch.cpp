@@ -5,15 +5,27 @@
 #ifdef MOEBIUS_HAS_CUDA
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_info.h"
 
 namespace moebius::model {
 
 namespace {
 constexpr size_t kLogStride = 1 + kernels::kExpertPrefetchMaxSlots;  // count, ids
+
+// A measurement knob (MOEBIUS_PREFETCH_COPY_BLOCKS, MOEBIUS_PREFETCH_PRIORITY): an integer, or
+// `fallback` when unset or not one.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return (*end == '\0' && n >= -64 && n <= 4096) ? static_cast<int>(n) : fallback;
+}
 }  // namespace
 
 Qwen3MoeCuda::PrefetchState::~PrefetchState() {
@@ -78,12 +90,20 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   st->targets.resize(L);
   for (size_t i = 0; i < L; ++i) st->targets[i] = {moe_layer_at(i).prefetch_view(), moe_post_norm_at(i)};
   st->issued.assign(L, 0);
-  CUDA_CHECK(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+  // The copy runs beside the step's kernels and must not queue behind their blocks (run Z28): one
+  // small block per SM at the device's greatest priority, stream and launch both.
+  int least = 0, greatest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  st->copy_priority = std::clamp(env_int("MOEBIUS_PREFETCH_PRIORITY", greatest), greatest, least);
+  st->copy_blocks = std::clamp(env_int("MOEBIUS_PREFETCH_COPY_BLOCKS", kernels::current_device_sm_count()), 1, 1024);
+  CUDA_CHECK(cudaStreamCreateWithPriority(&st->stream, cudaStreamNonBlocking, st->copy_priority));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
-  plan_.expert_prefetch = fmt::format("{} expert{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots)",
-                                      n, n == 1 ? "" : "s", kernels::kExpertPrefetchMaxTokens,
-                                      static_cast<double>(n * set.stride) / 1e6);
+  plan_.expert_prefetch = fmt::format(
+      "{} expert{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots; {} copy blocks at "
+      "priority {})",
+      n, n == 1 ? "" : "s", kernels::kExpertPrefetchMaxTokens, static_cast<double>(n * set.stride) / 1e6,
+      st->copy_blocks, st->copy_priority);
   prefetch_ = std::move(st);
   return Ok{};
 }
@@ -120,7 +140,7 @@ void Qwen3MoeCuda::prefetch_issue(size_t i, const float* resid, const __nv_bfloa
   kernels::launch_expert_prefetch_predict(a, s);
   CUDA_CHECK(cudaEventRecord(st.fork, s));
   CUDA_CHECK(cudaStreamWaitEvent(st.stream, st.fork, 0));
-  kernels::launch_expert_prefetch_copy(st.record, st.set, st.copy_blocks, st.stream);
+  kernels::launch_expert_prefetch_copy(st.record, st.set, st.copy_blocks, st.copy_priority, st.stream);
   kernels::launch_expert_prefetch_publish(st.record, st.set, st.stream);
   CUDA_CHECK(cudaEventRecord(st.ready, st.stream));
   st.issued[i] = 1;

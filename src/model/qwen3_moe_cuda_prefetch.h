@@ -39,7 +39,8 @@ struct Qwen3MoeCuda::PrefetchState {
   PrefetchState& operator=(const PrefetchState&) = delete;
 
   int slots = 0;                                  // experts per MoE layer (--expert-prefetch)
-  int copy_blocks = 16;                           // the copy kernel's grid
+  int copy_blocks = 0;                            // the copy kernel's grid: one block per SM
+  int copy_priority = 0;                          // its launch priority: the device's greatest
   kernels::ExpertPrefetchSlots set;               // the slots (device)
   kernels::ExpertPrefetchRecord* record = nullptr;   // device: the slots' owner and saved entries
   float* logits = nullptr;                        // [kExpertPrefetchMaxTokens, E] device scratch

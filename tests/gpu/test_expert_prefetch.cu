@@ -5,7 +5,7 @@
 //    sets, correction bias, no delta), the selection EXACTLY the reference's on the kernel's own
 //    logits, the record (saved home entries) and the log; the previous owner's entries restored;
 //  - copy + publish: slot bytes equal to the homes (device and mapped pinned sources, sizes and
-//    offsets that are not 16-byte multiples, 1-16 blocks), the slot padding untouched, the table
+//    offsets that are not 16-byte multiples, 1-132 blocks), the slot padding untouched, the table
 //    entries pointed at the slots with their global scales kept; restore puts them back;
 //  - the three kernels in a CUDA graph, replayed with changing token counts.
 #include "gpu/gpu_test_util.h"  // first: see the fmt note there
@@ -226,7 +226,7 @@ TEST(ExpertPrefetchGpu, CopyAndPublishPointTheTablesAtExactCopies) {
   const Homes shapes[] = {{3 * 4096, 1536, 2 * 4096, 768}, {4096 + 48, 1000, 2048, 36}, {512, 0, 512, 0}, {2048, 6, 1040, 2}};
   constexpr int E = 16, kDevice = 8;  // experts 0-7 in device memory, 8-15 in mapped pinned memory
   for (const Homes& h : shapes) {
-    for (int blocks : {1, 3, 16}) {
+    for (int blocks : {1, 3, 16, 132}) {
       SCOPED_TRACE(::testing::Message() << "w13=" << h.w13 << " s13=" << h.s13 << " w2=" << h.w2 << " s2=" << h.s2
                                         << " blocks=" << blocks);
       const size_t dev_bytes = h.bytes(kDevice), host_bytes = h.bytes(E - kDevice);
@@ -267,7 +267,7 @@ TEST(ExpertPrefetchGpu, CopyAndPublishPointTheTablesAtExactCopies) {
       testing::DeviceBuffer<ExpertPrefetchRecord> d_rec(1);
       CUDA_CHECK(cudaMemcpy(d_rec.data(), &rec, sizeof(rec), cudaMemcpyHostToDevice));
       testing::CudaStream stream;
-      kernels::launch_expert_prefetch_copy(d_rec.data(), s, blocks, stream);
+      kernels::launch_expert_prefetch_copy(d_rec.data(), s, blocks, /*priority=*/0, stream);
       kernels::launch_expert_prefetch_publish(d_rec.data(), s, stream);
       stream.sync();
       EXPECT_TRUE(slots.guards_intact());
@@ -389,7 +389,7 @@ TEST(ExpertPrefetchGpu, TheSequenceReplaysInAGraph) {
       a.counter = d_counter.data();
       a.log = d_log.data() + l * (1 + kernels::kExpertPrefetchMaxSlots);
       kernels::launch_expert_prefetch_predict(a, st);
-      kernels::launch_expert_prefetch_copy(d_rec.data(), s, 4, st);
+      kernels::launch_expert_prefetch_copy(d_rec.data(), s, 4, /*priority=*/-1, st);
       kernels::launch_expert_prefetch_publish(d_rec.data(), s, st);
     }
   };
