@@ -379,17 +379,16 @@ if [ "${MOEBIUS_OFFLOAD_CACHE:-0}" = 1 ]; then
   step bench-offload-cache timeout 300 bash -c "$(declare -f bench_offload_cache); BUILD=$BUILD; bench_offload_cache"
 fi
 # The next-layer expert prefetch (docs/OFFLOAD.md, "Prefetch"), opt-in with
-# MOEBIUS_OFFLOAD_PREFETCH=1: the 24 GiB decode without it and with --expert-prefetch 2 (the copy's
-# default grid and priority), its grid and priority knobs one at a time, 4 slots, then the 2-slot
-# run under the CUPTI timeline (does the copy kernel add to the step's critical path?).
+# MOEBIUS_OFFLOAD_PREFETCH=1: the 24 GiB decode without it and with 1, 2 and 4 slots, then 2 slots
+# under the CUPTI timeline (the predict and copy kernels' time on the step's critical path).
+# MOEBIUS_PREFETCH_COPY_BLOCKS / MOEBIUS_PREFETCH_PRIORITY change the copy's grid and priority (run
+# Z29: neither moved the time).
 bench_offload_prefetch() {
   local gen=("$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2
     --no-autotune --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 32)
-  echo "== prefetch 0"; "${gen[@]}" || return 1
-  echo "== prefetch 2"; "${gen[@]}" --expert-prefetch 2 || return 1
-  echo "== prefetch 2, default priority"; MOEBIUS_PREFETCH_PRIORITY=0 "${gen[@]}" --expert-prefetch 2 || return 1
-  echo "== prefetch 2, 16 copy blocks"; MOEBIUS_PREFETCH_COPY_BLOCKS=16 "${gen[@]}" --expert-prefetch 2 || return 1
-  echo "== prefetch 4"; "${gen[@]}" --expert-prefetch 4 || return 1
+  for n in 0 1 2 4; do
+    echo "== prefetch $n"; "${gen[@]}" --expert-prefetch $n || return 1
+  done
   if [ -f "$BUILD/libmoebius_kernel_trace.so" ]; then
     echo "== prefetch 2, traced"
     MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" \

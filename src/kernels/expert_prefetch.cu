@@ -1,16 +1,16 @@
 // Next-layer expert prefetch [TAG_EXPERT_PREFETCH]; launchers and protocol in expert_prefetch.cuh,
 // CPU reference cpu/expert_prefetch.cpp.
 //
-// Predict: grid ceil(E / 8) blocks of 8 warps. Every block normalises the T <= 8 live rows itself
+// Predict: grid ceil(E / 2) blocks of 8 warps. Every block normalises the T <= 8 live rows itself
 // (T x H fp32 + bf16 from L2: 24 KB a row at Qwen3-235B's H = 4096, far less than the router's
-// E x H bf16 = 1 MB that the grid splits), keeps them in shared memory as bf16, and each warp
-// takes one expert: its router row is read once (16-byte loads, lane-strided) and dotted with
-// every row. The last block to finish (threadFenceReduction: fence, one atomic, the block that
-// brings the count to the grid size) ranks the logits from L2 and writes the record. The ranking
-// is O(T E^2) comparisons (E = 128: 64 per thread per token), cheaper than a sort at these sizes,
-// and exact: the Borda counts are integers, so the selection is the CPU reference's for the same
-// logits. On the critical path of the step: ~3 launch-bound microseconds a MoE layer against the
-// ~700 us an offloaded Qwen3-235B layer spends on PCIe.
+// E x H bf16 = 1 MB that the grid splits), keeps them in shared memory as bf16, and 4 warps take
+// one expert: its router row is read once (16-byte loads, each lane's loads issued together) and
+// dotted with every row. The last block to finish (threadFenceReduction: fence, one atomic, the
+// block that brings the count to the grid size) ranks the logits from L2 and writes the record.
+// The ranking is O(T E^2) comparisons (E = 128: 64 per thread per token), cheaper than a sort at
+// these sizes, and exact: the Borda counts are integers, so the selection is the CPU reference's
+// for the same logits. It is on the step's critical path (the copy needs its record), so it is
+// built for latency: a few round trips, not a bandwidth-sized grid.
 //
 // Copy: `blocks` x 128 threads stream each segment (an expert's w13 weights, w13 scales, w2
 // weights, w2 scales) with eight 16-byte loads in flight per thread: a PCIe read takes ~1-2 us, so
@@ -33,6 +33,9 @@ namespace {
 
 constexpr int kPredictWarps = 8;
 constexpr int kPredictThreads = kPredictWarps * 32;
+constexpr int kPredictExpertsPerBlock = 2;
+constexpr int kPredictWarpsPerExpert = kPredictWarps / kPredictExpertsPerBlock;
+constexpr int kDotLoads = 4;  // 16-byte router loads a lane keeps in flight
 constexpr int kCopyThreads = 128;
 constexpr int kCopyLoadsInFlight = 8;
 
@@ -48,23 +51,35 @@ __device__ __forceinline__ ExpertMatrixPtrs load_entry_cg(const ExpertMatrixPtrs
   return e;
 }
 
-__device__ __forceinline__ float block_sum(float v, float* scratch /* [kPredictWarps] */) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch reuse
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float s = 0;
+// Eight consecutive elements of row t of the residual plus its delta, as fp32 (16-byte loads: H is a
+// multiple of 8 and the rows 16-byte aligned, checked by the launcher).
+__device__ __forceinline__ void load_row8(const ExpertPrefetchPredictArgs& a, int t, int i, float v[8]) {
+  const size_t o = static_cast<size_t>(t) * a.hidden + i;
+  const float4 x0 = *reinterpret_cast<const float4*>(a.resid + o);
+  const float4 x1 = *reinterpret_cast<const float4*>(a.resid + o + 4);
+  v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+  if (a.delta != nullptr) {
+    const uint4 d = *reinterpret_cast<const uint4*>(a.delta + o);
+    const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
 #pragma unroll
-  for (int w = 0; w < kPredictWarps; ++w) s += scratch[w];
-  return s;
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(d2[j]);
+      v[2 * j] += f.x;
+      v[2 * j + 1] += f.y;
+    }
+  }
 }
 
 // dynamic shared memory: xn [capacity][hidden] bf16.
+// Block b takes experts kPredictExpertsPerBlock * b + (0, 1), kPredictWarpsPerExpert warps each.
+// Run Z29 (H100, Qwen3-235B H = 4096, T = 1) timed the first version at 23.5 us: its loops issued
+// one load a thread per iteration (16 dependent L2 / HBM round trips for the norm, 16 more for a
+// warp's router row). Here every loop issues its loads together: ~one round trip for the norm,
+// one for the 4 KB of router row a warp reads at H = 4096, over 64 blocks instead of 16.
 __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kernel(const ExpertPrefetchPredictArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* xn = reinterpret_cast<__nv_bfloat16*>(smem);
-  __shared__ float red[kPredictWarps];
+  __shared__ float red[kPredictWarps][kExpertPrefetchMaxTokens];
   __shared__ float rscale[kExpertPrefetchMaxTokens];
   __shared__ float lg[kExpertPrefetchMaxTokens * kExpertPrefetchMaxExperts];  // the last block's logits
   __shared__ int score[kExpertPrefetchMaxExperts];
@@ -72,62 +87,114 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   __shared__ int ncand;
   __shared__ bool last;
   const int H = a.hidden, E = a.num_experts, tid = threadIdx.x;
-  const int T = max(0, min(*a.num_tokens, a.capacity));
-
-  // Each live row's RMS scale, then its normalised bf16 row (cpu: bf16(x * r * w)).
-  for (int t = 0; t < T; ++t) {
-    const float* x = a.resid + static_cast<size_t>(t) * H;
-    const __nv_bfloat16* d = a.delta ? a.delta + static_cast<size_t>(t) * H : nullptr;
-    float ss = 0;
-    for (int i = tid; i < H; i += kPredictThreads) {
-      const float v = x[i] + (d ? __bfloat162float(d[i]) : 0.0f);
-      ss += v * v;
-    }
-    ss = block_sum(ss, red);
-    if (tid == 0) rscale[t] = rsqrtf(ss / static_cast<float>(H) + a.eps);
-  }
-  __syncthreads();
-  for (int t = 0; t < T; ++t) {
-    const float* x = a.resid + static_cast<size_t>(t) * H;
-    const __nv_bfloat16* d = a.delta ? a.delta + static_cast<size_t>(t) * H : nullptr;
-    for (int i = tid; i < H; i += kPredictThreads) {
-      const float v = x[i] + (d ? __bfloat162float(d[i]) : 0.0f);
-      xn[static_cast<size_t>(t) * H + i] = __float2bfloat16(v * rscale[t] * a.norm_weight[i]);
-    }
-  }
-  __syncthreads();
-
-  // One expert per warp: router row . every row.
   const int warp = tid / 32, lane = tid % 32;
-  const int e = blockIdx.x * kPredictWarps + warp;
+  const int T = max(0, min(*a.num_tokens, a.capacity));
+  const int chunks = H / 8;  // 8-element chunks of a row
+
+  // Each live row's sum of squares (cpu: over x + delta in fp32), all rows at once, 4 chunks of
+  // loads in flight a thread.
+  float ss[kExpertPrefetchMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) ss[t] = 0;
+#pragma unroll
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+    if (t >= T) break;
+#pragma unroll 4
+    for (int c = tid; c < chunks; c += kPredictThreads) {
+      float v[8];
+      load_row8(a, t, c * 8, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss[t] = fmaf(v[j], v[j], ss[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+    float v = ss[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  if (tid < T) {
+    float s = 0;
+#pragma unroll
+    for (int w = 0; w < kPredictWarps; ++w) s += red[w][tid];
+    rscale[tid] = rsqrtf(s / static_cast<float>(H) + a.eps);
+  }
+  __syncthreads();
+  // The normalised bf16 rows (cpu: bf16(x * r * w)); the second read of the rows hits L1.
+  for (int t = 0; t < T; ++t) {
+    const float r = rscale[t];
+#pragma unroll 4
+    for (int c = tid; c < chunks; c += kPredictThreads) {
+      float v[8];
+      load_row8(a, t, c * 8, v);
+      const float4 w0 = *reinterpret_cast<const float4*>(a.norm_weight + c * 8);
+      const float4 w1 = *reinterpret_cast<const float4*>(a.norm_weight + c * 8 + 4);
+      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      uint4 packed;
+      __nv_bfloat162* p2 = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        p2[j] = __halves2bfloat162(__float2bfloat16(v[2 * j] * r * w[2 * j]),
+                                   __float2bfloat16(v[2 * j + 1] * r * w[2 * j + 1]));
+      *reinterpret_cast<uint4*>(xn + static_cast<size_t>(t) * H + c * 8) = packed;
+    }
+  }
+  __syncthreads();
+
+  // The router rows: kPredictWarpsPerExpert warps split an expert's row by interleaved 16-byte
+  // chunks, all of a lane's chunks loaded before the first FMA (H = 4096: 4 a lane).
+  const int e = blockIdx.x * kPredictExpertsPerBlock + warp / kPredictWarpsPerExpert;
+  const int part = warp % kPredictWarpsPerExpert;
+  constexpr int kStride = kPredictWarpsPerExpert * 32;  // chunks between a lane's consecutive ones
+  float acc[kExpertPrefetchMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) acc[t] = 0;
   if (e < E) {
-    float acc[kExpertPrefetchMaxTokens];
-#pragma unroll
-    for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) acc[t] = 0;
     const __nv_bfloat16* w = a.router + static_cast<size_t>(e) * H;
-    for (int i = lane * 8; i < H; i += 32 * 8) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + i);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    for (int c0 = part * 32 + lane; c0 < chunks; c0 += kDotLoads * kStride) {
+      uint4 wv[kDotLoads];
 #pragma unroll
-      for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
-        if (t >= T) break;
-        const uint4 xv = *reinterpret_cast<const uint4*>(xn + static_cast<size_t>(t) * H + i);
-        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+      for (int u = 0; u < kDotLoads; ++u) {
+        const int c = c0 + u * kStride;
+        wv[u] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 wf = __bfloat1622float2(w2[j]), xf = __bfloat1622float2(x2[j]);
-          acc[t] = fmaf(wf.x, xf.x, acc[t]);
-          acc[t] = fmaf(wf.y, xf.y, acc[t]);
+      for (int u = 0; u < kDotLoads; ++u) {
+        const int c = c0 + u * kStride;
+        if (c >= chunks) break;
+        const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
+#pragma unroll
+        for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+          if (t >= T) break;
+          const uint4 xv = *reinterpret_cast<const uint4*>(xn + static_cast<size_t>(t) * H + c * 8);
+          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 wf = __bfloat1622float2(w2[j]), xf = __bfloat1622float2(x2[j]);
+            acc[t] = fmaf(wf.x, xf.x, acc[t]);
+            acc[t] = fmaf(wf.y, xf.y, acc[t]);
+          }
         }
       }
     }
-    const float bias = a.correction_bias ? a.correction_bias[e] : 0.0f;
+  }
 #pragma unroll
-    for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
-      if (t >= T) break;
-      float v = acc[t];
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) a.logits[static_cast<size_t>(t) * E + e] = v + bias;
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+    float v = acc[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  // The parts summed in a fixed order (run to run the same logits).
+  if (tid < kPredictExpertsPerBlock * kExpertPrefetchMaxTokens) {
+    const int k = tid / kExpertPrefetchMaxTokens, t = tid % kExpertPrefetchMaxTokens;
+    const int ex = blockIdx.x * kPredictExpertsPerBlock + k;
+    if (ex < E && t < T) {
+      float v = 0;
+#pragma unroll
+      for (int p = 0; p < kPredictWarpsPerExpert; ++p) v += red[k * kPredictWarpsPerExpert + p][t];
+      a.logits[static_cast<size_t>(t) * E + ex] = v + (a.correction_bias ? a.correction_bias[ex] : 0.0f);
     }
   }
 
@@ -275,13 +342,16 @@ void launch_expert_prefetch_predict(const ExpertPrefetchPredictArgs& a, cudaStre
   MOEBIUS_LAUNCH_ASSERT(a.capacity > 0 && a.capacity <= kExpertPrefetchMaxTokens,
                         "expert prefetch predict: capacity out of range");
   MOEBIUS_LAUNCH_ASSERT(a.slots >= 0 && a.slots <= kExpertPrefetchMaxSlots, "expert prefetch predict: slots out of range");
-  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(a.router) % 16 == 0, "expert prefetch predict: router 16-byte aligned");
+  MOEBIUS_LAUNCH_ASSERT(reinterpret_cast<uintptr_t>(a.router) % 16 == 0 && reinterpret_cast<uintptr_t>(a.resid) % 16 == 0 &&
+                            reinterpret_cast<uintptr_t>(a.delta) % 16 == 0 &&
+                            reinterpret_cast<uintptr_t>(a.norm_weight) % 16 == 0,
+                        "expert prefetch predict: router, resid, delta and norm weight 16-byte aligned");
   const size_t smem = sizeof(__nv_bfloat16) * static_cast<size_t>(a.capacity) * static_cast<size_t>(a.hidden);
   MOEBIUS_LAUNCH_ASSERT(smem <= 160 * 1024, "expert prefetch predict: capacity x hidden too large for shared memory");
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(expert_prefetch_predict_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-  const int blocks = (a.num_experts + kPredictWarps - 1) / kPredictWarps;
+  const int blocks = (a.num_experts + kPredictExpertsPerBlock - 1) / kPredictExpertsPerBlock;
   expert_prefetch_predict_kernel<<<blocks, kPredictThreads, smem, stream>>>(a);
   CUDA_CHECK_LAUNCH();
 }
