@@ -379,21 +379,24 @@ if [ "${MOEBIUS_OFFLOAD_CACHE:-0}" = 1 ]; then
   step bench-offload-cache timeout 300 bash -c "$(declare -f bench_offload_cache); BUILD=$BUILD; bench_offload_cache"
 fi
 # The next-layer expert prefetch (docs/OFFLOAD.md, "Prefetch"), opt-in with
-# MOEBIUS_OFFLOAD_PREFETCH=1: the 24 GiB decode without it and with 1, 2 and 4 slots, then 2 slots
-# under the CUPTI timeline (the predict and copy kernels' time on the step's critical path).
+# MOEBIUS_OFFLOAD_PREFETCH=1: the 24 GiB decode without it and with 1 and 2 slots, then 0 and 2
+# slots under the CUPTI timeline (the predict and copy kernels' time on the step's critical path,
+# and a few layers' kernels with their start and end: does the copy overlap the window?).
 # MOEBIUS_PREFETCH_COPY_BLOCKS / MOEBIUS_PREFETCH_PRIORITY change the copy's grid and priority (run
 # Z29: neither moved the time).
 bench_offload_prefetch() {
   local gen=("$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2
     --no-autotune --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 32)
-  for n in 0 1 2 4; do
+  for n in 0 1 2; do
     echo "== prefetch $n"; "${gen[@]}" --expert-prefetch $n || return 1
   done
-  if [ -f "$BUILD/libmoebius_kernel_trace.so" ]; then
-    echo "== prefetch 2, traced"
-    MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" \
-      LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" "${gen[@]}" --expert-prefetch 2 || return 1
-  fi
+  [ -f "$BUILD/libmoebius_kernel_trace.so" ] || return 0
+  for n in 0 2; do  # with a timeline of four layers in the middle of the step (~11 kernels a layer)
+    echo "== prefetch $n, traced"
+    MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 MOEBIUS_TRACE_TIMELINE=48 MOEBIUS_TRACE_TIMELINE_FROM=500 \
+      LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" \
+      "${gen[@]}" --expert-prefetch $n || return 1
+  done
 }
 if [ "${MOEBIUS_OFFLOAD_PREFETCH:-0}" = 1 ]; then
   step bench-offload-prefetch timeout 420 bash -c "$(declare -f bench_offload_prefetch); BUILD=$BUILD; bench_offload_prefetch"

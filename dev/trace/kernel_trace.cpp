@@ -6,7 +6,10 @@
 // what that kernel added to the step's critical path; summed by kernel name over a step and
 // averaged over the steps. Kernels that overlap their predecessor (PDL) add only their tail.
 // MOEBIUS_TRACE_SKIP=N ignores the first N such launches (warm-up); MOEBIUS_TRACE_ROWS=N prints
-// the N largest names (default 30).
+// the N largest names (default 30). MOEBIUS_TRACE_TIMELINE=N also prints N kernels of the last such
+// step in start order, from the MOEBIUS_TRACE_TIMELINE_FROM'th (default 0): start and end in us from
+// the step's first kernel, so overlap between streams (a side stream's copy beside the main
+// stream's kernels) can be read directly.
 // CONCURRENT_KERNEL records do not serialize kernels; the per-kernel timestamps cost a little
 // (compare the traced program's own timing with an untraced run).
 #include <cupti.h>
@@ -98,6 +101,7 @@ void report() {
   std::map<std::string, Totals> by_name;
   double step_sum = 0;
   int steps = 0;
+  const std::vector<const KernelRecord*>* last_step = nullptr;
   for (auto& [id, ks] : launches) {
     if (ks.size() != most) continue;  // the decode graph replays: the launches with the most kernels
     if (skip-- > 0) continue;
@@ -112,6 +116,7 @@ void report() {
     }
     step_sum += static_cast<double>(frontier - ks.front()->start);
     ++steps;
+    last_step = &ks;
   }
   if (steps == 0) return;
   std::vector<std::pair<std::string, Totals>> sorted(by_name.begin(), by_name.end());
@@ -125,6 +130,23 @@ void report() {
     std::fprintf(stderr, "%-70s %7.1f %12.1f %8.1f%% %12.2f\n", sorted[static_cast<size_t>(i)].first.c_str(),
                  static_cast<double>(t.count) / steps, t.marginal / steps / 1000.0, 100.0 * t.marginal / step_sum,
                  t.duration / t.count / 1000.0);
+  }
+  const char* timeline_env = std::getenv("MOEBIUS_TRACE_TIMELINE");
+  const char* from_env = std::getenv("MOEBIUS_TRACE_TIMELINE_FROM");
+  const int timeline = timeline_env != nullptr ? std::atoi(timeline_env) : 0;
+  const int from = from_env != nullptr ? std::max(0, std::atoi(from_env)) : 0;
+  if (timeline > 0 && last_step != nullptr) {
+    const std::vector<const KernelRecord*>& ks = *last_step;
+    const uint64_t t0 = ks.front()->start;
+    std::fprintf(stderr, "timeline of the last step, kernels %d-%d (us from its first kernel)\n", from,
+                 std::min<int>(from + timeline, static_cast<int>(ks.size())) - 1);
+    std::fprintf(stderr, "%5s %10s %10s %9s  %s\n", "#", "start", "end", "dur", "kernel");
+    for (int i = from; i < from + timeline && i < static_cast<int>(ks.size()); ++i) {
+      const KernelRecord* k = ks[static_cast<size_t>(i)];
+      std::fprintf(stderr, "%5d %10.2f %10.2f %9.2f  %s\n", i, static_cast<double>(k->start - t0) / 1000.0,
+                   static_cast<double>(k->end - t0) / 1000.0, static_cast<double>(k->end - k->start) / 1000.0,
+                   short_name(k->name).c_str());
+    }
   }
 }
 

@@ -88,6 +88,23 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   __shared__ bool last;
   const int H = a.hidden, E = a.num_experts, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
+  __shared__ uint8_t cold[kExpertPrefetchMaxExperts];
+  ExpertPrefetchRecord* rec = a.record;
+  // The set's previous owner (an earlier MoE layer, finished before this launch) gets its home
+  // entries back first thing, in block 0, off the last block's serial tail: every block's atomic
+  // below follows its fence, so the last block's record writes come after these reads.
+  if (blockIdx.x == 0 && tid < kExpertPrefetchMaxSlots) {
+    const int old_count = rec->count;
+    ExpertMatrixPtrs* const t13 = rec->table13;
+    ExpertMatrixPtrs* const t2 = rec->table2;
+    const int id = rec->ids[tid];
+    const ExpertMatrixPtrs s13 = rec->saved13[tid], s2 = rec->saved2[tid];
+    if (tid < min(old_count, kExpertPrefetchMaxSlots) && t13 != nullptr) {
+      t13[id] = s13;
+      t2[id] = s2;
+    }
+  }
+  for (int x = tid; x < E; x += kPredictThreads) cold[x] = a.cold[x];
   const int T = max(0, min(*a.num_tokens, a.capacity));
   const int chunks = H / 8;  // 8-element chunks of a row
 
@@ -221,20 +238,12 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   }
   __syncthreads();
   for (int x = tid; x < E; x += kPredictThreads) {
-    if (a.cold[x] == 0 || score[x] <= 0) continue;
+    if (cold[x] == 0 || score[x] <= 0) continue;
     atomicAdd(&ncand, 1);
     int rank = 0;
     for (int o = 0; o < E; ++o)
-      rank += (a.cold[o] != 0 && score[o] > 0 && (score[o] > score[x] || (score[o] == score[x] && o < x))) ? 1 : 0;
+      rank += (cold[o] != 0 && score[o] > 0 && (score[o] > score[x] || (score[o] == score[x] && o < x))) ? 1 : 0;
     if (rank < a.slots) sel[rank] = x;
-  }
-  // The set's previous owner gets its home entries back before anything reads the new owner's.
-  ExpertPrefetchRecord* rec = a.record;
-  const int old_count = min(rec->count, kExpertPrefetchMaxSlots);
-  if (tid < old_count && rec->table13 != nullptr) {
-    const int id = rec->ids[tid];
-    rec->table13[id] = rec->saved13[tid];
-    rec->table2[id] = rec->saved2[tid];
   }
   __syncthreads();
   const int count = min(ncand, a.slots);
