@@ -108,6 +108,24 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   const int T = max(0, min(*a.num_tokens, a.capacity));
   const int chunks = H / 8;  // 8-element chunks of a row
 
+  // The router rows: kPredictWarpsPerExpert warps split an expert's row by interleaved 16-byte
+  // chunks, a lane's kDotLoads chunks loaded together (H = 4096: all of them). The first group is
+  // loaded before the norm below, which hides its HBM round trip.
+  const int e = blockIdx.x * kPredictExpertsPerBlock + warp / kPredictWarpsPerExpert;
+  const int part = warp % kPredictWarpsPerExpert;
+  constexpr int kStride = kPredictWarpsPerExpert * 32;  // chunks between a lane's consecutive ones
+  const __nv_bfloat16* w = a.router + static_cast<size_t>(e < E ? e : 0) * H;
+  uint4 wv[kDotLoads];
+  auto load_router = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kDotLoads; ++u) {
+      const int c = c0 + u * kStride;
+      wv[u] = (e < E && c < chunks) ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  const int c_first = part * 32 + lane;
+  load_router(c_first);
+
   // Each live row's sum of squares (cpu: over x + delta in fp32), all rows at once, 4 chunks of
   // loads in flight a thread.
   float ss[kExpertPrefetchMaxTokens];
@@ -159,23 +177,13 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   }
   __syncthreads();
 
-  // The router rows: kPredictWarpsPerExpert warps split an expert's row by interleaved 16-byte
-  // chunks, all of a lane's chunks loaded before the first FMA (H = 4096: 4 a lane).
-  const int e = blockIdx.x * kPredictExpertsPerBlock + warp / kPredictWarpsPerExpert;
-  const int part = warp % kPredictWarpsPerExpert;
-  constexpr int kStride = kPredictWarpsPerExpert * 32;  // chunks between a lane's consecutive ones
+  // Router row . every normalised row.
   float acc[kExpertPrefetchMaxTokens];
 #pragma unroll
   for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) acc[t] = 0;
   if (e < E) {
-    const __nv_bfloat16* w = a.router + static_cast<size_t>(e) * H;
-    for (int c0 = part * 32 + lane; c0 < chunks; c0 += kDotLoads * kStride) {
-      uint4 wv[kDotLoads];
-#pragma unroll
-      for (int u = 0; u < kDotLoads; ++u) {
-        const int c = c0 + u * kStride;
-        wv[u] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0, 0, 0, 0);
-      }
+    for (int c0 = c_first; c0 < chunks; c0 += kDotLoads * kStride) {
+      if (c0 != c_first) load_router(c0);
 #pragma unroll
       for (int u = 0; u < kDotLoads; ++u) {
         const int c = c0 + u * kStride;

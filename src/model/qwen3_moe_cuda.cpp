@@ -1061,6 +1061,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       if (next != nullptr) resid = next;
     } else {
       MOEBIUS_ASSERT(deferred.y == nullptr, "a deferred MoE combine needs the next layer's folded norm");
+      if (prefetching) prefetch_release(s);  // the norm adds into the residual the prediction reads
       kernels::launch_add_rms_norm<float, float>(resid, delta, L.input_norm, rows, H, eps, h_, s);
       gemm_->linear(h_, H, L.wqkv, rows, qkv_dim_, H, qkv_, qkv_dim_, s);
     }
@@ -1077,6 +1078,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       kernels::launch_attention_prefill(qkv_, qkv_dim_, in(at_.cu_seqlens), in(at_.seq_lens), num_seqs, kc, vc,
                                         in(at_.block_tables), dims, max_num_seqs, max_q_len, attn_, s);
     }
+    if (prefetching) prefetch_release(s);  // the o GEMV overwrites the MoE output the prediction reads
     gemm_->linear(attn_, q_dim, L.wo, rows, H, q_dim, y_, H, s);
     kernels::launch_add_rms_norm<float, float>(resid, y_, L.post_norm, rows, H, eps, h_, s);
     if (L.is_moe && ep_) {
@@ -1120,6 +1122,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       gemm_->linear(act_, I, L.down, rows, H, I, y_, H, s);
     }
   }
+  if (prefetching) prefetch_release(s);
   kernels::launch_add_rms_norm<float, float>(resid, y_, final_norm_, rows, H, eps, h_, s);
   if (decode) {
     // A decode graph's logit rows are its rows in order (one token per sequence; padding rows'
@@ -1233,7 +1236,9 @@ Status Qwen3MoeCuda::enqueue_step(int graph_index, int T, int R, int max_q_len) 
       CUDA_CHECK(cudaGraphDestroy(graph));
       return captured;
     }
-    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
+    // Node priorities: the expert prefetch's copy runs at the greatest one beside the step's
+    // kernels ([TAG_EXPERT_PREFETCH]); without the flag a graph ignores them (run Z31).
+    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, cudaGraphInstantiateFlagUseNodePriority));
     CUDA_CHECK(cudaGraphDestroy(graph));
     return Ok{};
   }

@@ -361,13 +361,15 @@ class Qwen3MoeCuda {
   // [TAG_EXPERT_PREFETCH] (qwen3_moe_cuda_prefetch.cpp). setup_expert_prefetch: at load, after
   // setup_expert_cache; the slots (reserved by plan_offload), record, cold masks, stream, events.
   // prefetch_step: whether this step of `rows` prefetches. prefetch_issue: after MoE layer i-1's
-  // forward (x = resid + delta), predicts MoE layer i and starts its copy on the prefetch stream.
-  // prefetch_join: before MoE layer i's forward, the main stream waits for that copy.
+  // forward (x = resid + delta), predicts MoE layer i and copies its experts on the prefetch stream.
+  // prefetch_release: before the main stream next writes resid or delta in place, it waits for the
+  // prediction to have read them. prefetch_join: before MoE layer i's forward, it waits for the copy.
   // prefetch_restore_all: every table entry back home (before a weight update).
   Status setup_expert_prefetch();
   bool prefetch_step(int rows) const;
   void prefetch_issue(size_t i, const float* resid, const __nv_bfloat16* delta, const int32_t* num_tokens, int rows,
                       cudaStream_t s);
+  void prefetch_release(cudaStream_t s);
   void prefetch_join(size_t i, cudaStream_t s);
   void prefetch_restore_all();
   // Per MoE layer, the experts the last step copied ahead for it (empty: none; synchronizes).

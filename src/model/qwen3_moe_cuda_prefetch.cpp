@@ -29,7 +29,7 @@ int env_int(const char* name, int fallback) {
 }  // namespace
 
 Qwen3MoeCuda::PrefetchState::~PrefetchState() {
-  for (cudaEvent_t e : {fork, ready})
+  for (cudaEvent_t e : {fork, predicted, ready})
     if (e != nullptr) (void)cudaEventDestroy(e);
   if (stream != nullptr) (void)cudaStreamDestroy(stream);
 }
@@ -98,6 +98,7 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   st->copy_blocks = std::clamp(env_int("MOEBIUS_PREFETCH_COPY_BLOCKS", kernels::current_device_sm_count()), 1, 1024);
   CUDA_CHECK(cudaStreamCreateWithPriority(&st->stream, cudaStreamNonBlocking, st->copy_priority));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&st->predicted, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
   plan_.expert_prefetch = fmt::format(
       "{} expert{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots; {} copy blocks at "
@@ -137,17 +138,27 @@ void Qwen3MoeCuda::prefetch_issue(size_t i, const float* resid, const __nv_bfloa
   a.logits = st.logits;
   a.counter = st.counter;
   a.log = st.log + i * kLogStride;
-  kernels::launch_expert_prefetch_predict(a, s);
+  MOEBIUS_ASSERT(!st.reading, "a prediction still reads the residual: prefetch_release was not called");
   CUDA_CHECK(cudaEventRecord(st.fork, s));
   CUDA_CHECK(cudaStreamWaitEvent(st.stream, st.fork, 0));
+  kernels::launch_expert_prefetch_predict(a, st.stream);
+  CUDA_CHECK(cudaEventRecord(st.predicted, st.stream));
+  st.reading = true;
   kernels::launch_expert_prefetch_copy(st.record, st.set, st.copy_blocks, st.copy_priority, st.stream);
   kernels::launch_expert_prefetch_publish(st.record, st.set, st.stream);
   CUDA_CHECK(cudaEventRecord(st.ready, st.stream));
   st.issued[i] = 1;
 }
 
+void Qwen3MoeCuda::prefetch_release(cudaStream_t s) {
+  if (!prefetch_ || !prefetch_->reading) return;
+  CUDA_CHECK(cudaStreamWaitEvent(s, prefetch_->predicted, 0));
+  prefetch_->reading = false;
+}
+
 void Qwen3MoeCuda::prefetch_join(size_t i, cudaStream_t s) {
   PrefetchState& st = *prefetch_;
+  MOEBIUS_ASSERT(!st.reading);  // the copy follows the prediction on the prefetch stream
   if (st.issued.at(i) == 0) return;
   CUDA_CHECK(cudaStreamWaitEvent(s, st.ready, 0));
   st.issued[i] = 0;

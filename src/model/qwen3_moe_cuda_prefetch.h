@@ -4,9 +4,17 @@
 //
 // In a step of at most kernels::kExpertPrefetchMaxTokens rows, for MoE layers i = 1, 2, ...:
 //
-//   main stream:     MoE i-1 -> predict(i) [puts MoE i-1's entries back home] -> event fork
-//                    -> attention, dense GEMVs of the layers between ... -> wait ready -> MoE i
-//   prefetch stream:                 wait fork -> copy(i) -> publish(i) -> event ready
+//   main stream:     MoE i-1 -> event fork -> qkv GEMV, attention -> wait predicted -> o GEMV
+//                    (overwrites MoE i-1's output) ... -> wait ready -> MoE i
+//   prefetch stream: wait fork -> predict(i) [puts MoE i-1's entries back home] -> event predicted
+//                    -> copy(i) -> publish(i) -> event ready
+//
+// The prediction runs beside the main stream (run Z31: on it, it held the step 16 us a layer); it
+// reads the residual and MoE i-1's output, so the main stream waits for it before it next writes
+// either in place (prefetch_release: the o GEMV writes the MoE output's buffer, an unfolded input
+// norm adds into the residual), a wait that is long satisfied by then. The decode graphs are
+// instantiated with node priorities so the copy's greatest priority holds in them (run Z31: at
+// equal priority the copy started 26 us after the prediction, behind the qkv GEMV's blocks).
 //
 // One slot set is enough: copy(i) needs MoE i-1's output, so it starts after MoE i-1 has finished
 // reading the slots, and predict(i) has put MoE i-1's table entries back home by then, so an entry
@@ -54,8 +62,9 @@ struct Qwen3MoeCuda::PrefetchState {
   };
   std::vector<Target> targets;                    // [MoE layers]
   std::vector<uint8_t> issued;                    // [MoE layers] host: prefetched in the current step
+  bool reading = false;                           // host: a prediction may still read resid / delta
   cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, ready = nullptr;
+  cudaEvent_t fork = nullptr, predicted = nullptr, ready = nullptr;
 };
 
 }  // namespace moebius::model
