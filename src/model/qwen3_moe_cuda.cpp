@@ -1237,8 +1237,9 @@ Status Qwen3MoeCuda::enqueue_step(int graph_index, int T, int R, int max_q_len) 
       return captured;
     }
     // Node priorities: the expert prefetch's copy runs at the greatest one beside the step's
-    // kernels ([TAG_EXPERT_PREFETCH]); without the flag a graph ignores them (run Z31).
-    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, cudaGraphInstantiateFlagUseNodePriority));
+    // kernels ([TAG_EXPERT_PREFETCH]); without the flag a graph ignores them (run Z31). Only then:
+    // every other node has the default priority.
+    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, prefetch_ ? cudaGraphInstantiateFlagUseNodePriority : 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
     return Ok{};
   }
