@@ -51,6 +51,17 @@ __device__ __forceinline__ ExpertMatrixPtrs load_entry_cg(const ExpertMatrixPtrs
   return e;
 }
 
+// Each of the kExpertPrefetchMaxTokens per-lane values summed over the warp, into out[t] (lane 0).
+__device__ __forceinline__ void warp_sums_to_shared(const float (&v)[kExpertPrefetchMaxTokens],
+                                                    float* out /* [kExpertPrefetchMaxTokens] */, int lane) {
+#pragma unroll
+  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
+    float x = v[t];
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) out[t] = x;
+  }
+}
+
 // Eight consecutive elements of row t of the residual plus its delta, as fp32 (16-byte loads: H is a
 // multiple of 8 and the rows 16-byte aligned, checked by the launcher).
 __device__ __forceinline__ void load_row8(const ExpertPrefetchPredictArgs& a, int t, int i, float v[8]) {
@@ -142,12 +153,7 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
       for (int j = 0; j < 8; ++j) ss[t] = fmaf(v[j], v[j], ss[t]);
     }
   }
-#pragma unroll
-  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
-    float v = ss[t];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) red[warp][t] = v;
-  }
+  warp_sums_to_shared(ss, red[warp], lane);
   __syncthreads();
   if (tid < T) {
     float s = 0;
@@ -204,12 +210,7 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
       }
     }
   }
-#pragma unroll
-  for (int t = 0; t < kExpertPrefetchMaxTokens; ++t) {
-    float v = acc[t];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) red[warp][t] = v;
-  }
+  warp_sums_to_shared(acc, red[warp], lane);
   __syncthreads();
   // The parts summed in a fixed order (run to run the same logits).
   if (tid < kPredictExpertsPerBlock * kExpertPrefetchMaxTokens) {
