@@ -90,8 +90,9 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   st->targets.resize(L);
   for (size_t i = 0; i < L; ++i) st->targets[i] = {moe_layer_at(i).prefetch_view(), moe_post_norm_at(i)};
   st->issued.assign(L, 0);
-  // The copy runs beside the step's kernels and must not queue behind their blocks (run Z28): one
-  // small block per SM at the device's greatest priority, stream and launch both.
+  // The copy runs beside the step's kernels and must not queue behind their blocks (run Z31): one
+  // small block per SM at the device's greatest priority, stream and launch both (the prediction
+  // shares the stream, so it gets that priority too).
   int least = 0, greatest = 0;
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   st->copy_priority = std::clamp(env_int("MOEBIUS_PREFETCH_PRIORITY", greatest), greatest, least);
