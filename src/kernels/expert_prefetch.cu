@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
     ExpertMatrixPtrs* const t2 = rec->table2;
     const int id = rec->ids[tid];
     const ExpertMatrixPtrs s13 = rec->saved13[tid], s2 = rec->saved2[tid];
-    if (tid < min(old_count, kExpertPrefetchMaxSlots) && t13 != nullptr) {
-      t13[id] = s13;
+    if (tid < min(old_count, kExpertPrefetchMaxSlots) && t2 != nullptr) {
+      if (t13 != nullptr) t13[id] = s13;
       t2[id] = s2;
     }
   }
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kPredictThreads) expert_prefetch_predict_kerne
   if (tid < count) {
     const int id = sel[tid];
     rec->ids[tid] = id;
-    rec->saved13[tid] = load_entry_cg(a.table13 + id);
+    rec->saved13[tid] = a.table13 != nullptr ? load_entry_cg(a.table13 + id) : ExpertMatrixPtrs{};
     rec->saved2[tid] = load_entry_cg(a.table2 + id);
     if (a.log) a.log[1 + tid] = id;
   }
@@ -314,8 +314,10 @@ __global__ void __launch_bounds__(kCopyThreads) expert_prefetch_copy_kernel(cons
   for (int i = 0; i < count; ++i) {
     uint8_t* slot = s.base + static_cast<size_t>(i) * s.stride;
     const ExpertMatrixPtrs a = rec->saved13[i], b = rec->saved2[i];
-    copy_segment(static_cast<const uint8_t*>(a.weight), slot, s.w13_bytes);
-    if (a.scales) copy_segment(static_cast<const uint8_t*>(a.scales), slot + s.off_s13, s.s13_bytes);
+    if (rec->table13 != nullptr) {  // not a down-only prefetch
+      copy_segment(static_cast<const uint8_t*>(a.weight), slot, s.w13_bytes);
+      if (a.scales) copy_segment(static_cast<const uint8_t*>(a.scales), slot + s.off_s13, s.s13_bytes);
+    }
     copy_segment(static_cast<const uint8_t*>(b.weight), slot + s.off_w2, s.w2_bytes);
     if (b.scales) copy_segment(static_cast<const uint8_t*>(b.scales), slot + s.off_s2, s.s2_bytes);
   }
@@ -323,21 +325,21 @@ __global__ void __launch_bounds__(kCopyThreads) expert_prefetch_copy_kernel(cons
 
 __global__ void expert_prefetch_publish_kernel(const ExpertPrefetchRecord* rec, const ExpertPrefetchSlots s) {
   const int i = threadIdx.x;
-  if (i >= min(rec->count, kExpertPrefetchMaxSlots) || rec->table13 == nullptr) return;
+  if (i >= min(rec->count, kExpertPrefetchMaxSlots) || rec->table2 == nullptr) return;
   uint8_t* slot = s.base + static_cast<size_t>(i) * s.stride;
   ExpertMatrixPtrs a = rec->saved13[i], b = rec->saved2[i];
   a.weight = slot;
   a.scales = a.scales ? slot + s.off_s13 : nullptr;
   b.weight = slot + s.off_w2;
   b.scales = b.scales ? slot + s.off_s2 : nullptr;
-  rec->table13[rec->ids[i]] = a;
+  if (rec->table13 != nullptr) rec->table13[rec->ids[i]] = a;
   rec->table2[rec->ids[i]] = b;
 }
 
 __global__ void expert_prefetch_restore_kernel(ExpertPrefetchRecord* rec) {
   const int i = threadIdx.x;
-  if (i < min(rec->count, kExpertPrefetchMaxSlots) && rec->table13 != nullptr) {
-    rec->table13[rec->ids[i]] = rec->saved13[i];
+  if (i < min(rec->count, kExpertPrefetchMaxSlots) && rec->table2 != nullptr) {
+    if (rec->table13 != nullptr) rec->table13[rec->ids[i]] = rec->saved13[i];
     rec->table2[rec->ids[i]] = rec->saved2[i];
   }
   __syncthreads();
@@ -351,7 +353,7 @@ __global__ void expert_prefetch_restore_kernel(ExpertPrefetchRecord* rec) {
 }  // namespace
 
 void launch_expert_prefetch_predict(const ExpertPrefetchPredictArgs& a, cudaStream_t stream) {
-  MOEBIUS_LAUNCH_ASSERT(a.resid && a.norm_weight && a.router && a.cold && a.num_tokens && a.table13 && a.table2 &&
+  MOEBIUS_LAUNCH_ASSERT(a.resid && a.norm_weight && a.router && a.cold && a.num_tokens && a.table2 &&
                             a.record && a.logits && a.counter,
                         "expert prefetch predict: null argument");
   MOEBIUS_LAUNCH_ASSERT(a.hidden > 0 && a.hidden % 8 == 0, "expert prefetch predict: hidden must be a multiple of 8");

@@ -38,8 +38,8 @@ inline constexpr int kExpertPrefetchMaxExperts = 512;  // the selection's logits
 // One slot set's state (device memory, zero-initialised by the caller): whose table entries point
 // into the set's slots now, and what they held before.
 struct ExpertPrefetchRecord {
-  ExpertMatrixPtrs* table13 = nullptr;  // the owner layer's tables; null: no owner
-  ExpertMatrixPtrs* table2 = nullptr;
+  ExpertMatrixPtrs* table13 = nullptr;  // the owner layer's tables; table2 null: no owner, table13
+  ExpertMatrixPtrs* table2 = nullptr;   // null (with table2 set): a down-only prefetch
   int count = 0;                        // experts in the slots
   int ids[kExpertPrefetchMaxSlots] = {};
   ExpertMatrixPtrs saved13[kExpertPrefetchMaxSlots] = {};  // the entries before publish (the homes)
@@ -86,8 +86,8 @@ struct ExpertPrefetchPredictArgs {
   const int32_t* num_tokens = nullptr;     // [1] device: live rows T [TAG_MOE_GRAPH_CAPACITY]
   int capacity = 0;                        // <= kExpertPrefetchMaxTokens
   int slots = 0;                           // experts to copy ahead, <= kExpertPrefetchMaxSlots
-  ExpertMatrixPtrs* table13 = nullptr;     // [num_experts] layer j''s address tables (device)
-  ExpertMatrixPtrs* table2 = nullptr;
+  ExpertMatrixPtrs* table13 = nullptr;     // [num_experts] layer j''s address tables (device); table13
+  ExpertMatrixPtrs* table2 = nullptr;      // null: copy and publish only the down projections (w2)
   ExpertPrefetchRecord* record = nullptr;  // the slot set's record
   float* logits = nullptr;                 // [kExpertPrefetchMaxTokens, num_experts] scratch
   unsigned* counter = nullptr;             // [1] zeroed; the kernel leaves it zeroed

@@ -673,12 +673,16 @@ uint64_t Qwen3MoeCuda::last_step_cold_bytes(int rows) const {
     std::fill(n.begin(), n.end(), 0);
     for (int32_t e : ids)
       if (e >= 0 && e < config_.num_experts) ++n[static_cast<size_t>(e)];
-    bytes += m.expert_bytes() * prefetched[i].size();
-    for (int e : prefetched[i]) n[static_cast<size_t>(e)] = 0;
+    // A down-only prefetch copies the down projection; GEMM1 still reads the rest over PCIe.
+    const uint64_t copied = prefetch_copy_bytes(m);
+    bytes += copied * prefetched[i].size();
+    std::vector<uint8_t> ahead(static_cast<size_t>(config_.num_experts), 0);
+    for (int e : prefetched[i]) ahead[static_cast<size_t>(e)] = 1;
     // The GEMMs read an expert's weights once per token tile of block_m rows.
     for (int e = 0; e < config_.num_experts; ++e)
       if (n[static_cast<size_t>(e)] > 0 && !m.expert_resident(e))
-        bytes += m.expert_bytes() * static_cast<uint64_t>((n[static_cast<size_t>(e)] + m.block_m() - 1) / m.block_m());
+        bytes += (m.expert_bytes() - (ahead[static_cast<size_t>(e)] != 0 ? copied : 0)) *
+                 static_cast<uint64_t>((n[static_cast<size_t>(e)] + m.block_m() - 1) / m.block_m());
   }
   return bytes;
 }
@@ -1087,7 +1091,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       moe::MoeLayerCuda& moe_layer = L.moe.for_tokens(rows);  // the smallest bucket >= rows
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
-      if (prefetching) prefetch_join(static_cast<size_t>(moe_index), s);
+      if (prefetching) prefetch_join(static_cast<size_t>(moe_index), moe_layer, s);
       const __nv_bfloat16* moe_out = nullptr;  // the MoE output in y_, if not deferred
       if (rows <= fold_combine_max_rows_ && l + 1 < c.num_hidden_layers && folds_input_norm(l + 1) &&
           moe_layer.defers_combine(h_)) {

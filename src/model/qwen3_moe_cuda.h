@@ -363,14 +363,17 @@ class Qwen3MoeCuda {
   // prefetch_step: whether this step of `rows` prefetches. prefetch_issue: after MoE layer i-1's
   // forward (x = resid + delta), predicts MoE layer i and copies its experts on the prefetch stream.
   // prefetch_release: before the main stream next writes resid or delta in place, it waits for the
-  // prediction to have read them. prefetch_join: before MoE layer i's forward, it waits for the copy.
+  // prediction to have read them. prefetch_join: before MoE layer i's forward (`layer`), it waits
+  // for the copy, or has the layer's GEMM2 wait for it (a down-only prefetch).
   // prefetch_restore_all: every table entry back home (before a weight update).
   Status setup_expert_prefetch();
   bool prefetch_step(int rows) const;
   void prefetch_issue(size_t i, const float* resid, const __nv_bfloat16* delta, const int32_t* num_tokens, int rows,
                       cudaStream_t s);
   void prefetch_release(cudaStream_t s);
-  void prefetch_join(size_t i, cudaStream_t s);
+  void prefetch_join(size_t i, moe::MoeLayerCuda& layer, cudaStream_t s);
+  // PCIe bytes one prefetched expert of `m` costs: the whole expert, or its down projection.
+  uint64_t prefetch_copy_bytes(const moe::MoeLayerCuda& m) const;
   void prefetch_restore_all();
   // Per MoE layer, the experts the last step copied ahead for it (empty: none; synchronizes).
   std::vector<std::vector<int>> last_step_prefetched() const;

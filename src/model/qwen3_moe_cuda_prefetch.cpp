@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -58,9 +59,13 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   const size_t E = static_cast<size_t>(c.num_experts), L = moe_layer_ids_.size();
   auto st = std::make_unique<PrefetchState>();
   st->slots = n;
+  // A measurement knob: MOEBIUS_PREFETCH_PARTS=down copies the down projections only.
+  const char* parts = std::getenv("MOEBIUS_PREFETCH_PARTS");
+  st->down_only = parts != nullptr && std::string_view(parts) == "down";
   const moe::MoeLayerCuda::PrefetchView v = moe_layer_at(0).prefetch_view();
   kernels::ExpertPrefetchSlots& set = st->set;
-  set = kernels::expert_prefetch_slots(nullptr, v.w13_bytes, v.s13_bytes, v.w2_bytes, v.s2_bytes);
+  set = st->down_only ? kernels::expert_prefetch_slots(nullptr, 0, 0, v.w2_bytes, v.s2_bytes)
+                      : kernels::expert_prefetch_slots(nullptr, v.w13_bytes, v.s13_bytes, v.w2_bytes, v.s2_bytes);
   for (size_t i = 1; i < L; ++i) {  // one geometry for every MoE layer (Qwen3-MoE has one)
     const moe::MoeLayerCuda::PrefetchView w = moe_layer_at(i).prefetch_view();
     MOEBIUS_ASSERT(w.w13_bytes == v.w13_bytes && w.s13_bytes == v.s13_bytes && w.w2_bytes == v.w2_bytes &&
@@ -102,10 +107,10 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   CUDA_CHECK(cudaEventCreateWithFlags(&st->predicted, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
   plan_.expert_prefetch = fmt::format(
-      "{} expert{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots; {} copy blocks at "
+      "{} expert{}{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots; {} copy blocks at "
       "priority {})",
-      n, n == 1 ? "" : "s", kernels::kExpertPrefetchMaxTokens, static_cast<double>(n * set.stride) / 1e6,
-      st->copy_blocks, st->copy_priority);
+      n, n == 1 ? "" : "s", st->down_only ? "' down projections" : "", kernels::kExpertPrefetchMaxTokens,
+      static_cast<double>(n * set.stride) / 1e6, st->copy_blocks, st->copy_priority);
   prefetch_ = std::move(st);
   return Ok{};
 }
@@ -133,7 +138,7 @@ void Qwen3MoeCuda::prefetch_issue(size_t i, const float* resid, const __nv_bfloa
   a.num_tokens = num_tokens;
   a.capacity = rows;
   a.slots = st.slots;
-  a.table13 = t.view.table13;
+  a.table13 = st.down_only ? nullptr : t.view.table13;
   a.table2 = t.view.table2;
   a.record = st.record;
   a.logits = st.logits;
@@ -157,12 +162,19 @@ void Qwen3MoeCuda::prefetch_release(cudaStream_t s) {
   prefetch_->reading = false;
 }
 
-void Qwen3MoeCuda::prefetch_join(size_t i, cudaStream_t s) {
+void Qwen3MoeCuda::prefetch_join(size_t i, moe::MoeLayerCuda& layer, cudaStream_t s) {
   PrefetchState& st = *prefetch_;
   MOEBIUS_ASSERT(!st.reading);  // the copy follows the prediction on the prefetch stream
   if (st.issued.at(i) == 0) return;
-  CUDA_CHECK(cudaStreamWaitEvent(s, st.ready, 0));
+  if (st.down_only) layer.wait_before_down(st.ready);
+  else CUDA_CHECK(cudaStreamWaitEvent(s, st.ready, 0));
   st.issued[i] = 0;
+}
+
+uint64_t Qwen3MoeCuda::prefetch_copy_bytes(const moe::MoeLayerCuda& m) const {
+  if (!prefetch_ || !prefetch_->down_only) return m.expert_bytes();
+  const moe::MoeLayerCuda::PrefetchView v = m.prefetch_view();
+  return v.w2_bytes + v.s2_bytes;
 }
 
 void Qwen3MoeCuda::prefetch_restore_all() {

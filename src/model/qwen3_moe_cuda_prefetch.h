@@ -6,6 +6,7 @@
 //
 //   main stream:     MoE i-1 -> event fork -> qkv GEMV, attention -> wait predicted -> o GEMV
 //                    (overwrites MoE i-1's output) ... -> wait ready -> MoE i
+//                    (down-only: ... -> MoE i's routing, GEMM1 -> wait ready -> its GEMM2)
 //   prefetch stream: wait fork -> predict(i) [puts MoE i-1's entries back home] -> event predicted
 //                    -> copy(i) -> publish(i) -> event ready
 //
@@ -23,7 +24,12 @@
 //
 // The main stream's wait costs nothing when the copy finished under the layers between, and while
 // it waits PCIe is busy with bytes the layer reads from the device (a right guess) instead of over
-// the link. The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
+// the link. But the window between two MoE layers in which PCIe idles is only ~60 us a layer at
+// Qwen3-235B (run Z31), a third of one expert's copy, so a whole-expert copy made the layer wait
+// (run Z32: the copy kernel 19 ms of a 103 ms step's critical path, no net gain). The down-only
+// mode (MOEBIUS_PREFETCH_PARTS=down) copies only the predicted experts' down projections (w2,
+// a third of an expert) and only GEMM2 waits for them: the copy fills the window and runs on
+// beside the routing and GEMM1, whose own reads keep the link busy meanwhile. The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
 // not combined; expert parallelism has no offload.
 #pragma once
 
@@ -47,6 +53,7 @@ struct Qwen3MoeCuda::PrefetchState {
   PrefetchState& operator=(const PrefetchState&) = delete;
 
   int slots = 0;                                  // experts per MoE layer (--expert-prefetch)
+  bool down_only = false;                         // copy w2 only; GEMM2 waits, not the layer
   int copy_blocks = 0;                            // the copy kernel's grid: one block per SM
   int copy_priority = 0;                          // its launch priority: the device's greatest
   kernels::ExpertPrefetchSlots set;               // the slots (device)

@@ -701,14 +701,22 @@ bool MoeLayerCuda::uses_stage(MoeStage stage) const {
 void MoeLayerCuda::enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                                    const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,
                                    bool with_combine) {
+  auto wait_down = [&] {
+    if (down_wait_ == nullptr) return;
+    CUDA_CHECK(cudaStreamWaitEvent(stream, down_wait_, 0));
+    down_wait_ = nullptr;
+  };
   if (fused_experts_ && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     MOEBIUS_ASSERT(with_combine, "the fused experts kernel cannot defer its combine");
+    wait_down();
     enqueue_stage(MoeStage::kExpertsFused, x, num_tokens, topk_ids, topk_weights, out, stream);
     return;
   }
-  for (MoeStage s : {MoeStage::kGateUp, MoeStage::kDown, MoeStage::kCombine})
+  for (MoeStage s : {MoeStage::kGateUp, MoeStage::kDown, MoeStage::kCombine}) {
+    if (s == MoeStage::kDown) wait_down();
     if (s != MoeStage::kCombine || (with_combine && opt_.combine == kernels::MoeCombineMode::kStore))
       enqueue_stage(s, x, num_tokens, topk_ids, topk_weights, out, stream);
+  }
 }
 
 bool MoeLayerCuda::bf16_y() const {

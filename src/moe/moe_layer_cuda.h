@@ -212,6 +212,10 @@ class MoeLayerCuda {
   bool defers_combine(const __nv_bfloat16* x) const;
   kernels::MoeCombineSource forward_deferring_combine(const __nv_bfloat16* x, const int32_t* num_tokens,
                                                       cudaStream_t stream);
+  // [TAG_EXPERT_PREFETCH] The next forward's GEMM2 (the fused experts kernel: the whole expert
+  // stage) waits for `event` first: a down-only prefetch's copies of w2, which only GEMM2 reads,
+  // may still run while the routing and GEMM1 go ahead. Once; a null event clears it.
+  void wait_before_down(cudaEvent_t event) { down_wait_ = event; }
   // The experts and combine for a routing computed elsewhere (tests; expert parallelism, where
   // the routing arrives with the tokens): topk_ids/topk_weights [capacity, k] device.
   void forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
@@ -351,6 +355,7 @@ class MoeLayerCuda {
   bool fused_routing_ = false;
   bool topk_align_ = false;  // kTopKAlign in place of kTopK + kAlign (separate routing only)
   bool fused_experts_ = false;
+  cudaEvent_t down_wait_ = nullptr;  // wait_before_down: consumed by the next expert stages
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;

@@ -437,42 +437,49 @@ TEST(OffloadCuda, PrefetchKeepsLogitsBitIdentical) {
                                         std::optional<WeightFormat>{WeightFormat::kInt2}}) {
     for (int resident : {0, 5}) {
       for (int slots : {2, 8}) {
-        SCOPED_TRACE(::testing::Message() << (f ? weight_format_name(*f) : "as stored") << ", " << resident
-                                          << " of 16 resident, " << slots << " slots");
-        auto base = load(options(f, resident));
-        Qwen3MoeCudaOptions o = options(f, resident);
-        o.expert_prefetch = slots;
-        auto pf = load(o);
-        ASSERT_TRUE(base && pf);
-        ASSERT_TRUE(pf->expert_prefetch_on()) << pf->memory_plan().expert_prefetch;
-        EXPECT_FALSE(base->expert_prefetch_on());
-        EXPECT_NE(format_memory_plan(pf->memory_plan()).find("expert prefetch"), std::string::npos);
-        Seq sb(*base), sp(*pf);
-        expect_bit_identical("prefill", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
-        const int64_t g0 = pf->graph_steps();
-        expect_bit_identical("decode", decode(*base, sb, kDecode), decode(*pf, sp, kDecode));
-        EXPECT_EQ(pf->graph_steps() - g0, static_cast<int64_t>(kDecode.size()) - 1);  // graphs ran
-        // Eager steps with the routing captured: the copies happened, and a hit is read from the
-        // device, not counted again as a zero-copy read.
-        base->set_routing_capture(true);
-        pf->set_routing_capture(true);
-        expect_bit_identical("eager decode", decode(*base, sb, {3}), decode(*pf, sp, {3}));
-        const Qwen3MoeCuda::PrefetchCounts c = pf->last_step_prefetch(1);
-        EXPECT_GT(c.copied, 0);
-        EXPECT_LE(c.copied, slots);
-        EXPECT_LE(c.hits, c.copied);
-        EXPECT_LE(c.hits, c.routed_cold);
-        EXPECT_GT(c.routed_cold, 0);
-        const uint64_t cold_base = base->last_step_cold_bytes(1), cold_pf = pf->last_step_cold_bytes(1);
-        EXPECT_GT(cold_pf, 0u);
-        if (c.hits == c.copied) EXPECT_EQ(cold_pf, cold_base);  // every copy replaced one read
-        if (c.hits < c.copied) EXPECT_GT(cold_pf, cold_base);   // a miss is bytes on top
-        EXPECT_EQ(base->last_step_prefetch(1).copied, 0);
-        base->set_routing_capture(false);
-        pf->set_routing_capture(false);
-        // A prefill after decode steps reads the slots the last prefetch left in the tables.
-        expect_bit_identical("prefill after decode", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
-        expect_bit_identical("decode again", decode(*base, sb, {1, 2}), decode(*pf, sp, {1, 2}));
+        for (const bool down_only : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << (f ? weight_format_name(*f) : "as stored") << ", " << resident
+                                            << " of 16 resident, " << slots << " slots"
+                                            << (down_only ? ", down projections only" : ""));
+          auto base = load(options(f, resident));
+          Qwen3MoeCudaOptions o = options(f, resident);
+          o.expert_prefetch = slots;
+          // MOEBIUS_PREFETCH_PARTS is read at load: the copies of w2 alone, joined before GEMM2.
+          if (down_only) setenv("MOEBIUS_PREFETCH_PARTS", "down", 1);
+          auto pf = load(o);
+          unsetenv("MOEBIUS_PREFETCH_PARTS");
+          ASSERT_TRUE(base && pf);
+          ASSERT_TRUE(pf->expert_prefetch_on()) << pf->memory_plan().expert_prefetch;
+          EXPECT_FALSE(base->expert_prefetch_on());
+          EXPECT_NE(format_memory_plan(pf->memory_plan()).find("expert prefetch"), std::string::npos);
+          Seq sb(*base), sp(*pf);
+          expect_bit_identical("prefill", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
+          const int64_t g0 = pf->graph_steps();
+          expect_bit_identical("decode", decode(*base, sb, kDecode), decode(*pf, sp, kDecode));
+          EXPECT_EQ(pf->graph_steps() - g0, static_cast<int64_t>(kDecode.size()) - 1);  // graphs ran
+          // Eager steps with the routing captured: the copies happened, and a hit is read from the
+          // device, not counted again as a zero-copy read.
+          base->set_routing_capture(true);
+          pf->set_routing_capture(true);
+          expect_bit_identical("eager decode", decode(*base, sb, {3}), decode(*pf, sp, {3}));
+          const Qwen3MoeCuda::PrefetchCounts c = pf->last_step_prefetch(1);
+          EXPECT_GT(c.copied, 0);
+          EXPECT_LE(c.copied, slots);
+          EXPECT_LE(c.hits, c.copied);
+          EXPECT_LE(c.hits, c.routed_cold);
+          EXPECT_GT(c.routed_cold, 0);
+          const uint64_t cold_base = base->last_step_cold_bytes(1), cold_pf = pf->last_step_cold_bytes(1);
+          EXPECT_GT(cold_pf, 0u);
+          if (c.hits == c.copied) EXPECT_EQ(cold_pf, cold_base);  // every copy replaced one read
+          if (c.hits < c.copied) EXPECT_GT(cold_pf, cold_base);   // a miss is bytes on top
+          EXPECT_EQ(base->last_step_prefetch(1).copied, 0);
+          base->set_routing_capture(false);
+          pf->set_routing_capture(false);
+          // A prefill after decode steps reads the slots the last prefetch left in the tables.
+          expect_bit_identical("prefill after decode", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
+          expect_bit_identical("decode again", decode(*base, sb, {1, 2}), decode(*pf, sp, {1, 2}));
+          EXPECT_EQ(pf->memory_plan().expert_prefetch.find("down projections") != std::string::npos, down_only);
+        }
       }
     }
   }
