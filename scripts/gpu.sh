@@ -384,26 +384,27 @@ fi
 # and a few layers' kernels with their start and end: does the copy overlap the window?).
 # MOEBIUS_PREFETCH_COPY_BLOCKS / MOEBIUS_PREFETCH_PRIORITY change the copy's grid and priority (run
 # Z29: neither moved the time).
-# The down-only mode (MOEBIUS_PREFETCH_PARTS=down: w2 alone, GEMM2 waits) runs 1, 2 and 4 slots,
-# then prefetch 0 again (the drift over the sweep). MOEBIUS_OFFLOAD_PREFETCH_TRACE=1 adds the traces.
+# The default copies the down projections (w2, GEMM2 waits); MOEBIUS_PREFETCH_PARTS=all, whole
+# experts (the layer waits), runs 2 and 4 slots; then prefetch 0 again (the drift over the sweep).
+# MOEBIUS_OFFLOAD_PREFETCH_TRACE=1 adds the traces.
 bench_offload_prefetch() {
   local gen=("$BUILD/moebius" bench generate --geometry qwen3-235b-a22b --load-format dummy --experts int2
     --no-autotune --gpu-memory-budget 24 --context 1024 --prefill 1024 --decode-steps 32)
   for n in 0 1 2; do
     echo "== prefetch $n"; "${gen[@]}" --expert-prefetch $n || return 1
   done
-  for n in 1 2 4; do
-    echo "== prefetch $n, down projections only"
-    MOEBIUS_PREFETCH_PARTS=down "${gen[@]}" --expert-prefetch $n || return 1
+  for n in 2 4; do
+    echo "== prefetch $n, whole experts"
+    MOEBIUS_PREFETCH_PARTS=all "${gen[@]}" --expert-prefetch $n || return 1
   done
   echo "== prefetch 0 (again)"; "${gen[@]}" --expert-prefetch 0 || return 1
   [ "${MOEBIUS_OFFLOAD_PREFETCH_TRACE:-0}" = 1 ] || return 0
   [ -f "$BUILD/libmoebius_kernel_trace.so" ] || return 0
-  for n in 0 2 down2; do  # with a timeline of four layers in the middle of the step (~11 kernels a layer)
+  for n in 0 2 all2; do  # with a timeline of four layers in the middle of the step (~11 kernels a layer)
     echo "== prefetch $n, traced"
-    MOEBIUS_PREFETCH_PARTS=$([ $n = down2 ] && echo down) MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 MOEBIUS_TRACE_TIMELINE=48 MOEBIUS_TRACE_TIMELINE_FROM=500 \
+    MOEBIUS_PREFETCH_PARTS=$([ $n = all2 ] && echo all) MOEBIUS_TRACE_SKIP=4 MOEBIUS_TRACE_ROWS=16 MOEBIUS_TRACE_TIMELINE=48 MOEBIUS_TRACE_TIMELINE_FROM=500 \
       LD_PRELOAD="$(cd "$BUILD" && pwd)/libmoebius_kernel_trace.so" LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}" \
-      "${gen[@]}" --expert-prefetch ${n#down} || return 1
+      "${gen[@]}" --expert-prefetch ${n#all} || return 1
   done
 }
 if [ "${MOEBIUS_OFFLOAD_PREFETCH:-0}" = 1 ]; then

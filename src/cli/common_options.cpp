@@ -24,7 +24,8 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
   // 8: kernels::kExpertPrefetchMaxSlots (the CUDA runner checks it again).
   cmd->add_option("--expert-prefetch", *expert_prefetch,
                   "cuda, with --gpu-memory-budget: after each MoE layer of a decode step, predict the next MoE layer's "
-                  "routing and copy up to N of its cold experts to the GPU while the layers between run; 0: off")
+                  "routing and copy the down projections of up to N of its cold experts to the GPU while the layers "
+                  "between run (2 measured best); 0: off")
       ->check(CLI::Range(0, 8))
       ->capture_default_str();
 }

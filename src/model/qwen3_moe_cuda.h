@@ -134,8 +134,9 @@ struct Qwen3MoeCudaOptions {
   std::optional<offload::CacheOptions> expert_cache;
   // Next-layer expert prefetch [TAG_EXPERT_PREFETCH] (`--expert-prefetch N`, docs/OFFLOAD.md,
   // qwen3_moe_cuda_prefetch.h): in steps of at most kernels::kExpertPrefetchMaxTokens rows, after
-  // each MoE layer the next one's routing is predicted and up to N of its cold experts are copied
-  // into device slots while the layers between run, so PCIe works while no MoE layer reads it.
+  // each MoE layer the next one's routing is predicted and the down projections of up to N of its
+  // cold experts are copied into device slots while the layers between run, so PCIe works while
+  // no MoE layer reads it (whole experts with MOEBIUS_PREFETCH_PARTS=all).
   // 0: off. At most kernels::kExpertPrefetchMaxSlots; needs cold experts (off otherwise, and the
   // memory plan says so); not with the dynamic cache (both move experts) or expert parallelism.
   int expert_prefetch = 0;

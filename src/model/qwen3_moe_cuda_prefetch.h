@@ -26,10 +26,11 @@
 // it waits PCIe is busy with bytes the layer reads from the device (a right guess) instead of over
 // the link. But the window between two MoE layers in which PCIe idles is only ~60 us a layer at
 // Qwen3-235B (run Z31), a third of one expert's copy, so a whole-expert copy made the layer wait
-// (run Z32: the copy kernel 19 ms of a 103 ms step's critical path, no net gain). The down-only
-// mode (MOEBIUS_PREFETCH_PARTS=down) copies only the predicted experts' down projections (w2,
-// a third of an expert) and only GEMM2 waits for them: the copy fills the window and runs on
-// beside the routing and GEMM1, whose own reads keep the link busy meanwhile. The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
+// (run Z32: the copy kernel 19 ms of a 103 ms step's critical path, no net gain). So by default
+// only the predicted experts' down projections are copied (w2, a third of an expert), and only
+// GEMM2 waits for them: the copy fills the window and runs on beside the routing and GEMM1, whose
+// own reads keep the link busy meanwhile (runs Z35-Z36: decode 5-7% faster with 2 slots).
+// MOEBIUS_PREFETCH_PARTS=all copies whole experts and joins before the layer (A/B runs). The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
 // not combined; expert parallelism has no offload.
 #pragma once
 
@@ -53,7 +54,7 @@ struct Qwen3MoeCuda::PrefetchState {
   PrefetchState& operator=(const PrefetchState&) = delete;
 
   int slots = 0;                                  // experts per MoE layer (--expert-prefetch)
-  bool down_only = false;                         // copy w2 only; GEMM2 waits, not the layer
+  bool down_only = true;                          // copy w2 only; GEMM2 waits, not the layer
   int copy_blocks = 0;                            // the copy kernel's grid: one block per SM
   int copy_priority = 0;                          // its launch priority: the device's greatest
   kernels::ExpertPrefetchSlots set;               // the slots (device)

@@ -444,8 +444,9 @@ TEST(OffloadCuda, PrefetchKeepsLogitsBitIdentical) {
           auto base = load(options(f, resident));
           Qwen3MoeCudaOptions o = options(f, resident);
           o.expert_prefetch = slots;
-          // MOEBIUS_PREFETCH_PARTS is read at load: the copies of w2 alone, joined before GEMM2.
-          if (down_only) setenv("MOEBIUS_PREFETCH_PARTS", "down", 1);
+          // MOEBIUS_PREFETCH_PARTS is read at load: the copies of w2 alone, joined before GEMM2
+          // (the default), or whole experts, joined before the layer.
+          setenv("MOEBIUS_PREFETCH_PARTS", down_only ? "down" : "all", 1);
           auto pf = load(o);
           unsetenv("MOEBIUS_PREFETCH_PARTS");
           ASSERT_TRUE(base && pf);
@@ -478,7 +479,7 @@ TEST(OffloadCuda, PrefetchKeepsLogitsBitIdentical) {
           // A prefill after decode steps reads the slots the last prefetch left in the tables.
           expect_bit_identical("prefill after decode", prefill(*base, sb, kPrompt), prefill(*pf, sp, kPrompt));
           expect_bit_identical("decode again", decode(*base, sb, {1, 2}), decode(*pf, sp, {1, 2}));
-          EXPECT_EQ(pf->memory_plan().expert_prefetch.find("down projections") != std::string::npos, down_only);
+          EXPECT_EQ(pf->memory_plan().expert_prefetch.find("down projection") != std::string::npos, down_only);
         }
       }
     }
