@@ -108,8 +108,9 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   CUDA_CHECK(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->predicted, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
-  const std::string what = st->down_only ? (n == 1 ? "1 expert's down projection" : fmt::format("{} experts' down projections", n))
-                                         : (n == 1 ? "1 expert" : fmt::format("{} experts", n));
+  const std::string what = st->down_only
+                               ? (n == 1 ? "1 expert's down projection" : fmt::format("{} experts' down projections", n))
+                               : (n == 1 ? "1 expert" : fmt::format("{} experts", n));
   plan_.expert_prefetch = fmt::format(
       "{} a MoE layer copied ahead in steps of at most {} rows ({:.1f} MB of slots; {} copy blocks at priority {})",
       what, kernels::kExpertPrefetchMaxTokens, static_cast<double>(n * set.stride) / 1e6, st->copy_blocks,

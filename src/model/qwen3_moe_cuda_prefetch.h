@@ -30,8 +30,9 @@
 // only the predicted experts' down projections are copied (w2, a third of an expert), and only
 // GEMM2 waits for them: the copy fills the window and runs on beside the routing and GEMM1, whose
 // own reads keep the link busy meanwhile (runs Z35-Z36: decode 5-7% faster with 2 slots).
-// MOEBIUS_PREFETCH_PARTS=all copies whole experts and joins before the layer (A/B runs). The dynamic cache rewrites the same tables from the host (swap_experts), so the two are
-// not combined; expert parallelism has no offload.
+// MOEBIUS_PREFETCH_PARTS=all copies whole experts and joins before the layer (A/B runs). The
+// dynamic cache rewrites the same tables from the host (swap_experts), so the two are not
+// combined; expert parallelism has no offload.
 #pragma once
 
 #ifdef MOEBIUS_HAS_CUDA
