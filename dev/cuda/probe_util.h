@@ -55,4 +55,22 @@ inline double time_chain(const std::function<void(cudaStream_t)>& enqueue, int n
   return t[2];
 }
 
+// Reads n 16-byte pieces grid-stride with 4 independent loads in flight per thread (enough bytes in
+// flight to hide a ~1-2 us PCIe round trip when p is mapped host memory), XORing them into a sink
+// that is practically never written, so the loads stay. The zero-copy probes' read.
+__global__ inline void read_v4x4(const uint4* __restrict__ p, size_t n, unsigned* __restrict__ sink) {
+  unsigned acc = 0;
+  const size_t stride = size_t{gridDim.x} * blockDim.x;
+  size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 }  // namespace dev_probe

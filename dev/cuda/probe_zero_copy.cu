@@ -25,6 +25,7 @@
 #include <string>
 
 #include "kernels/cuda_check.h"
+#include "probe_util.h"
 
 namespace {
 
@@ -35,21 +36,6 @@ __global__ void read_v4(const uint4* __restrict__ p, size_t n, unsigned* __restr
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;  // practically never; keeps the loads
-}
-
-__global__ void read_v4x4(const uint4* __restrict__ p, size_t n, unsigned* __restrict__ sink) {
-  unsigned acc = 0;
-  const size_t stride = size_t{gridDim.x} * blockDim.x;
-  size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
-    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 v = p[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
 // n: 16-byte pieces, a multiple of 32 (whole 512-byte chunks).
@@ -130,7 +116,7 @@ void small_grid_sweep(int sms, unsigned* sink) {
     const int blocks = sh[0], threads = sh[1];
     const size_t n4 = bytes / 16;
     float t[4];
-    t[0] = best_ms(lo, [&] { read_v4x4<<<blocks, threads, 0, lo>>>(p4, n4, sink); });
+    t[0] = best_ms(lo, [&] { dev_probe::read_v4x4<<<blocks, threads, 0, lo>>>(p4, n4, sink); });
     CUDA_CHECK(cudaGetLastError());
     const struct {
       cudaStream_t cs;
@@ -139,7 +125,7 @@ void small_grid_sweep(int sms, unsigned* sink) {
     for (int m = 0; m < 3; ++m) {
       t[m + 1] = best_ms(modes[m].cs, [&] {
         hold_sm<<<modes[m].per_sm * sms, 512, modes[m].smem, busy>>>(2000000);
-        read_v4x4<<<blocks, threads, 0, modes[m].cs>>>(p4, n4, sink);
+        dev_probe::read_v4x4<<<blocks, threads, 0, modes[m].cs>>>(p4, n4, sink);
       });
       CUDA_CHECK(cudaGetLastError());
       CUDA_CHECK(cudaStreamSynchronize(busy));
@@ -184,7 +170,7 @@ int main() {
     };
     report("v4", best_ms(s, [&] { read_v4<<<blocks, threads, 0, s>>>(p4, n4, sink); }));
     CUDA_CHECK(cudaGetLastError());
-    report("v4x4", best_ms(s, [&] { read_v4x4<<<blocks, threads, 0, s>>>(p4, n4, sink); }));
+    report("v4x4", best_ms(s, [&] { dev_probe::read_v4x4<<<blocks, threads, 0, s>>>(p4, n4, sink); }));
     CUDA_CHECK(cudaGetLastError());
     report("chunk", best_ms(s, [&] { read_chunk<<<blocks, threads, 0, s>>>(p4, n4, sink); }));
     CUDA_CHECK(cudaGetLastError());
