@@ -31,18 +31,14 @@
 #include <vector>
 
 #include "kernels/cuda_check.h"
+#include "probe_expert_tags.h"
 #include "probe_util.h"
 
 namespace {
 
-constexpr int kExperts = 128;
-
-// The expert a slot of a layer receives in replay r: distinct over the layer's slots (stride 17 is
-// coprime to 128), changing with the replay and the layer.
-__host__ __device__ inline unsigned pick_id(unsigned replay, int layer, int slot) {
-  const unsigned base = (replay * 2654435761u + static_cast<unsigned>(layer) * 40503u) >> 7;
-  return (base + static_cast<unsigned>(slot) * 17u) % kExperts;
-}
+using dev_probe::kProbeExperts;
+using dev_probe::pick_id;
+constexpr int kExperts = kProbeExperts;
 
 // Sets the layer's S switch values; its ids go to `ids` for the check. replay: device counter.
 __global__ void pick_kernel(const cudaGraphConditionalHandle* handles, int slots, int layer, const unsigned* replay,
@@ -52,21 +48,6 @@ __global__ void pick_kernel(const cudaGraphConditionalHandle* handles, int slots
   const unsigned id = pick_id(*replay, layer, j);
   ids[j] = id;
   cudaGraphSetConditional(handles[j], id);
-}
-
-// Each expert's bytes start and end with a tag word (the expert id + 1, times a constant): the
-// consumer checks both ends of every slot, so a skipped or wrong copy counts as an error.
-__host__ __device__ inline uint32_t tag_of(unsigned e, int end) { return (e + 1u) * 0x9E3779B1u + (end ? 7u : 0u); }
-
-__global__ void check_kernel(const unsigned char* slots, size_t bytes, int n_slots, const unsigned* ids,
-                             unsigned* errors, unsigned* checked) {
-  const int j = threadIdx.x;
-  if (j >= n_slots) return;
-  const unsigned char* s = slots + static_cast<size_t>(j) * bytes;
-  const uint32_t first = *reinterpret_cast<const uint32_t*>(s);
-  const uint32_t last = *reinterpret_cast<const uint32_t*>(s + bytes - 4);
-  if (first != tag_of(ids[j], 0) || last != tag_of(ids[j], 1)) atomicAdd(errors, 1u);
-  atomicAdd(checked, 1u);
 }
 
 __global__ void bump_kernel(unsigned* replay) { *replay += 1; }
@@ -140,7 +121,7 @@ Built build(const Setup& su, int layers, int slots, size_t bytes, size_t slot_st
     unsigned* checked = su.counters + 2;
     const unsigned* cids = ids;
     void* check_args[] = {&cs, &nbytes, &n_slots, &cids, &errors, &checked};
-    prev = {add_kernel(g, sw, reinterpret_cast<void*>(check_kernel), dim3(1), dim3(32), check_args)};
+    prev = {add_kernel(g, sw, reinterpret_cast<void*>(dev_probe::check_slot_tags), dim3(1), dim3(32), check_args)};
   }
   unsigned* replay_w = su.counters;
   void* bump_args[] = {&replay_w};
@@ -184,22 +165,14 @@ int main() {
     std::printf("no CUDA device\n");
     return 0;
   }
-  const size_t expert_bytes = 5013504;  // Qwen3-235B-A22B int2: 3 x 4096 x 1536 x 2 bits + fp16 scales per 128
-  const size_t down_bytes = 1671168;    // its w2 + scales
+  const size_t expert_bytes = dev_probe::kInt2ExpertBytes, down_bytes = dev_probe::kInt2DownBytes;
   const int max_layers = 94, max_slots = 8;
   Setup su;
   CUDA_CHECK(cudaHostAlloc(&su.host, kExperts * expert_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(su.host, 0x5A, kExperts * expert_bytes);
   // Both sizes' tags: the down-projection runs copy the first down_bytes of each expert's stride...
   // so each probe size gets its own layout below (re-tagged before its runs).
-  auto tag = [&](size_t bytes) {
-    for (unsigned e = 0; e < kExperts; ++e) {
-      unsigned char* p = su.host + e * bytes;
-      const uint32_t a = tag_of(e, 0), z = tag_of(e, 1);
-      std::memcpy(p, &a, 4);
-      std::memcpy(p + bytes - 4, &z, 4);
-    }
-  };
+  auto tag = [&](size_t bytes) { dev_probe::tag_experts(su.host, bytes); };
   const size_t slot_layers = 2;  // layers alternate between two slot sets, as a decode step would
   CUDA_CHECK(cudaMalloc(&su.slots, slot_layers * max_slots * expert_bytes));
   CUDA_CHECK(cudaMalloc(&su.handles, sizeof(cudaGraphConditionalHandle) * max_layers * max_slots));

@@ -35,11 +35,13 @@
 #include <vector>
 
 #include "kernels/cuda_check.h"
+#include "probe_expert_tags.h"
 #include "probe_util.h"
 
 namespace {
 
-constexpr int kExperts = 128;
+using dev_probe::pick_id;
+constexpr int kExperts = dev_probe::kProbeExperts;
 constexpr int kMaxSlots = 8;
 constexpr int kMaxLayers = 94;
 
@@ -49,15 +51,6 @@ struct alignas(64) Mailbox {
   uint32_t seq;
   uint32_t ids[kMaxSlots];
 };
-
-// The expert a slot of a layer receives in replay r: distinct over the layer's slots (stride 17 is
-// coprime to 128), changing with the replay and the layer.
-__host__ __device__ inline unsigned pick_id(unsigned replay, int layer, int slot) {
-  const unsigned base = (replay * 2654435761u + static_cast<unsigned>(layer) * 40503u) >> 7;
-  return (base + static_cast<unsigned>(slot) * 17u) % kExperts;
-}
-
-__host__ __device__ inline uint32_t tag_of(unsigned e, int end) { return (e + 1u) * 0x9E3779B1u + (end ? 7u : 0u); }
 
 // counters: [0] replay, [1] errors, [2] checked, [3] timeouts, [4] sink.
 __global__ void announce_kernel(Mailbox* mailbox, unsigned* ids, int slots, int layer, const unsigned* counters) {
@@ -98,17 +91,6 @@ __global__ void wait_kernel(const unsigned* flag, unsigned* counters) {
   }
 }
 
-__global__ void check_kernel(const unsigned char* slots, size_t bytes, int n_slots, const unsigned* ids,
-                             unsigned* counters) {
-  const int j = threadIdx.x;
-  if (j >= n_slots) return;
-  const unsigned char* s = slots + static_cast<size_t>(j) * bytes;
-  const uint32_t first = *reinterpret_cast<const uint32_t*>(s);
-  const uint32_t last = *reinterpret_cast<const uint32_t*>(s + bytes - 4);
-  if (first != tag_of(ids[j], 0) || last != tag_of(ids[j], 1)) atomicAdd(counters + 1, 1u);
-  atomicAdd(counters + 2, 1u);
-}
-
 // The layer's other work, as a fixed time on one block (the link idles meanwhile).
 __global__ void compute_kernel(int us) {
   const unsigned long long start = now_ns();
@@ -147,7 +129,8 @@ cudaGraphExec_t build(const Setup& su, const Case& c, cudaStream_t s) {
     unsigned* ids = su.ids + static_cast<size_t>(l) * kMaxSlots;
     announce_kernel<<<1, 32, 0, s>>>(su.mailbox_dev + l, ids, c.slots, l, su.counters);
     wait_kernel<<<1, 1, 0, s>>>(su.flags + l, su.counters);
-    check_kernel<<<1, 32, 0, s>>>(slot_of(su, c, l, 0), c.bytes, c.slots, ids, su.counters);
+    dev_probe::check_slot_tags<<<1, 32, 0, s>>>(slot_of(su, c, l, 0), c.bytes, c.slots, ids, su.counters + 1,
+                                                 su.counters + 2);
     if (c.compute_us > 0) compute_kernel<<<1, 32, 0, s>>>(c.compute_us);
   }
   bump_kernel<<<1, 1, 0, s>>>(su.counters);
@@ -207,19 +190,11 @@ double median(std::vector<double> v) {
 
 int main() {
   if (!dev_probe::has_device()) return 0;
-  const size_t expert_bytes = 5013504;  // Qwen3-235B-A22B int2: 3 x 4096 x 1536 x 2 bits + fp16 scales per 128
-  const size_t down_bytes = 1671168;    // its w2 + scales
+  const size_t expert_bytes = dev_probe::kInt2ExpertBytes, down_bytes = dev_probe::kInt2DownBytes;
   Setup su;
   CUDA_CHECK(cudaHostAlloc(&su.host, kExperts * expert_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(su.host, 0x5A, kExperts * expert_bytes);
-  auto tag = [&](size_t bytes) {
-    for (unsigned e = 0; e < kExperts; ++e) {
-      unsigned char* p = su.host + e * bytes;
-      const uint32_t a = tag_of(e, 0), z = tag_of(e, 1);
-      std::memcpy(p, &a, 4);
-      std::memcpy(p + bytes - 4, &z, 4);
-    }
-  };
+  auto tag = [&](size_t bytes) { dev_probe::tag_experts(su.host, bytes); };
   CUDA_CHECK(cudaMalloc(&su.slots, 2 * kMaxSlots * expert_bytes));
   CUDA_CHECK(cudaHostAlloc(&su.mailbox, sizeof(Mailbox) * kMaxLayers, cudaHostAllocMapped | cudaHostAllocPortable));
   CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&su.mailbox_dev), su.mailbox, 0));
