@@ -26,6 +26,7 @@
 #include "kernels/swiglu.cuh"
 #include "model/qwen3_moe_cpu.h"
 #include "model/qwen3_moe_cuda_cache.h"
+#include "model/qwen3_moe_cuda_dma.h"
 #include "model/qwen3_moe_cuda_prefetch.h"
 #include "model/qwen3_moe_cuda_ep.h"
 #include "moe/moe_layer_cuda.h"
@@ -109,6 +110,7 @@ std::string format_memory_plan(const MemoryPlan& p) {
                      p.cache_host ? fmt::format("; routing read-back {:.1f} MB pinned", static_cast<double>(p.cache_host) / 1e6)
                                   : std::string());
   if (!p.expert_prefetch.empty()) s += fmt::format("  expert prefetch     {}\n", p.expert_prefetch);
+  if (!p.expert_dma.empty()) s += fmt::format("  routed expert DMA   {}\n", p.expert_dma);
   return s;
 }
 
@@ -175,21 +177,29 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   for (int b : o.graph_batches)
     if (b < 1 || b > o.max_seqs || b > o.max_logit_rows)
       return Error::format("graph batch {} is outside [1, max_seqs {}]", b, o.max_seqs).in_field("graph_batches");
+  // A count in [0, max] from the environment variable `name` (unset or empty: 0).
+  auto env_count = [](const char* name, int max) -> Result<int> {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return 0;
+    const std::string text(v);
+    if (text.size() > 2 || text.find_first_not_of("0123456789") != std::string::npos || std::stoi(text) > max)
+      return Error::format("must be a count in [0, {}], got '{}'", max, text).in_field(name);
+    return std::stoi(text);
+  };
   if (o.fold_moe_combine_max_rows == -1) {  // [TAG_MOE_DEFERRED_COMBINE]
-    o.fold_moe_combine_max_rows = 0;
-    if (const char* v = std::getenv("MOEBIUS_FOLD_MOE_COMBINE"); v != nullptr && *v != '\0') {
-      const std::string text(v);
-      if (text.size() > 2 || text.find_first_not_of("0123456789") != std::string::npos ||
-          std::stoi(text) > kernels::kDenseGemvMaxM)
-        return Error::format("must be a row count in [0, {}], got '{}'", kernels::kDenseGemvMaxM, text)
-            .in_field("MOEBIUS_FOLD_MOE_COMBINE");
-      o.fold_moe_combine_max_rows = std::stoi(text);
-    }
+    MOEBIUS_ASSIGN_OR_RETURN(o.fold_moe_combine_max_rows, env_count("MOEBIUS_FOLD_MOE_COMBINE", kernels::kDenseGemvMaxM));
   }
   if (o.fold_moe_combine_max_rows < 0 || o.fold_moe_combine_max_rows > kernels::kDenseGemvMaxM)
     return Error::format("must be -1 (the environment) or in [0, {}], got {}", kernels::kDenseGemvMaxM,
                          o.fold_moe_combine_max_rows)
         .in_field("fold_moe_combine_max_rows");
+  if (o.expert_dma_slots == -1) {  // [TAG_EXPERT_ROUTED_DMA]
+    MOEBIUS_ASSIGN_OR_RETURN(o.expert_dma_slots, env_count("MOEBIUS_EXPERT_DMA_SLOTS", kernels::kExpertDmaMaxSlots));
+  }
+  if (o.expert_dma_slots < 0 || o.expert_dma_slots > kernels::kExpertDmaMaxSlots)
+    return Error::format("must be -1 (the environment) or in [0, {}], got {}", kernels::kExpertDmaMaxSlots,
+                         o.expert_dma_slots)
+        .in_field("expert_dma_slots");
   fold_combine_max_rows_ = o.fold_moe_combine_max_rows;
   moe_decode_capacity_ = o.graph_batches.empty() ? 1 : o.graph_batches.back();
   tune::MoeLayerFactoryOptions mo;
@@ -464,8 +474,10 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
   r.expert_bytes = moe::expert_region_bytes(w13, w2, 1);
   // [TAG_EXPERT_PREFETCH] The prefetch's slots (setup_expert_prefetch; only when something is
   // cold, but reserved whenever asked: the plan decides what is cold).
+  // [TAG_EXPERT_ROUTED_DMA] The routed experts' DMA slots likewise (setup_expert_dma).
   const uint64_t prefetch_bytes =
-      opt_.expert_prefetch > 0 && !opt_.expert_cache ? static_cast<uint64_t>(opt_.expert_prefetch) * r.expert_bytes : 0;
+      opt_.expert_cache ? 0
+                        : static_cast<uint64_t>(std::max(opt_.expert_prefetch, 0) + opt_.expert_dma_slots) * r.expert_bytes;
   r.staging = r.expert_bytes + prefetch_bytes;  // swap_experts' scratch, the prefetch slots
   r.num_moe_layers = L;
   r.num_experts = E;
@@ -828,6 +840,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::load(const std::string& dir,
   MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->setup_expert_cache());
   MOEBIUS_TRY(m->setup_expert_prefetch());
+  MOEBIUS_TRY(m->setup_expert_dma());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -958,6 +971,7 @@ Result<std::unique_ptr<Qwen3MoeCuda>> Qwen3MoeCuda::create_dummy(const Qwen3MoeC
   MOEBIUS_TRY(m->setup_staging());
   MOEBIUS_TRY(m->setup_expert_cache());
   MOEBIUS_TRY(m->setup_expert_prefetch());
+  MOEBIUS_TRY(m->setup_expert_dma());
   MOEBIUS_TRY(m->allocate_runtime(m->moe_decode_capacity_));
   return m;
 }
@@ -1028,6 +1042,8 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
   // [TAG_EXPERT_PREFETCH] Small steps copy the next MoE layer's predicted cold experts ahead.
   const bool prefetching = !staging && prefetch_step(rows);
   last_step_prefetched_ = prefetching;
+  // [TAG_EXPERT_ROUTED_DMA] Small decode steps copy the routed cold experts by the copy engines.
+  const bool dma = decode && dma_step(rows);
   if (staging) {
     CUDA_CHECK(cudaEventRecord(stage_start_, s));
     CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, stage_start_, 0));
@@ -1092,6 +1108,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
       const bool staged = staging && moe_layer.uses_staging();
       if (staged) CUDA_CHECK(cudaStreamWaitEvent(s, stage_copied_[staged_j % 2], 0));
       if (prefetching) prefetch_join(static_cast<size_t>(moe_index), moe_layer, s);
+      if (dma) dma_arm(static_cast<size_t>(moe_index), moe_layer, num_tokens, rows);
       const __nv_bfloat16* moe_out = nullptr;  // the MoE output in y_, if not deferred
       if (rows <= fold_combine_max_rows_ && l + 1 < c.num_hidden_layers && folds_input_norm(l + 1) &&
           moe_layer.defers_combine(h_)) {
@@ -1101,6 +1118,7 @@ Status Qwen3MoeCuda::enqueue_layers(int rows, int logit_rows, bool decode, int g
         moe_layer.forward(h_, num_tokens, y_, s);
         moe_out = y_;
       }
+      if (dma) dma_restore(s);  // before the next prediction forks off the stream
       // Eager steps for the routing capture (set_routing_capture turns graphs off); every step, graph
       // replays included, for the expert cache [TAG_EXPERT_CACHE] (qwen3_moe_cuda_cache.h: the layers
       // share topk_ids, so each layer's ids are copied while they are current).
@@ -1164,6 +1182,8 @@ Status Qwen3MoeCuda::check_batch(const StepBatch& in_batch) const {
 Status Qwen3MoeCuda::enqueue(const StepBatch& in_batch) {
   const int T = in_batch.num_tokens, S = in_batch.num_seqs, R = static_cast<int>(in_batch.logit_rows.size());
   MOEBIUS_TRY(check_batch(in_batch));
+  // [TAG_EXPERT_ROUTED_DMA] A copier failure in an earlier step (seen without a sync) stops here.
+  MOEBIUS_TRY(dma_health());
 
   // Expert parallelism: the step header (every rank's token count) picks the EP layers' capacity
   // for all ranks; a graph holds the decode capacity's, so a step at the prefill capacity (another
@@ -1257,7 +1277,7 @@ Status Qwen3MoeCuda::forward(const StepBatch& batch, float* logits) {
   const size_t n = batch.logit_rows.size() * static_cast<size_t>(config_.vocab_size);
   CUDA_CHECK(cudaMemcpyAsync(logits, logits_, n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return Ok{};
+  return dma_health();  // these logits are invalid if the routed copies failed during the step
 }
 
 }  // namespace moebius::model

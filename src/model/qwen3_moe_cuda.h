@@ -140,6 +140,14 @@ struct Qwen3MoeCudaOptions {
   // 0: off. At most kernels::kExpertPrefetchMaxSlots; needs cold experts (off otherwise, and the
   // memory plan says so); not with the dynamic cache (both move experts) or expert parallelism.
   int expert_prefetch = 0;
+  // Routed cold experts copied by the copy engines [TAG_EXPERT_ROUTED_DMA] (docs/OFFLOAD.md,
+  // qwen3_moe_cuda_dma.h): in decode steps of at most kernels::kExpertDmaMaxIds / k rows, each MoE
+  // layer's first N routed cold experts are copied into device slots after its routing (a kernel
+  // posts its choice, a host thread issues the copies) instead of read zero-copy by its GEMMs.
+  // 0: off; -1: $MOEBIUS_EXPERT_DMA_SLOTS, else 0. At most kernels::kExpertDmaMaxSlots; needs
+  // cold experts; not with the dynamic cache or expert parallelism. A measurement setting until
+  // the GPU runs compare it with the zero-copy reads.
+  int expert_dma_slots = -1;
   // [TAG_MOE_DEFERRED_COMBINE] Steps of at most this many rows leave each MoE layer's combine to
   // the next layer's qkv GEMV, whose folded RMSNorm forms the same bf16 rows from GEMM2's output
   // (one kernel less per MoE layer; every GEMV block then reads k fp32 rows of H per token from L2,
@@ -171,6 +179,7 @@ struct MemoryPlan {
   std::string cold_paths;   // the cost model's zero-copy / staged choice per capacity bucket
   std::string expert_cache; // the dynamic cache's settings, or why it is off ("": not asked for)
   std::string expert_prefetch;  // the prefetch's settings, or why it is off ("": not asked for)
+  std::string expert_dma;       // the routed experts' DMA [TAG_EXPERT_ROUTED_DMA], likewise
   uint64_t cache_host = 0;  // the cache's pinned routing read-back (not in total())
   std::string expert_format;
   int64_t kv_tokens = 0;    // tokens the KV pool holds
@@ -307,6 +316,10 @@ class Qwen3MoeCuda {
   };
   PrefetchCounts last_step_prefetch(int rows) const;
   bool expert_prefetch_on() const { return prefetch_ != nullptr; }
+  // [TAG_EXPERT_ROUTED_DMA] Choices the copier's host thread has served so far, and the bytes it
+  // copied (0 when the routed-expert DMA is off; no synchronization: copies may still be running).
+  int64_t expert_dma_posts() const;
+  uint64_t expert_dma_bytes() const;
 
   // Expert parallelism (see the header comment). ep_size() is 1 without it.
   int ep_rank() const;
@@ -331,6 +344,7 @@ class Qwen3MoeCuda {
   struct EpState;  // qwen3_moe_cuda_ep.h
   struct CacheState;  // qwen3_moe_cuda_cache.h
   struct PrefetchState;  // qwen3_moe_cuda_prefetch.h
+  struct DmaState;  // qwen3_moe_cuda_dma.h
   Qwen3MoeCuda();
   Status init(const Qwen3MoeConfig& config, const Qwen3MoeCudaOptions& options);
   // [TAG_EXPERT_OFFLOAD] With a budget: plans the device memory (offload/memory_budget.h) for
@@ -376,6 +390,23 @@ class Qwen3MoeCuda {
   // PCIe bytes one prefetched expert of `m` costs: the whole expert, or its down projection.
   uint64_t prefetch_copy_bytes(const moe::MoeLayerCuda& m) const;
   void prefetch_restore_all();
+  // [TAG_EXPERT_ROUTED_DMA] (qwen3_moe_cuda_dma.cpp). setup_expert_dma: at load, after
+  // setup_expert_prefetch; the slots (reserved by plan_offload), record, side stream and the
+  // copier (its host thread). dma_arm: before MoE layer i's forward in a small decode step: after
+  // its routing the layer runs dma_copy_routed (the choice and its post, GEMM1 after the w13
+  // copies' flag, GEMM2 after the w2 ones'). dma_restore: after that forward, the table entries
+  // back home. dma_step: whether a decode step of `rows` copies. dma_health: the copier's failure,
+  // if any (checked at every step; no synchronization).
+  // Both copy paths (prefetch, routed DMA) size their slots from MoE layer 0: asserts every MoE
+  // layer has its expert arrays' sizes. cold_expert_mask: [MoE layers][E], 1 where cold.
+  void assert_uniform_expert_arrays() const;
+  std::vector<uint8_t> cold_expert_mask() const;
+  Status setup_expert_dma();
+  Status dma_health() const;
+  bool dma_step(int rows) const;
+  void dma_arm(size_t i, moe::MoeLayerCuda& layer, const int32_t* num_tokens, int rows);
+  void dma_copy_routed(size_t i, moe::MoeLayerCuda& layer, const int32_t* num_tokens, int rows, cudaStream_t s);
+  void dma_restore(cudaStream_t s);
   // Per MoE layer, the experts the last step copied ahead for it (empty: none; synchronizes).
   std::vector<std::vector<int>> last_step_prefetched() const;
   // Whether enqueue_layers copies each MoE layer's top-k ids into routing_capture_.
@@ -483,6 +514,7 @@ class Qwen3MoeCuda {
   std::unique_ptr<CacheState> cache_;  // the dynamic expert cache; null when off
   std::unique_ptr<PrefetchState> prefetch_;  // the next-layer expert prefetch; null when off
   bool last_step_prefetched_ = false;
+  std::unique_ptr<DmaState> dma_;  // routed experts by DMA; null when off
 };
 
 }  // namespace moebius::model

@@ -64,15 +64,11 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   // Z28-Z32); MOEBIUS_PREFETCH_PARTS=all, a measurement knob, copies whole experts.
   const char* parts = std::getenv("MOEBIUS_PREFETCH_PARTS");
   st->down_only = !(parts != nullptr && std::string_view(parts) == "all");
+  assert_uniform_expert_arrays();
   const moe::MoeLayerCuda::PrefetchView v = moe_layer_at(0).prefetch_view();
   kernels::ExpertPrefetchSlots& set = st->set;
   set = st->down_only ? kernels::expert_prefetch_slots(nullptr, 0, 0, v.w2_bytes, v.s2_bytes)
                       : kernels::expert_prefetch_slots(nullptr, v.w13_bytes, v.s13_bytes, v.w2_bytes, v.s2_bytes);
-  for (size_t i = 1; i < L; ++i) {  // one geometry for every MoE layer (Qwen3-MoE has one)
-    const moe::MoeLayerCuda::PrefetchView w = moe_layer_at(i).prefetch_view();
-    MOEBIUS_ASSERT(w.w13_bytes == v.w13_bytes && w.s13_bytes == v.s13_bytes && w.w2_bytes == v.w2_bytes &&
-                   w.s2_bytes == v.s2_bytes);
-  }
   // The slots were reserved in the budget by plan_offload (prefetch bytes there).
   MOEBIUS_ASSIGN_OR_RETURN(void* slots, device_alloc(static_cast<size_t>(n) * set.stride, &plan_.workspace));
   set.base = static_cast<uint8_t*>(slots);
@@ -86,10 +82,7 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
   st->cold = static_cast<uint8_t*>(cold);
   MOEBIUS_ASSIGN_OR_RETURN(void* log, device_alloc(sizeof(int32_t) * L * kLogStride, &plan_.workspace));
   st->log = static_cast<int32_t*>(log);
-  st->cold_host.assign(L * E, 0);
-  for (size_t i = 0; i < L; ++i)
-    for (size_t e = 0; e < E; ++e)
-      st->cold_host[i * E + e] = expert_resident(moe_layer_ids_[i], static_cast<int>(e)) ? 0 : 1;
+  st->cold_host = cold_expert_mask();
   CUDA_CHECK(cudaMemcpy(st->cold, st->cold_host.data(), L * E, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(st->record, 0, sizeof(kernels::ExpertPrefetchRecord)));
   CUDA_CHECK(cudaMemset(st->counter, 0, sizeof(unsigned)));
@@ -117,6 +110,23 @@ Status Qwen3MoeCuda::setup_expert_prefetch() {
       st->copy_priority);
   prefetch_ = std::move(st);
   return Ok{};
+}
+
+void Qwen3MoeCuda::assert_uniform_expert_arrays() const {
+  const moe::MoeLayerCuda::PrefetchView v = moe_layer_at(0).prefetch_view();
+  for (size_t i = 1; i < moe_layer_ids_.size(); ++i) {  // one geometry for every MoE layer (Qwen3-MoE has one)
+    const moe::MoeLayerCuda::PrefetchView w = moe_layer_at(i).prefetch_view();
+    MOEBIUS_ASSERT(w.w13_bytes == v.w13_bytes && w.s13_bytes == v.s13_bytes && w.w2_bytes == v.w2_bytes &&
+                   w.s2_bytes == v.s2_bytes);
+  }
+}
+
+std::vector<uint8_t> Qwen3MoeCuda::cold_expert_mask() const {
+  const size_t E = static_cast<size_t>(config_.num_experts), L = moe_layer_ids_.size();
+  std::vector<uint8_t> cold(L * E, 0);
+  for (size_t i = 0; i < L; ++i)
+    for (size_t e = 0; e < E; ++e) cold[i * E + e] = expert_resident(moe_layer_ids_[i], static_cast<int>(e)) ? 0 : 1;
+  return cold;
 }
 
 bool Qwen3MoeCuda::prefetch_step(int rows) const {

@@ -747,6 +747,7 @@ kernels::MoeCombineSource MoeLayerCuda::forward_deferring_combine(const __nv_bfl
   MOEBIUS_ASSERT(defers_combine(x), "forward_deferring_combine: this layer cannot defer its combine");
   for (MoeStage s : kRoutingStages)
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, nullptr, stream);
+  run_after_routing_hook(stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, nullptr, stream, /*with_combine=*/false);
   kernels::MoeCombineSource c;
   c.y = y_;
@@ -762,7 +763,15 @@ void MoeLayerCuda::forward(const __nv_bfloat16* x, const int32_t* num_tokens, __
                            cudaStream_t stream) {
   for (MoeStage s : kRoutingStages)
     if (uses_stage(s)) enqueue_stage(s, x, num_tokens, topk_ids_, topk_weights_, out, stream);
+  run_after_routing_hook(stream);
   enqueue_experts(x, num_tokens, topk_ids_, topk_weights_, out, stream);
+}
+
+void MoeLayerCuda::run_after_routing_hook(cudaStream_t stream) {
+  if (!after_routing_) return;
+  const std::function<void(cudaStream_t)> f = std::move(after_routing_);
+  after_routing_ = nullptr;
+  f(stream);
 }
 
 void MoeLayerCuda::forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "cpu/moe_layer.h"
+#include "kernels/expert_dma.cuh"
 #include "kernels/moe_combine.cuh"
 #include "kernels/moe_gemm.cuh"
 #include "kernels/moe_route.cuh"
@@ -216,6 +218,10 @@ class MoeLayerCuda {
   // stage) waits for `event` first: a down-only prefetch's copies of w2, which only GEMM2 reads,
   // may still run while the routing and GEMM1 go ahead. Once; a null event clears it.
   void wait_before_down(cudaEvent_t event) { down_wait_ = event; }
+  cudaEvent_t pending_down_wait() const { return down_wait_; }
+  // [TAG_EXPERT_ROUTED_DMA] Once: the next forward calls `f(stream)` right after its routing and
+  // before its expert GEMMs (the model runner's routed-expert copies, which need topk_ids()).
+  void run_after_routing(std::function<void(cudaStream_t)> f) { after_routing_ = std::move(f); }
   // The experts and combine for a routing computed elsewhere (tests; expert parallelism, where
   // the routing arrives with the tokens): topk_ids/topk_weights [capacity, k] device.
   void forward_routed(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
@@ -327,6 +333,23 @@ class MoeLayerCuda {
     return {router_weight_, correction_bias_, table13_, table2_, w13_bytes_, s13_bytes_, w2_bytes_, s2_bytes_};
   }
 
+  // [TAG_EXPERT_ROUTED_DMA] Where a copy engine reads expert e's four arrays (w13 weights and
+  // scales, w2 weights and scales; a scale pointer is null when the format has none): device
+  // addresses for a resident expert, pinned host pointers for a cold one.
+  struct ExpertSource {
+    const uint8_t *w13 = nullptr, *s13 = nullptr, *w2 = nullptr, *s2 = nullptr;
+  };
+  // The cold region as the kernels address it (device aliases): a table entry whose weight lies in
+  // a range points home. Empty ranges when every expert is resident.
+  kernels::ExpertDmaHome cold_home() const {
+    const size_t n = static_cast<size_t>(cold_experts());
+    return {dcw13_, dcw13_ + w13_bytes_ * n, dcw2_, dcw2_ + w2_bytes_ * n};
+  }
+  ExpertSource copy_source(int e) const {
+    const ExpertAddr a = copy_addr(e);
+    return {a.w13, s13_bytes_ ? a.s13 : nullptr, a.w2, s2_bytes_ ? a.s2 : nullptr};
+  }
+
  private:
   MoeLayerCuda() = default;
   Status allocate(const cpu::MoeShape& shape, KernelFormat format, const PackedMatrix& w13_proto,
@@ -343,6 +366,7 @@ class MoeLayerCuda {
   // Every weight of `packed` into this layer's buffers (checked by check_compatible).
   void upload(const PackedMoeLayer& packed);
   Status allocate_workspace(const MoeCudaOptions& opt);
+  void run_after_routing_hook(cudaStream_t stream);  // run_after_routing's f, once
   // with_combine false: GEMM1 and GEMM2 only (forward_deferring_combine; not the fused experts).
   void enqueue_experts(const __nv_bfloat16* x, const int32_t* num_tokens, const int32_t* topk_ids,
                        const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream, bool with_combine = true);
@@ -356,6 +380,7 @@ class MoeLayerCuda {
   bool topk_align_ = false;  // kTopKAlign in place of kTopK + kAlign (separate routing only)
   bool fused_experts_ = false;
   cudaEvent_t down_wait_ = nullptr;  // wait_before_down: consumed by the next expert stages
+  std::function<void(cudaStream_t)> after_routing_;  // run_after_routing: consumed by the next forward
   MoeGemmPath path_ = MoeGemmPath::kDecode;
   kernels::RouteParams route_;
   kernels::MoeActivationParams act_;

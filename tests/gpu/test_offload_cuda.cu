@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/expert_dma.cuh"
 #include "kernels/expert_prefetch.cuh"
 #include "model/block_allocator.h"
 #include "model/generate.h"
@@ -507,6 +508,80 @@ TEST(OffloadCuda, PrefetchNeedsColdExpertsAndValidOptions) {
   auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
   ASSERT_FALSE(m2.ok());
   EXPECT_NE(m2.error().what().find("--expert-prefetch"), std::string::npos) << m2.error().what();
+}
+
+// [TAG_EXPERT_ROUTED_DMA] The routed cold experts copied by the copy engines on the orders of the
+// copier's host thread, in eager decode steps and graph replays alike: every result the same bits
+// as all-resident, with fewer slots than top-k (the rest zero-copy) and with enough, alone and
+// beside the down-only prefetch (whose copied w2 parts the choice leaves alone); and the copier
+// served a post per MoE layer of each decode step.
+TEST(OffloadCuda, RoutedDmaKeepsLogitsBitIdentical) {
+  MOEBIUS_REQUIRE_GPU();
+  for (std::optional<WeightFormat> f : {std::optional<WeightFormat>{}, std::optional<WeightFormat>{WeightFormat::kNvFp4},
+                                        std::optional<WeightFormat>{WeightFormat::kInt4},
+                                        std::optional<WeightFormat>{WeightFormat::kInt2}}) {
+    for (int resident : {0, 5}) {
+      for (int slots : {2, 8}) {
+        for (int prefetch : {0, 2}) {
+          SCOPED_TRACE(::testing::Message() << (f ? weight_format_name(*f) : "as stored") << ", " << resident
+                                            << " of 16 resident, " << slots << " DMA slots, prefetch " << prefetch);
+          auto base = load(options(f, resident));
+          Qwen3MoeCudaOptions o = options(f, resident);
+          o.expert_dma_slots = slots;
+          o.expert_prefetch = prefetch;
+          auto dma = load(o);
+          ASSERT_TRUE(base && dma);
+          EXPECT_NE(dma->memory_plan().expert_dma.find("host thread"), std::string::npos)
+              << dma->memory_plan().expert_dma;
+          EXPECT_NE(format_memory_plan(dma->memory_plan()).find("routed expert DMA"), std::string::npos);
+          Seq sb(*base), sd(*dma);
+          expect_bit_identical("prefill", prefill(*base, sb, kPrompt), prefill(*dma, sd, kPrompt));
+          const int64_t g0 = dma->graph_steps();
+          EXPECT_EQ(dma->expert_dma_posts(), 0);  // prefill steps read zero-copy or staged
+          expect_bit_identical("decode", decode(*base, sb, kDecode), decode(*dma, sd, kDecode));
+          EXPECT_EQ(dma->graph_steps() - g0, static_cast<int64_t>(kDecode.size()) - 1);  // graphs ran
+          // A post per MoE layer and step that routed a cold expert: nearly all of them.
+          int moe_layers = 0;
+          for (int l = 0; l < dma->config().num_hidden_layers; ++l) moe_layers += dma->config().is_moe_layer(l) ? 1 : 0;
+          const int64_t most = static_cast<int64_t>(kDecode.size()) * moe_layers;
+          EXPECT_GT(dma->expert_dma_posts(), most / 2);
+          EXPECT_LE(dma->expert_dma_posts(), most);
+          EXPECT_GT(dma->expert_dma_bytes(), 0u);
+          // The tables are home again after each layer: a prefill (zero-copy or staged) and more
+          // graph steps still read the right bytes.
+          expect_bit_identical("prefill after decode", prefill(*base, sb, kPrompt), prefill(*dma, sd, kPrompt));
+          expect_bit_identical("decode again", decode(*base, sb, {1, 2}), decode(*dma, sd, {1, 2}));
+        }
+      }
+    }
+  }
+}
+
+TEST(OffloadCuda, RoutedDmaNeedsColdExpertsAndValidOptions) {
+  MOEBIUS_REQUIRE_GPU();
+  {  // every expert resident: off, and the plan says why
+    Qwen3MoeCudaOptions o = options(WeightFormat::kInt4);
+    o.expert_dma_slots = 4;
+    auto m = load(o);
+    ASSERT_TRUE(m);
+    EXPECT_NE(m->memory_plan().expert_dma.find("every expert is resident"), std::string::npos)
+        << m->memory_plan().expert_dma;
+  }
+  Qwen3MoeCudaOptions too_many = options(WeightFormat::kInt4, 5);
+  too_many.expert_dma_slots = kernels::kExpertDmaMaxSlots + 1;
+  auto m = Qwen3MoeCuda::load(fixture_dir(), too_many);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.error().what().find("expert_dma_slots"), std::string::npos) << m.error().what();
+  Qwen3MoeCudaOptions both = cached(WeightFormat::kInt4, offload::CachePolicy::kLru, 5);
+  both.expert_dma_slots = 2;
+  auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
+  ASSERT_FALSE(m2.ok());
+  EXPECT_NE(m2.error().what().find("expert_dma_slots"), std::string::npos) << m2.error().what();
+  setenv("MOEBIUS_EXPERT_DMA_SLOTS", "x", 1);  // -1 reads the environment, strictly
+  auto m3 = Qwen3MoeCuda::load(fixture_dir(), options(WeightFormat::kInt4, 5));
+  unsetenv("MOEBIUS_EXPERT_DMA_SLOTS");
+  ASSERT_FALSE(m3.ok());
+  EXPECT_NE(m3.error().what().find("MOEBIUS_EXPERT_DMA_SLOTS"), std::string::npos) << m3.error().what();
 }
 
 }  // namespace
