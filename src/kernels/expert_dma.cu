@@ -61,9 +61,12 @@ __global__ void __launch_bounds__(kChooseThreads) expert_dma_choose_kernel(const
     if (w < warp) rank += warp_count[w];
     total += warp_count[w];
   }
-  const int chosen = min(total, a.num_slots);
+  // After a failed wait (the host thread stalled or died) the layer chooses nothing: its experts
+  // stay zero-copy reads, so later steps are right again while the runner reports the failure.
+  const bool failed = *reinterpret_cast<volatile const unsigned*>(a.signal.failed) != 0;
+  const int chosen = failed ? 0 : min(total, a.num_slots);
   ExpertDmaRecord& r = *a.record;
-  if (parts != 0 && rank < a.num_slots) {
+  if (parts != 0 && rank < chosen) {
     uint8_t* slot = a.slots.base + static_cast<size_t>(rank) * a.slots.stride;
     r.ids[rank] = e;
     r.parts[rank] = parts;
@@ -145,7 +148,7 @@ __global__ void expert_dma_restore_kernel(ExpertDmaRecord* rec) {
 void launch_expert_dma_choose(const ExpertDmaChooseArgs& a, cudaStream_t stream) {
   MOEBIUS_LAUNCH_ASSERT(a.topk_ids && a.num_tokens && a.table13 && a.table2 && a.record && a.slots.base,
                         "expert dma choose: null argument");
-  MOEBIUS_LAUNCH_ASSERT(a.signal.post && a.signal.ticket, "expert dma choose: null post or ticket");
+  MOEBIUS_LAUNCH_ASSERT(a.signal.post && a.signal.ticket && a.signal.failed, "expert dma choose: null signal");
   MOEBIUS_LAUNCH_ASSERT(a.capacity > 0 && a.top_k > 0 && a.capacity * a.top_k <= kExpertDmaMaxIds,
                         "expert dma choose: capacity x top_k out of range");
   MOEBIUS_LAUNCH_ASSERT(a.num_experts > 0 && a.num_experts <= kMaxExperts, "expert dma choose: num_experts out of range");

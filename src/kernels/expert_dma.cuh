@@ -28,8 +28,9 @@
 // the w13 copies) and flag2 (after the w2 copies), in stream order on its copy stream. One post
 // slot is enough: the device posts t + 1 only after GEMM2 of t, which waited for flag2 = t, which
 // the host copied after it had read post t. A wait gives up after kExpertDmaWaitNs, sets *failed
-// (mapped host memory, so the runner sees it without a sync) and every later wait returns at once:
-// a dead host thread becomes an error the runner reports, never a hung stream.
+// (mapped host memory, so the runner sees it without a sync) and every later wait returns at once,
+// and every later choice chooses nothing (zero-copy reads again): a stalled or dead host thread
+// becomes one error the runner reports for the step it spoiled, never a hung stream.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -154,7 +154,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<NT, EPI>) moe_gemm_k
   // The tile's expert and its first weights. GEMM2 (kDown*) issues them BEFORE pdl_wait: its
   // tiles come from the routing two kernels back (GEMM1 runs between), which had completed before
   // any GEMM1 block passed its own pdl_wait and so before this grid could launch (the PDL
-  // protocol in kernels/pdl.cuh), and weights never change during a forward. The weight reads
+  // protocol in kernels/pdl.cuh), and weights never change during a forward (bytes copied into
+  // device slots for the layer, by the prefetch or the routed DMA, reach GEMM2 through a full
+  // event dependency, MoeLayerCuda::wait_before_down, not a programmatic one). The weight reads
   // then overlap GEMM1's tail instead of following it (at decode sizes GEMM1 is compute-bound and
   // GEMM2's first round trip to HBM was on the critical path). GEMM1's tiles come from the kernel
   // right before it, so it reads them after the wait.

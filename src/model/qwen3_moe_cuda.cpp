@@ -117,6 +117,10 @@ std::string format_memory_plan(const MemoryPlan& p) {
 Qwen3MoeCuda::Qwen3MoeCuda() = default;
 
 Qwen3MoeCuda::~Qwen3MoeCuda() {
+  // [TAG_EXPERT_ROUTED_DMA] The copier's thread reads the cold homes and writes the slots: it stops
+  // (and its copies finish) before the layers free them.
+  if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+  dma_.reset();
   for (Graph& g : graphs_)
     if (g.exec != nullptr) (void)cudaGraphExecDestroy(g.exec);
   if (staged_ != nullptr) (void)cudaEventDestroy(staged_);
@@ -655,6 +659,9 @@ Status Qwen3MoeCuda::swap_experts(int layer, int cold, int resident) {
     return Error::format("layer {} is not a MoE layer", layer);
   if (swap_scratch_ == nullptr) return Error("no expert is offloaded (no --gpu-memory-budget below the model)");
   if (cache_) return Error("the expert cache (--expert-cache) decides the residency; swap_experts is for runs without it");
+  // [TAG_EXPERT_ROUTED_DMA] The copier's thread holds each cold expert's home from load on.
+  if (dma_) return Error("swap_experts changes the cold experts' homes, which the routed-expert DMA (expert_dma_slots) "
+                         "fixed at load; run without it");
   return move_expert(layer, cold, resident);
 }
 

@@ -124,12 +124,15 @@ void Qwen3MoeCuda::dma_copy_routed(size_t i, moe::MoeLayerCuda& layer, const int
   a.layer = static_cast<int>(i);
   a.signal = st.copier->signal();
   a.record = st.record;
+  // A down-only prefetch [TAG_EXPERT_PREFETCH] publishes its copied w2 parts into the same table
+  // entries on its own stream and would have only GEMM2 wait for it: the choice waits instead, so
+  // it reads whole entries and leaves the prefetched parts alone (a choice racing the publish would
+  // depend on timing, and its restore could write back a half-published entry).
+  if (cudaEvent_t pending = layer.pending_down_wait(); pending != nullptr) CUDA_CHECK(cudaStreamWaitEvent(s, pending, 0));
   kernels::launch_expert_dma_choose(a, s);
-  // GEMM2's wait on the side stream, with a down-only prefetch's pending wait folded in.
+  // GEMM2's wait on the side stream (forked after the choice, so after the prefetch too).
   CUDA_CHECK(cudaEventRecord(st.fork, s));
   CUDA_CHECK(cudaStreamWaitEvent(st.side, st.fork, 0));
-  if (cudaEvent_t pending = layer.pending_down_wait(); pending != nullptr)
-    CUDA_CHECK(cudaStreamWaitEvent(st.side, pending, 0));
   kernels::launch_expert_dma_wait(st.record, a.signal, kernels::kExpertDmaPart2, st.side);
   CUDA_CHECK(cudaEventRecord(st.copied2, st.side));
   layer.wait_before_down(st.copied2);

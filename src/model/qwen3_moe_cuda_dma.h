@@ -4,16 +4,16 @@
 //
 // Per MoE layer i of a decode step (main stream, side stream for the w2 wait):
 //
-//   main: routing(i) -> choose(i) -> wait13 -> GEMM1 ................ -> wait -> GEMM2 -> .. -> restore
-//   side:                  (fork after choose) -> wait2 -> event ^
+//   main: routing(i) -> [prefetch ready] -> choose(i) -> wait13 -> GEMM1 ..... -> wait -> GEMM2 -> restore
+//   side:                               (fork after choose) -> wait2 -> event ^
 //   host thread (runtime::RoutedExpertCopier): post(i) -> w13 copies, flag13 -> w2 copies, flag2
 //
 // choose points the chosen experts' table entries at the slots and posts its choice to mapped
 // host memory; the copier's thread issues the copies on its copy stream (the copy engines) and
 // after each part a flag copy; wait13 / wait2 spin on those flags. The w2 copies queue behind the
 // w13 ones (one link: GEMM1's bytes land first) and run while GEMM1 computes; only GEMM2 waits for
-// them. A down-only prefetch's pending wait [TAG_EXPERT_PREFETCH] is folded into the side stream's,
-// and choose leaves alone the parts that the prefetch already put on the device. restore, after
+// them. A down-only prefetch [TAG_EXPERT_PREFETCH] is waited for before choose (its publish writes
+// the same table entries), and choose leaves alone the parts that the prefetch put on the device. restore, after
 // the layer, points the changed entries back, so the next layer's choice and any later step see
 // homes or valid copies only; one slot set is enough because layer i+1's choice, hence its copies,
 // come after layer i's GEMM2.

@@ -84,16 +84,21 @@ RoutedExpertCopier::~RoutedExpertCopier() {
 }
 
 Status RoutedExpertCopier::health() const {
+  // A thread failure is reported once the device has given up on it too (its next wait times
+  // out), so the error comes with the step it spoiled and later steps run zero-copy.
+  if (reported_.load(std::memory_order_relaxed) || *reinterpret_cast<const volatile unsigned*>(failed_) == 0)
+    return Ok{};
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(error_mutex_);
-    if (!error_.empty()) return Error(error_);
+    why = error_;
   }
-  if (*reinterpret_cast<const volatile unsigned*>(failed_) != 0)
-    return Error::format(
-        "routed expert copies: a MoE layer waited {} s for the host thread's copies and gave up; the results of "
-        "that step are invalid",
-        static_cast<double>(kernels::kExpertDmaWaitNs) / 1e9);
-  return Ok{};
+  reported_.store(true, std::memory_order_relaxed);
+  return Error::format(
+      "routed expert copies failed ({}); a MoE layer waited {} s for them and gave up, so the last step's results "
+      "are invalid; decoding goes on with zero-copy reads",
+      why.empty() ? std::string("the host thread did not answer") : why,
+      static_cast<double>(kernels::kExpertDmaWaitNs) / 1e9);
 }
 
 void RoutedExpertCopier::fail(std::string why) {
@@ -155,10 +160,11 @@ void RoutedExpertCopier::serve() {
   }
   const RoutedCopierConfig& c = config_;
   const volatile kernels::ExpertDmaPost* post = post_;
+  std::atomic_ref<unsigned> seq_word(post_->seq);  // the device's release store, read with acquire
   unsigned next = 1;
   auto last_post = clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
-    const unsigned seq = post->seq;
+    const unsigned seq = seq_word.load(std::memory_order_acquire);
     if (seq != next) {
       if (seq != next - 1) {  // the device never posts past a ticket this thread has not served
         fail(fmt::format("the post holds ticket {} while ticket {} was due", seq, next));
@@ -168,7 +174,6 @@ void RoutedExpertCopier::serve() {
       else std::this_thread::sleep_for(std::chrono::microseconds(50));
       continue;
     }
-    std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before seq
     kernels::ExpertDmaPost p;
     p.seq = seq;
     p.layer = post->layer;
@@ -184,8 +189,9 @@ void RoutedExpertCopier::serve() {
       fail(fmt::format("malformed post {} (layer {}, count {})", seq, p.layer, p.count));
       return;
     }
-    if (!issue(p, kernels::kExpertDmaPart13, seq) || !issue(p, kernels::kExpertDmaPart2, seq)) return;
+    // Counted before the flags are issued: a caller that saw its waits return sees the count.
     served_.fetch_add(1, std::memory_order_relaxed);
+    if (!issue(p, kernels::kExpertDmaPart13, seq) || !issue(p, kernels::kExpertDmaPart2, seq)) return;
     ++next;
     last_post = clock::now();
   }

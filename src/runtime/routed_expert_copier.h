@@ -12,8 +12,10 @@
 //
 // Failure: a CUDA error in the thread, or a malformed post (a layer, count, id or part out of
 // range), stops the serving; the device's next wait then gives up after kExpertDmaWaitNs and sets
-// the failed word. health() reports either, naming the cause. Results computed after such a
-// failure are garbage, so the runner checks health() at every step.
+// the failed word (as it does when the thread is merely stalled that long). From then on the
+// choices choose nothing, so the layers read zero-copy again. The step that timed out computed
+// with slots that may not have landed, so the runner checks health() at every step: it reports
+// the failure once, naming the cause, and Ok after that.
 #pragma once
 
 #ifdef MOEBIUS_HAS_CUDA
@@ -62,8 +64,8 @@ class RoutedExpertCopier {
 
   // What the choose and wait kernels take (device addresses).
   const kernels::ExpertDmaSignal& signal() const { return signal_; }
-  // Ok, or the first failure: the thread's (CUDA error, malformed post) or a device wait's timeout.
-  // Reads host memory only (no synchronization).
+  // Ok, or (once) the failure: a device wait's timeout, with the thread's cause if it has one
+  // (CUDA error, malformed post). Reads host memory only (no synchronization).
   Status health() const;
   int64_t posts_served() const { return served_.load(std::memory_order_relaxed); }
   uint64_t bytes_copied() const { return bytes_.load(std::memory_order_relaxed); }
@@ -89,6 +91,7 @@ class RoutedExpertCopier {
   std::atomic<int64_t> served_{0};
   std::atomic<uint64_t> bytes_{0};
   mutable std::mutex error_mutex_;
+  mutable std::atomic<bool> reported_{false};  // health() has returned the failure
   std::string error_;  // the thread's failure; empty while healthy
 };
 

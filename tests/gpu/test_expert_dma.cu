@@ -9,9 +9,9 @@
 //    part not chosen or a slot left empty), all of it landed once the waits returned;
 //  - the table entries: chosen parts pointed at the slot (global scales kept), all others
 //    untouched; restore puts every entry back;
-//  - the failures: a post nobody serves, and a post the copier refuses, end the waits after
-//    kExpertDmaWaitNs with the failure word set and an error from health(); later waits return
-//    at once.
+//  - the failure: a post the copier refuses ends the wait after kExpertDmaWaitNs with the failure
+//    word set and one error from health() naming the cause; later waits return at once and later
+//    choices choose nothing (the layer reads zero-copy again).
 #include "gpu/gpu_test_util.h"  // first: see the fmt note there
 
 #include <algorithm>
@@ -244,9 +244,112 @@ TEST(ExpertDmaGpu, ChoiceCopiesAndTablesMatchTheCpuReference) {
   }
 }
 
-// A post the copier refuses (a chosen expert without a home in its sources) and a signal nobody
-// serves: the waits give up after kExpertDmaWaitNs, set the failure word, and every later wait
-// returns at once; health() names the cause.
+// Back-to-back choices in one graph, as the layers of a decode step make them: each round's
+// choose -> wait2 -> wait13 -> a device check of every chosen slot against its home (read through
+// the saved entries) -> restore, with no host synchronization between rounds, so the single post
+// slot, the flag values and the slots are reused while the host thread serves them one by one.
+__global__ void verify_slots_kernel(const ExpertDmaRecord* rec, const ExpertMatrixPtrs* table13,
+                                    const ExpertMatrixPtrs* table2, size_t w13_bytes, size_t s13_bytes, size_t w2_bytes,
+                                    size_t s2_bytes, unsigned* errors) {
+  for (int j = 0; j < rec->count; ++j) {
+    const int e = rec->ids[j];
+    struct Part {
+      const uint8_t* got;
+      const uint8_t* want;
+      size_t bytes;
+    };
+    const Part parts[4] = {
+        {static_cast<const uint8_t*>(table13[e].weight), static_cast<const uint8_t*>(rec->saved13[j].weight), w13_bytes},
+        {static_cast<const uint8_t*>(table13[e].scales), static_cast<const uint8_t*>(rec->saved13[j].scales), s13_bytes},
+        {static_cast<const uint8_t*>(table2[e].weight), static_cast<const uint8_t*>(rec->saved2[j].weight), w2_bytes},
+        {static_cast<const uint8_t*>(table2[e].scales), static_cast<const uint8_t*>(rec->saved2[j].scales), s2_bytes},
+    };
+    for (int q = 0; q < 4; ++q) {
+      const bool chosen = (rec->parts[j] & (q < 2 ? kernels::kExpertDmaPart13 : kernels::kExpertDmaPart2)) != 0;
+      if (!chosen) continue;
+      for (size_t b = threadIdx.x; b < parts[q].bytes; b += blockDim.x)
+        if (parts[q].got[b] != parts[q].want[b]) {
+          atomicAdd(errors, 1u);
+          break;
+        }
+    }
+  }
+}
+
+TEST(ExpertDmaGpu, BackToBackChoicesInOneGraphLandBeforeTheirWaits) {
+  MOEBIUS_REQUIRE_GPU();
+  constexpr int E = Homes::E, k = 8, num_slots = 8, rounds = 16;
+  std::mt19937 rng(4321u);
+  Homes h(rng);
+  DeviceBuffer<ExpertMatrixPtrs> table13(E), table2(E);
+  DeviceBuffer<uint8_t> slots(num_slots * h.layout.stride);
+  DeviceBuffer<int32_t> topk(rounds * k), ntok(1);
+  DeviceBuffer<ExpertDmaRecord> record(1);
+  DeviceBuffer<unsigned> errors(1);
+  CudaStream stream;
+  auto made = runtime::RoutedExpertCopier::create(h.copier_config(slots.data(), num_slots));
+  ASSERT_TRUE(made.ok()) << made.error().what();
+  std::unique_ptr<runtime::RoutedExpertCopier> copier = std::move(made).value();
+  kernels::ExpertDmaChooseArgs a;
+  a.num_tokens = ntok.data();
+  a.capacity = 1;
+  a.top_k = k;
+  a.num_experts = E;
+  a.table13 = table13.data();
+  a.table2 = table2.data();
+  a.home = {h.alias + h.a13, h.alias + h.a13 + E * Homes::w13_bytes, h.alias + h.a2, h.alias + h.a2 + E * Homes::w2_bytes};
+  a.slots = {slots.data(), h.layout.stride, h.layout.off_s13, h.layout.off_w2, h.layout.off_s2};
+  a.num_slots = num_slots;
+  a.signal = copier->signal();
+  a.record = record.data();
+  cudaGraph_t g = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int r = 0; r < rounds; ++r) {
+    a.topk_ids = topk.data() + r * k;
+    kernels::launch_expert_dma_choose(a, stream);
+    kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart2, stream);
+    kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart13, stream);
+    verify_slots_kernel<<<1, 256, 0, stream>>>(record.data(), table13.data(), table2.data(), Homes::w13_bytes,
+                                               Homes::s13_bytes, Homes::w2_bytes, Homes::s2_bytes, errors.data());
+    kernels::launch_expert_dma_restore(record.data(), stream);
+  }
+  CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  CUDA_CHECK(cudaGraphDestroy(g));
+  int64_t expect_posts = 0;
+  for (int replay = 0; replay < 3; ++replay) {
+    std::vector<int32_t> ids(rounds * k);
+    for (int r = 0; r < rounds; ++r) {
+      std::vector<int32_t> row(k);
+      for (int32_t& x : row) x = static_cast<int32_t>(rng() % E);
+      std::copy(row.begin(), row.end(), ids.begin() + r * k);
+      expect_posts += cpu::expert_dma_choose(row, 1, k, E, h.home13, h.home2, num_slots).empty() ? 0 : 1;
+    }
+    topk.upload(ids);
+    ntok.upload(std::vector<int32_t>{1});
+    table13.upload(h.t13);
+    table2.upload(h.t2);
+    errors.upload(std::vector<unsigned>{0});
+    slots.poison(0xCD, stream);
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    stream.sync();
+    ASSERT_TRUE(copier->health().ok()) << copier->health().error().what();
+    EXPECT_EQ(errors.download()[0], 0u) << "replay " << replay << ": a slot read before its bytes landed";
+    EXPECT_EQ(copier->posts_served(), expect_posts);
+    const std::vector<ExpertMatrixPtrs> g13 = table13.download(), g2 = table2.download();
+    for (int e = 0; e < E; ++e) {
+      EXPECT_TRUE(same_entry(g13[static_cast<size_t>(e)], h.t13[static_cast<size_t>(e)])) << "table13 " << e;
+      EXPECT_TRUE(same_entry(g2[static_cast<size_t>(e)], h.t2[static_cast<size_t>(e)])) << "table2 " << e;
+    }
+  }
+  EXPECT_GT(expect_posts, 2 * rounds);
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+}
+
+// A post the copier refuses (a chosen expert without a home in its sources): the wait gives up
+// after kExpertDmaWaitNs and sets the failure word; health() names the cause, once; every later
+// wait returns at once and every later choice chooses nothing, leaving the tables alone.
 TEST(ExpertDmaGpu, UnservedPostsFailWithinTheBoundAndSay) {
   MOEBIUS_REQUIRE_GPU();
   using clock = std::chrono::steady_clock;
@@ -297,11 +400,27 @@ TEST(ExpertDmaGpu, UnservedPostsFailWithinTheBoundAndSay) {
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.error().what().find("no home"), std::string::npos) << st.error().what();
   EXPECT_EQ(copier->posts_served(), 0);
+  EXPECT_TRUE(copier->health().ok());  // reported once
   // Later waits return at once (the failure is sticky), so a broken step cannot hang the stream.
   const auto t1 = clock::now();
   kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart2, stream);
   stream.sync();
   EXPECT_LT(std::chrono::duration<double>(clock::now() - t1).count(), 0.5);
+  // The next choice chooses nothing: the tables stay as they are, no post, no wait.
+  kernels::launch_expert_dma_restore(record.data(), stream);
+  table13.upload(h.t13);
+  table2.upload(h.t2);
+  const auto t2 = clock::now();
+  kernels::launch_expert_dma_choose(a, stream);
+  kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart13, stream);
+  stream.sync();
+  EXPECT_LT(std::chrono::duration<double>(clock::now() - t2).count(), 0.5);
+  EXPECT_EQ(record.download()[0].count, 0);
+  const std::vector<ExpertMatrixPtrs> g13 = table13.download(), g2 = table2.download();
+  for (int e = 0; e < E; ++e) {
+    EXPECT_TRUE(same_entry(g13[static_cast<size_t>(e)], h.t13[static_cast<size_t>(e)])) << "table13 " << e;
+    EXPECT_TRUE(same_entry(g2[static_cast<size_t>(e)], h.t2[static_cast<size_t>(e)])) << "table2 " << e;
+  }
 }
 
 }  // namespace

@@ -577,6 +577,20 @@ TEST(OffloadCuda, RoutedDmaNeedsColdExpertsAndValidOptions) {
   auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
   ASSERT_FALSE(m2.ok());
   EXPECT_NE(m2.error().what().find("expert_dma_slots"), std::string::npos) << m2.error().what();
+  {  // the copier fixed the cold homes at load: swap_experts is refused, and says why
+    Qwen3MoeCudaOptions o = options(WeightFormat::kInt4, 5);
+    o.expert_dma_slots = 2;
+    auto m4 = load(o);
+    ASSERT_TRUE(m4);
+    int cold = -1, res = -1;
+    for (int e = 0; e < 16; ++e) {
+      if (cold < 0 && !m4->expert_resident(2, e)) cold = e;
+      if (res < 0 && m4->expert_resident(2, e)) res = e;
+    }
+    const Status refused = m4->swap_experts(2, cold, res);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.error().what().find("routed-expert DMA"), std::string::npos) << refused.error().what();
+  }
   setenv("MOEBIUS_EXPERT_DMA_SLOTS", "x", 1);  // -1 reads the environment, strictly
   auto m3 = Qwen3MoeCuda::load(fixture_dir(), options(WeightFormat::kInt4, 5));
   unsetenv("MOEBIUS_EXPERT_DMA_SLOTS");
