@@ -88,6 +88,7 @@ TEST(ExpertPrefetchFlags, TheFlagIsAnOffloadFlag) {
   // The commands refuse offload flags on the CPU backend by this name.
   EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 2), "--expert-prefetch");
   EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0), "");
+  EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0, 8), "--expert-dma");
   EXPECT_EQ(offload::first_offload_flag("24", "", offload::ExpertCacheFlags{}, 2), "--gpu-memory-budget");
 }
 

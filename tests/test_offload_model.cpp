@@ -209,6 +209,11 @@ TEST(ExpertCacheCli, BadFlagsAreRefusedBeforeLoading) {
       {serve + "--expert-prefetch 1", "'--expert-prefetch': expert offload needs --backend cuda"},
       {gen + "--backend cuda --gpu-memory-budget 2 --expert-prefetch 9", "--expert-prefetch"},
       {gen + "--backend cuda --gpu-memory-budget 2 --expert-prefetch -1", "--expert-prefetch"},
+      // [TAG_EXPERT_ROUTED_DMA] Likewise the routed-expert copies.
+      {gen + "--expert-dma 8", "'--expert-dma': expert offload needs --backend cuda"},
+      {serve + "--expert-dma 2", "'--expert-dma': expert offload needs --backend cuda"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-dma 17", "--expert-dma"},
+      {gen + "--backend cuda --gpu-memory-budget 2 --expert-dma -1", "--expert-dma"},
   };
   for (const Bad& b : bad) {
     // A serve that wrongly accepted its flags would serve forever: bounded.

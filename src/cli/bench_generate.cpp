@@ -80,6 +80,7 @@ struct BenchGenerateOptions {
   std::string cold_path = "auto";
   offload::ExpertCacheFlags expert_cache;
   int expert_prefetch = 0;
+  int expert_dma = 0;
   int max_resident_experts = -1;
   double pcie_gbps = 55.3;
 };
@@ -130,6 +131,7 @@ Status run(const BenchGenerateOptions& o) {
   co.max_resident_experts = o.max_resident_experts;
   co.expert_cache = expert_cache;
   co.expert_prefetch = o.expert_prefetch;
+  co.expert_dma_slots = o.expert_dma > 0 ? o.expert_dma : -1;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));
@@ -334,7 +336,8 @@ void register_bench_generate(CLI::App& bench) {
   cmd->add_option("--group-size", o->group_size, "int formats: K elements per scale")->capture_default_str();
   cmd->add_option("--seed", o->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--no-autotune", o->no_autotune, "run the MoE kernels' heuristic configurations (no tuning)");
-  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file, &o->expert_cache, &o->expert_prefetch);
+  add_offload_options(cmd, &o->gpu_memory_budget, &o->placement_file, &o->expert_cache, &o->expert_prefetch,
+                      &o->expert_dma);
   cmd->add_option("--cold-path", o->cold_path, "prefill: auto (cost model), zero-copy or staged")
       ->capture_default_str();
   cmd->add_option("--max-resident-experts", o->max_resident_experts,

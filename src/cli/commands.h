@@ -14,7 +14,7 @@ namespace moebius::cli {
 // --expert-cache-decay D, --expert-cache-swaps N (expert offload, docs/OFFLOAD.md; the values are
 // checked by offload::parse_expert_cache_flags before the model loads).
 void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
-                         offload::ExpertCacheFlags* expert_cache, int* expert_prefetch);
+                         offload::ExpertCacheFlags* expert_cache, int* expert_prefetch, int* expert_dma);
 // --ep N (expert parallelism, docs/EXPERT_PARALLEL.md).
 void add_ep_option(CLI::App* cmd, int* ep);
 // --ceilings auto|table|measure: the HBM and bf16 ceilings a benchmark's ratios divide by

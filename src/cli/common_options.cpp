@@ -4,7 +4,7 @@
 namespace moebius::cli {
 
 void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
-                         offload::ExpertCacheFlags* expert_cache, int* expert_prefetch) {
+                         offload::ExpertCacheFlags* expert_cache, int* expert_prefetch, int* expert_dma) {
   cmd->add_option("--gpu-memory-budget", *gpu_memory_budget,
                   "cuda: GiB of device memory for the model, or auto; experts that do not fit are read from "
                   "pinned host memory (default: every expert on the GPU)");
@@ -27,6 +27,14 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
                   "routing and copy the down projections of up to N of its cold experts to the GPU while the layers "
                   "between run (2 measured best); 0: off")
       ->check(CLI::Range(0, 8))
+      ->capture_default_str();
+  // 16: kernels::kExpertDmaMaxSlots (the CUDA runner checks it again).
+  cmd->add_option("--expert-dma", *expert_dma,
+                  "cuda, with --gpu-memory-budget: in decode steps, copy up to N of each MoE layer's routed cold "
+                  "experts to the GPU by the copy engines once the layer's routing is known (a host thread issues the "
+                  "copies the GPU posts) instead of the kernels reading them over PCIe; 0: off "
+                  "($MOEBIUS_EXPERT_DMA_SLOTS, else off)")
+      ->check(CLI::Range(0, 16))
       ->capture_default_str();
 }
 

@@ -192,7 +192,7 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--experts", o->gen.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--backend", o->gen.backend, "cpu or cuda")->capture_default_str();
   add_offload_options(cmd, &o->gen.gpu_memory_budget, &o->gen.placement_file, &o->gen.expert_cache,
-                      &o->gen.expert_prefetch);
+                      &o->gen.expert_prefetch, &o->gen.expert_dma);
   add_ep_option(cmd, &o->gen.ep);
   cmd->add_option("--load-format", o->gen.load_format,
                   "auto (read the checkpoint) or dummy (cuda: random weights of config.json's geometry)")

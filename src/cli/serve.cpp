@@ -178,7 +178,7 @@ Status run(ServeOptions& o) {
   log_info("loading {} ({} backend{})", source.name(), o.runner.backend, source.dummy() ? ", dummy weights" : "");
   if (const std::string f =
           offload::first_offload_flag(o.runner.gpu_memory_budget, o.runner.placement_file, o.runner.expert_cache,
-                                      o.runner.expert_prefetch);
+                                      o.runner.expert_prefetch, o.runner.expert_dma);
       !f.empty() && o.runner.backend != "cuda")
     return Error("expert offload needs --backend cuda").in_field(f);
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<server::StepRunner> runner, server::load_runner(o.runner));
@@ -289,7 +289,7 @@ void register_serve(CLI::App& app) {
   cmd->add_option("--served-model-name", o->served_model_name, "the model's name in the API (default: DIR's name)");
   cmd->add_option("--backend", o->runner.backend, "cpu or cuda")->capture_default_str();
   add_offload_options(cmd, &o->runner.gpu_memory_budget, &o->runner.placement_file, &o->runner.expert_cache,
-                      &o->runner.expert_prefetch);
+                      &o->runner.expert_prefetch, &o->runner.expert_dma);
   add_ep_option(cmd, &o->runner.ep);
   cmd->add_option("--experts", o->runner.experts, "re-quantize experts: bf16, nvfp4, int4, int2 (default: as stored)");
   cmd->add_option("--load-format", o->runner.source.load_format, "auto, or dummy (cuda: random weights)")

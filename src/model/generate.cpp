@@ -255,7 +255,8 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
   if (o.max_tokens < 0) return Error::format("must be >= 0, got {}", o.max_tokens).in_field("--max-tokens");
   if (o.prefill_chunk < 1) return Error::format("must be >= 1, got {}", o.prefill_chunk).in_field("--prefill-chunk");
   if (const std::string f =
-          offload::first_offload_flag(o.gpu_memory_budget, o.placement_file, o.expert_cache, o.expert_prefetch);
+          offload::first_offload_flag(o.gpu_memory_budget, o.placement_file, o.expert_cache, o.expert_prefetch,
+                                      o.expert_dma);
       !f.empty() && o.backend != "cuda")
     return Error("expert offload needs --backend cuda").in_field(f);
   MOEBIUS_ASSIGN_OR_RETURN(std::optional<offload::CacheOptions> expert_cache,
@@ -286,6 +287,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.placement_file = o.placement_file;
     co.expert_cache = expert_cache;
     co.expert_prefetch = o.expert_prefetch;
+    co.expert_dma_slots = o.expert_dma > 0 ? o.expert_dma : -1;
     if (o.ep > 1) co.ep_comm = o.ep_comm;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (model->ep_rank() != 0) {  // expert parallelism: serve rank 0's steps until it is done

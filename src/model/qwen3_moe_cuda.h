@@ -144,7 +144,7 @@ struct Qwen3MoeCudaOptions {
   // qwen3_moe_cuda_dma.h): in decode steps of at most kernels::kExpertDmaMaxIds / k rows, each MoE
   // layer's first N routed cold experts are copied into device slots after its routing (a kernel
   // posts its choice, a host thread issues the copies) instead of read zero-copy by its GEMMs.
-  // 0: off; -1: $MOEBIUS_EXPERT_DMA_SLOTS, else 0. At most kernels::kExpertDmaMaxSlots; needs
+  // 0: off; -1: $MOEBIUS_EXPERT_DMA_SLOTS, else 0 (the commands' --expert-dma N sets N > 0). At most kernels::kExpertDmaMaxSlots; needs
   // cold experts; not with the dynamic cache or expert parallelism. A measurement setting until
   // the GPU runs compare it with the zero-copy reads.
   int expert_dma_slots = -1;

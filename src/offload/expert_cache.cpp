@@ -41,11 +41,12 @@ Result<std::optional<CacheOptions>> parse_expert_cache_flags(const ExpertCacheFl
 }
 
 std::string first_offload_flag(const std::string& gpu_memory_budget, const std::string& placement_file,
-                               const ExpertCacheFlags& cache, int expert_prefetch) {
+                               const ExpertCacheFlags& cache, int expert_prefetch, int expert_dma) {
   if (!gpu_memory_budget.empty()) return "--gpu-memory-budget";
   if (!placement_file.empty()) return "--placement";
   if (cache.policy != "off") return "--expert-cache";
   if (expert_prefetch != 0) return "--expert-prefetch";
+  if (expert_dma != 0) return "--expert-dma";
   return "";
 }
 

@@ -49,10 +49,10 @@ struct ExpertCacheFlags {
 // experts cold was given) is an error, since no expert would be cold. Errors name the flag.
 Result<std::optional<CacheOptions>> parse_expert_cache_flags(const ExpertCacheFlags& flags, bool offloading);
 // The first expert-offload flag a command was given ("--gpu-memory-budget", "--placement",
-// "--expert-cache", "--expert-prefetch"), or "" for none: the commands refuse them on the CPU
-// backend, naming it.
+// "--expert-cache", "--expert-prefetch", "--expert-dma"), or "" for none: the commands refuse them
+// on the CPU backend, naming it.
 std::string first_offload_flag(const std::string& gpu_memory_budget, const std::string& placement_file,
-                               const ExpertCacheFlags& cache, int expert_prefetch = 0);
+                               const ExpertCacheFlags& cache, int expert_prefetch = 0, int expert_dma = 0);
 
 struct CacheSwap {
   int evict = -1;  // expert leaving the GPU; its slot goes to `admit`
