@@ -107,6 +107,28 @@ struct Homes {
     c.s2_bytes = s2_bytes;
     return c;
   }
+
+  // The choose kernel's arguments for layer 0 over these homes and tables.
+  kernels::ExpertDmaChooseArgs choose_args(const int32_t* topk_ids, const int32_t* num_tokens, int capacity, int top_k,
+                                           ExpertMatrixPtrs* table13, ExpertMatrixPtrs* table2, uint8_t* slots,
+                                           int num_slots, const runtime::RoutedExpertCopier& copier,
+                                           ExpertDmaRecord* record) const {
+    kernels::ExpertDmaChooseArgs a;
+    a.topk_ids = topk_ids;
+    a.num_tokens = num_tokens;
+    a.capacity = capacity;
+    a.top_k = top_k;
+    a.num_experts = E;
+    a.table13 = table13;
+    a.table2 = table2;
+    a.home = {alias + a13, alias + a13 + E * w13_bytes, alias + a2, alias + a2 + E * w2_bytes};
+    a.slots = {slots, layout.stride, layout.off_s13, layout.off_w2, layout.off_s2};
+    a.num_slots = num_slots;
+    a.layer = 0;
+    a.signal = copier.signal();
+    a.record = record;
+    return a;
+  }
 };
 
 TEST(ExpertDmaGpu, ChoiceCopiesAndTablesMatchTheCpuReference) {
@@ -129,20 +151,8 @@ TEST(ExpertDmaGpu, ChoiceCopiesAndTablesMatchTheCpuReference) {
       ASSERT_TRUE(made.ok()) << made.error().what();
       std::unique_ptr<runtime::RoutedExpertCopier> copier = std::move(made).value();
 
-      kernels::ExpertDmaChooseArgs a;
-      a.topk_ids = topk.data();
-      a.num_tokens = ntok.data();
-      a.capacity = capacity;
-      a.top_k = k;
-      a.num_experts = E;
-      a.table13 = table13.data();
-      a.table2 = table2.data();
-      a.home = {h.alias + h.a13, h.alias + h.a13 + E * w13_bytes, h.alias + h.a2, h.alias + h.a2 + E * w2_bytes};
-      a.slots = {slots.data(), layout.stride, layout.off_s13, layout.off_w2, layout.off_s2};
-      a.num_slots = num_slots;
-      a.layer = 0;
-      a.signal = copier->signal();
-      a.record = record.data();
+      kernels::ExpertDmaChooseArgs a = h.choose_args(topk.data(), ntok.data(), capacity, k, table13.data(), table2.data(),
+                                                     slots.data(), num_slots, *copier, record.data());
       // The runner's shape on one stream: choose, the w2 wait, the w13 wait.
       auto enqueue = [&](cudaStream_t s) {
         kernels::launch_expert_dma_choose(a, s);
@@ -290,18 +300,8 @@ TEST(ExpertDmaGpu, BackToBackChoicesInOneGraphLandBeforeTheirWaits) {
   auto made = runtime::RoutedExpertCopier::create(h.copier_config(slots.data(), num_slots));
   ASSERT_TRUE(made.ok()) << made.error().what();
   std::unique_ptr<runtime::RoutedExpertCopier> copier = std::move(made).value();
-  kernels::ExpertDmaChooseArgs a;
-  a.num_tokens = ntok.data();
-  a.capacity = 1;
-  a.top_k = k;
-  a.num_experts = E;
-  a.table13 = table13.data();
-  a.table2 = table2.data();
-  a.home = {h.alias + h.a13, h.alias + h.a13 + E * Homes::w13_bytes, h.alias + h.a2, h.alias + h.a2 + E * Homes::w2_bytes};
-  a.slots = {slots.data(), h.layout.stride, h.layout.off_s13, h.layout.off_w2, h.layout.off_s2};
-  a.num_slots = num_slots;
-  a.signal = copier->signal();
-  a.record = record.data();
+  kernels::ExpertDmaChooseArgs a = h.choose_args(topk.data(), ntok.data(), 1, k, table13.data(), table2.data(),
+                                                 slots.data(), num_slots, *copier, record.data());
   cudaGraph_t g = nullptr;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   for (int r = 0; r < rounds; ++r) {
@@ -375,19 +375,8 @@ TEST(ExpertDmaGpu, UnservedPostsFailWithinTheBoundAndSay) {
   table13.upload(h.t13);
   table2.upload(h.t2);
   record.poison(0x00, stream);
-  kernels::ExpertDmaChooseArgs a;
-  a.topk_ids = topk.data();
-  a.num_tokens = ntok.data();
-  a.capacity = 1;
-  a.top_k = k;
-  a.num_experts = E;
-  a.table13 = table13.data();
-  a.table2 = table2.data();
-  a.home = {h.alias + h.a13, h.alias + h.a13 + E * Homes::w13_bytes, h.alias + h.a2, h.alias + h.a2 + E * Homes::w2_bytes};
-  a.slots = {slots.data(), h.layout.stride, h.layout.off_s13, h.layout.off_w2, h.layout.off_s2};
-  a.num_slots = num_slots;
-  a.signal = copier->signal();
-  a.record = record.data();
+  kernels::ExpertDmaChooseArgs a = h.choose_args(topk.data(), ntok.data(), 1, k, table13.data(), table2.data(),
+                                                 slots.data(), num_slots, *copier, record.data());
   const auto t0 = clock::now();
   kernels::launch_expert_dma_choose(a, stream);
   kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart13, stream);
