@@ -7,8 +7,14 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#ifdef MOEBIUS_HAS_CUDA
+#include "runtime/cuda_connections.h"
+#endif
 
 int main(int argc, char** argv) {
+#ifdef MOEBIUS_HAS_CUDA
+  moebius::runtime::request_cuda_connections();  // before any CUDA call [TAG_CUDA_CONNECTIONS]
+#endif
   CLI::App app{"moebius: fast inference for Mixture-of-Experts models with low-bit experts"};
   app.set_version_flag("--version", std::string("moebius ") + MOEBIUS_VERSION);
   app.require_subcommand(1);

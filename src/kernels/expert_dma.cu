@@ -126,7 +126,7 @@ __global__ void expert_dma_wait_kernel(const ExpertDmaRecord* rec, const unsigne
     // Tickets grow by one per posted choice (wrapping after 2^32): a flag at or past ours is done.
     if (static_cast<int>(v - want) >= 0) return;
     if (global_ns() - start > kExpertDmaWaitNs) {
-      *fail = 1;
+      *fail = want != 0u ? want : 1u;  // the ticket given up on (nonzero), for the runner's message
       __threadfence_system();
       return;
     }

@@ -68,7 +68,7 @@ struct ExpertDmaSignal {
   unsigned* ticket = nullptr;      // device: the last ticket posted (zeroed at setup)
   const unsigned* flag13 = nullptr;  // device: the last ticket whose w13 copies landed
   const unsigned* flag2 = nullptr;   // device: ... whose w2 copies landed
-  unsigned* failed = nullptr;      // device alias of a mapped word: nonzero once a wait gave up
+  unsigned* failed = nullptr;      // device alias of a mapped word: the ticket a wait gave up on (0: none)
 };
 
 // The slots' state (device memory, zeroed by the caller): whose entries point into the slots, which

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/expert_prefetch.cuh"
+#include "runtime/cuda_connections.h"
 
 namespace moebius::model {
 
@@ -35,6 +36,13 @@ Status Qwen3MoeCuda::setup_expert_dma() {
     return Ok{};
   };
   if (!offloaded()) return off("every expert is resident");
+  // [TAG_CUDA_CONNECTIONS] Fewer hardware queues than the CLI asks for: the copier's stream could
+  // share one with the decode graph, and its copies would queue behind the waits for them.
+  if (const int q = runtime::cuda_connections(); q < runtime::kCudaConnectionsWanted)
+    return off(fmt::format("CUDA_DEVICE_MAX_CONNECTIONS is {}, and the copies need {} hardware queues so that they "
+                           "never queue behind the kernels waiting for them (the moebius CLI sets {} unless the "
+                           "variable is set)",
+                           q, runtime::kCudaConnectionsWanted, runtime::kCudaConnectionsWanted));
   if (c.num_experts > 1024) return off(fmt::format("{} experts, the choice handles at most 1024", c.num_experts));
   auto st = std::make_unique<DmaState>();
   st->slots = n;

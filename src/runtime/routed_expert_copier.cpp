@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "kernels/cuda_check.h"
+#include "runtime/cuda_connections.h"
 
 namespace moebius::runtime {
 
@@ -86,24 +87,45 @@ RoutedExpertCopier::~RoutedExpertCopier() {
 Status RoutedExpertCopier::health() const {
   // A thread failure is reported once the device has given up on it too (its next wait times
   // out), so the error comes with the step it spoiled and later steps run zero-copy.
-  if (reported_.load(std::memory_order_relaxed) || *reinterpret_cast<const volatile unsigned*>(failed_) == 0)
-    return Ok{};
+  const unsigned ticket = *reinterpret_cast<const volatile unsigned*>(failed_);
+  if (reported_.load(std::memory_order_relaxed) || ticket == 0) return Ok{};
   std::string why;
   {
     std::lock_guard<std::mutex> lock(error_mutex_);
     why = error_;
   }
+  if (why.empty()) {
+    const unsigned issued = issued_.load(std::memory_order_acquire);
+    why = static_cast<int>(issued - ticket) >= 0
+              ? fmt::format("the host thread had issued the copies of post {}, but they did not land: they queued "
+                            "behind the waiting kernels on a shared hardware queue (CUDA_DEVICE_MAX_CONNECTIONS "
+                            "is {})",
+                            ticket, cuda_connections())
+              : fmt::format("the host thread did not pick up post {} (it had issued up to post {})", ticket, issued);
+  }
   reported_.store(true, std::memory_order_relaxed);
   return Error::format(
       "routed expert copies failed ({}); a MoE layer waited {} s for them and gave up, so the last step's results "
       "are invalid; decoding goes on with zero-copy reads",
-      why.empty() ? std::string("the host thread did not answer") : why,
-      static_cast<double>(kernels::kExpertDmaWaitNs) / 1e9);
+      why, static_cast<double>(kernels::kExpertDmaWaitNs) / 1e9);
 }
 
 void RoutedExpertCopier::fail(std::string why) {
   std::lock_guard<std::mutex> lock(error_mutex_);
   if (error_.empty()) error_ = "routed expert copier: " + std::move(why);
+}
+
+int RoutedExpertCopier::first_without_home(const kernels::ExpertDmaPost& post) const {
+  const RoutedCopierConfig& c = config_;
+  for (int j = 0; j < post.count; ++j) {
+    const RoutedCopySource& src =
+        c.sources[static_cast<size_t>(post.layer) * static_cast<size_t>(c.num_experts) + static_cast<size_t>(post.ids[j])];
+    const bool w13 = (post.parts[j] & kernels::kExpertDmaPart13) != 0, w2 = (post.parts[j] & kernels::kExpertDmaPart2) != 0;
+    if ((w13 && (src.w13 == nullptr || (c.s13_bytes != 0 && src.s13 == nullptr))) ||
+        (w2 && (src.w2 == nullptr || (c.s2_bytes != 0 && src.s2 == nullptr))))
+      return j;
+  }
+  return -1;
 }
 
 bool RoutedExpertCopier::issue(const kernels::ExpertDmaPost& post, unsigned part, unsigned ticket) {
@@ -126,11 +148,6 @@ bool RoutedExpertCopier::issue(const kernels::ExpertDmaPost& post, unsigned part
     };
     for (const Array& a : arrays) {
       if (a.bytes == 0) continue;
-      if (a.src == nullptr) {  // a chosen part must have a home to copy from
-        fail(fmt::format("layer {} expert {}: chosen for a copy but has no home in host memory", post.layer,
-                         post.ids[j]));
-        return false;
-      }
       if (const cudaError_t e = cudaMemcpyAsync(a.dst, a.src, a.bytes, cudaMemcpyDefault, stream_); e != cudaSuccess) {
         fail(fmt::format("cudaMemcpyAsync of layer {} expert {}: {}", post.layer, post.ids[j], cudaGetErrorString(e)));
         return false;
@@ -189,9 +206,14 @@ void RoutedExpertCopier::serve() {
       fail(fmt::format("malformed post {} (layer {}, count {})", seq, p.layer, p.count));
       return;
     }
+    if (const int j = first_without_home(p); j >= 0) {  // before the post counts as served
+      fail(fmt::format("layer {} expert {}: chosen for a copy but has no home in host memory", p.layer, p.ids[j]));
+      return;
+    }
     // Counted before the flags are issued: a caller that saw its waits return sees the count.
     served_.fetch_add(1, std::memory_order_relaxed);
     if (!issue(p, kernels::kExpertDmaPart13, seq) || !issue(p, kernels::kExpertDmaPart2, seq)) return;
+    issued_.store(seq, std::memory_order_release);
     ++next;
     last_post = clock::now();
   }

@@ -11,7 +11,7 @@
 // after 2 ms without one, so an idle server does not keep a core busy.
 //
 // Failure: a CUDA error in the thread, or a malformed post (a layer, count, id or part out of
-// range), stops the serving; the device's next wait then gives up after kExpertDmaWaitNs and sets
+// range, or a chosen part without a home in host memory), stops the serving; the device's next wait then gives up after kExpertDmaWaitNs and sets
 // the failed word (as it does when the thread is merely stalled that long). From then on the
 // choices choose nothing, so the layers read zero-copy again. The step that timed out computed
 // with slots that may not have landed, so the runner checks health() at every step: it reports
@@ -65,7 +65,9 @@ class RoutedExpertCopier {
   // What the choose and wait kernels take (device addresses).
   const kernels::ExpertDmaSignal& signal() const { return signal_; }
   // Ok, or (once) the failure: a device wait's timeout, with the thread's cause if it has one
-  // (CUDA error, malformed post). Reads host memory only (no synchronization).
+  // (CUDA error, malformed post), else whether the thread had issued that ticket's copies (then
+  // they queued behind the waits: [TAG_CUDA_CONNECTIONS]) or never picked the post up. Reads host
+  // memory only (no synchronization).
   Status health() const;
   int64_t posts_served() const { return served_.load(std::memory_order_relaxed); }
   uint64_t bytes_copied() const { return bytes_.load(std::memory_order_relaxed); }
@@ -74,8 +76,10 @@ class RoutedExpertCopier {
   RoutedExpertCopier() = default;
   void serve();
   // Issues the arrays of `part` for every chosen slot of `post`, then the flag copy; false (with
-  // the error recorded) on a CUDA error.
+  // the error recorded) on a CUDA error. The post was checked: every chosen part has a home.
   bool issue(const kernels::ExpertDmaPost& post, unsigned part, unsigned ticket);
+  // The first chosen slot of a well-formed post whose chosen part lacks a home array, or -1.
+  int first_without_home(const kernels::ExpertDmaPost& post) const;
   void fail(std::string why);
 
   RoutedCopierConfig config_;
@@ -89,6 +93,7 @@ class RoutedExpertCopier {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0};
+  std::atomic<unsigned> issued_{0};  // the last ticket whose copies and flags are all issued
   std::atomic<uint64_t> bytes_{0};
   mutable std::mutex error_mutex_;
   mutable std::atomic<bool> reported_{false};  // health() has returned the failure

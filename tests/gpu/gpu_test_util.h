@@ -38,8 +38,13 @@
 #include <vector>
 
 #include "kernels/cuda_check.h"
+#include "runtime/cuda_connections.h"
 
 namespace moebius::testing {
+
+// [TAG_CUDA_CONNECTIONS] The test binary runs with the CLI's hardware queue count: set while the
+// static objects are built, before any test's first CUDA call.
+inline const bool kCudaConnectionsRequested = (runtime::request_cuda_connections(), true);
 
 inline bool gpu_available() {
   int n = 0;

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -410,6 +411,59 @@ TEST(ExpertDmaGpu, UnservedPostsFailWithinTheBoundAndSay) {
     EXPECT_TRUE(same_entry(g13[static_cast<size_t>(e)], h.t13[static_cast<size_t>(e)])) << "table13 " << e;
     EXPECT_TRUE(same_entry(g2[static_cast<size_t>(e)], h.t2[static_cast<size_t>(e)])) << "table2 " << e;
   }
+}
+
+// [TAG_CUDA_CONNECTIONS] The copier's stream must not share a hardware queue with the stream whose
+// kernels wait for its copies (they would queue behind the waits until the bound). CUDA assigns
+// queues as streams are created; with the 32 this binary asks for (as the CLI does), any 0-30
+// streams created between the waiting stream and the copier leave the two apart. Run with
+// CUDA_DEVICE_MAX_CONNECTIONS=8 this fails for some counts (Z39 checks that it does).
+TEST(ExpertDmaGpu, CopiesDoNotQueueBehindTheirWaitsWhateverStreamsCameBetween) {
+  MOEBIUS_REQUIRE_GPU();
+  using clock = std::chrono::steady_clock;
+  constexpr int E = Homes::E, k = 8, num_slots = 4;
+  std::mt19937 rng(4242u);
+  Homes h(rng);
+  std::vector<int32_t> ids;
+  for (int e = 0; e < E && static_cast<int>(ids.size()) < k; ++e)
+    if (!h.resident[static_cast<size_t>(e)]) ids.push_back(e);
+  ASSERT_EQ(static_cast<int>(ids.size()), k);
+  DeviceBuffer<ExpertMatrixPtrs> table13(E), table2(E);
+  DeviceBuffer<uint8_t> slots(num_slots * h.layout.stride);
+  DeviceBuffer<int32_t> topk(k), ntok(1);
+  DeviceBuffer<ExpertDmaRecord> record(1);
+  topk.upload(ids);
+  ntok.upload(std::vector<int32_t>{1});
+  std::vector<int> stalled;
+  for (int between = 0; between <= 30; ++between) {
+    table13.upload(h.t13);
+    table2.upload(h.t2);
+    CudaStream waiting;
+    std::vector<std::unique_ptr<CudaStream>> others;
+    for (int i = 0; i < between; ++i) others.push_back(std::make_unique<CudaStream>());
+    auto made = runtime::RoutedExpertCopier::create(h.copier_config(slots.data(), num_slots));
+    ASSERT_TRUE(made.ok()) << made.error().what();
+    std::unique_ptr<runtime::RoutedExpertCopier> copier = std::move(made).value();
+    record.poison(0x00, waiting);
+    const kernels::ExpertDmaChooseArgs a = h.choose_args(topk.data(), ntok.data(), 1, k, table13.data(),
+                                                         table2.data(), slots.data(), num_slots, *copier, record.data());
+    const auto t0 = clock::now();
+    kernels::launch_expert_dma_choose(a, waiting);
+    kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart13, waiting);
+    kernels::launch_expert_dma_wait(record.data(), a.signal, kernels::kExpertDmaPart2, waiting);
+    kernels::launch_expert_dma_restore(record.data(), waiting);
+    waiting.sync();
+    const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+    const Status st = copier->health();
+    if (!st.ok() || waited > 0.5) {
+      stalled.push_back(between);
+      ADD_FAILURE() << between << " streams between: waited " << waited << " s; "
+                    << (st.ok() ? std::string("healthy") : st.error().what());
+    }
+    EXPECT_EQ(copier->posts_served(), 1) << between << " streams between";
+  }
+  EXPECT_TRUE(stalled.empty()) << "CUDA_DEVICE_MAX_CONNECTIONS " << runtime::cuda_connections() << ": "
+                               << stalled.size() << " of 31 counts stalled";
 }
 
 }  // namespace
