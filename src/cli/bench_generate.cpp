@@ -169,7 +169,7 @@ Status run(const BenchGenerateOptions& o) {
     return Ok{};
   };
 
-  std::vector<std::string> pcie_rows, cache_rows, prefetch_rows;
+  std::vector<std::string> pcie_rows, cache_rows, prefetch_rows, dma_rows;
   // The expert cache's counts over one run; its swap bytes per token for the pcie rows.
   auto cache_run = [&](const char* phase, int64_t context, const offload::ModelCacheStats& before) -> double {
     if (!m->expert_cache_on()) return 0.0;
@@ -237,20 +237,32 @@ Status run(const BenchGenerateOptions& o) {
     // counts (--expert-cache) see each step once.
     double secs = 0.0;
     offload::ModelCacheStats cache_before;
+    int64_t dma_posts = 0;  // [TAG_EXPERT_ROUTED_DMA] over the timed steps
+    uint64_t dma_bytes = 0;
     for (int pass = 0;; ++pass) {
       pos = C;
       for (int i = 0; i < kWarmup; ++i) MOEBIUS_TRY(step(i));
       CUDA_CHECK(cudaStreamSynchronize(m->stream()));
       const int64_t graphs_before = m->graph_steps();
       cache_before = m->expert_cache_stats();
+      dma_posts = m->expert_dma_posts();
+      dma_bytes = m->expert_dma_bytes();
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < o.decode_steps; ++i) MOEBIUS_TRY(step(kWarmup + i));
       CUDA_CHECK(cudaStreamSynchronize(m->stream()));
       secs = seconds_since(t0);
+      dma_posts = m->expert_dma_posts() - dma_posts;
+      dma_bytes = m->expert_dma_bytes() - dma_bytes;
       if (m->graph_steps() - graphs_before == o.decode_steps) break;
       if (pass == 1) return Error("decode steps did not run as CUDA graph replays (internal)");
     }
     const double tok_s = o.decode_steps / secs;
+    if (m->expert_dma_on()) {
+      const double per_token = static_cast<double>(dma_bytes) / o.decode_steps;
+      dma_rows.push_back(fmt::format("{:<8} {:>8} {:>10.1f} {:>10.2f} {:>10.1f} {:>8.1f}%", "decode", C,
+                                     static_cast<double>(dma_posts) / o.decode_steps, per_token / 1e6,
+                                     per_token * tok_s / 1e9, 100.0 * per_token * tok_s / 1e9 / o.pcie_gbps));
+    }
     const double swap_bytes = cache_run("decode", C, cache_before);  // per token
     if (m->offloaded()) {  // the routing of a few more steps (eager, captured), read back one by one
       double pcie = 0;
@@ -300,6 +312,13 @@ Status run(const BenchGenerateOptions& o) {
     std::printf("%-8s %8s %10s %10s %10s %7s %7s\n", "phase", "context", "hit rate", "swaps/tok", "swap MB/tok",
                 "steps", "dropped");
     for (const std::string& r : cache_rows) std::printf("%s\n", r.c_str());
+  }
+  if (!dma_rows.empty()) {
+    std::printf("\nrouted expert DMA (%s): posts per token (one per MoE layer that chose a copy), bytes the copy "
+                "engines moved per token, and that rate vs %.1f GB/s, over the timed steps\n",
+                m->memory_plan().expert_dma.c_str(), o.pcie_gbps);
+    std::printf("%-8s %8s %10s %10s %10s %9s\n", "phase", "context", "posts/tok", "MB/token", "GB/s", "% PCIe");
+    for (const std::string& r : dma_rows) std::printf("%s\n", r.c_str());
   }
   if (!prefetch_rows.empty()) {
     std::printf("\nexpert prefetch (%s): experts copied ahead per token, the share of them routed to (precision), "

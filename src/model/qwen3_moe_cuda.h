@@ -316,6 +316,7 @@ class Qwen3MoeCuda {
   };
   PrefetchCounts last_step_prefetch(int rows) const;
   bool expert_prefetch_on() const { return prefetch_ != nullptr; }
+  bool expert_dma_on() const { return dma_ != nullptr; }
   // [TAG_EXPERT_ROUTED_DMA] Choices the copier's host thread has served so far, and the bytes it
   // copied (0 when the routed-expert DMA is off; no synchronization: copies may still be running).
   int64_t expert_dma_posts() const;
