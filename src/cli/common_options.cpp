@@ -1,6 +1,10 @@
 // The flags several `moebius` commands share; declared in cli/commands.h.
 #include "cli/commands.h"
 
+#ifdef MOEBIUS_HAS_CUDA
+#include "runtime/cuda_environment.h"
+#endif
+
 namespace moebius::cli {
 
 void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::string* placement_file,
@@ -35,6 +39,15 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
                   "copies the GPU posts) instead of the kernels reading them over PCIe; 0: off "
                   "($MOEBIUS_EXPERT_DMA_SLOTS, else off)")
       ->check(CLI::Range(0, 16))
+      ->each([](const std::string& n) {
+#ifdef MOEBIUS_HAS_CUDA
+        // [TAG_CUDA_EAGER_LOADING] The copies need every module loaded before the first step; the
+        // command's first CUDA call comes after parsing.
+        if (n != "0") runtime::request_eager_module_loading();
+#else
+        (void)n;
+#endif
+      })
       ->capture_default_str();
 }
 

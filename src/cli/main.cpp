@@ -2,18 +2,23 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <new>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #ifdef MOEBIUS_HAS_CUDA
-#include "runtime/cuda_connections.h"
+#include "runtime/cuda_environment.h"
 #endif
 
 int main(int argc, char** argv) {
 #ifdef MOEBIUS_HAS_CUDA
   moebius::runtime::request_cuda_connections();  // before any CUDA call [TAG_CUDA_CONNECTIONS]
+  // [TAG_CUDA_EAGER_LOADING] The routed copies asked for by the environment (--expert-dma asks
+  // while the flags are parsed).
+  if (const char* slots = std::getenv("MOEBIUS_EXPERT_DMA_SLOTS"); slots != nullptr && std::atoi(slots) > 0)
+    moebius::runtime::request_eager_module_loading();
 #endif
   CLI::App app{"moebius: fast inference for Mixture-of-Experts models with low-bit experts"};
   app.set_version_flag("--version", std::string("moebius ") + MOEBIUS_VERSION);

@@ -12,7 +12,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/expert_prefetch.cuh"
-#include "runtime/cuda_connections.h"
+#include "runtime/cuda_environment.h"
 
 namespace moebius::model {
 
@@ -43,6 +43,10 @@ Status Qwen3MoeCuda::setup_expert_dma() {
                            "never queue behind the kernels waiting for them (the moebius CLI sets {} unless the "
                            "variable is set)",
                            q, runtime::kCudaConnectionsWanted, runtime::kCudaConnectionsWanted));
+  if (!runtime::eager_module_loading())  // [TAG_CUDA_EAGER_LOADING]
+    return off("lazy module loading: a kernel's first launch could wait for the kernels waiting for the copies "
+               "(CUDA_MODULE_LOADING=EAGER is needed; the moebius CLI sets it with --expert-dma unless the variable "
+               "is set)");
   if (c.num_experts > 1024) return off(fmt::format("{} experts, the choice handles at most 1024", c.num_experts));
   auto st = std::make_unique<DmaState>();
   st->slots = n;

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "kernels/cuda_check.h"
-#include "runtime/cuda_connections.h"
+#include "runtime/cuda_environment.h"
 
 namespace moebius::runtime {
 

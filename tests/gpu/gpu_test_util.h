@@ -38,13 +38,15 @@
 #include <vector>
 
 #include "kernels/cuda_check.h"
-#include "runtime/cuda_connections.h"
+#include "runtime/cuda_environment.h"
 
 namespace moebius::testing {
 
-// [TAG_CUDA_CONNECTIONS] The test binary runs with the CLI's hardware queue count: set while the
-// static objects are built, before any test's first CUDA call.
-inline const bool kCudaConnectionsRequested = (runtime::request_cuda_connections(), true);
+// [TAG_CUDA_CONNECTIONS] [TAG_CUDA_EAGER_LOADING] The test binary runs in the environment the CLI
+// asks for with the routed copies on (the tests turn them on): set while the static objects are
+// built, before any test's first CUDA call.
+inline const bool kCudaEnvironmentRequested =
+    (runtime::request_cuda_connections(), runtime::request_eager_module_loading(), true);
 
 inline bool gpu_available() {
   int n = 0;
