@@ -1258,10 +1258,10 @@ Status Qwen3MoeCuda::enqueue_step(int graph_index, int T, int R, int max_q_len) 
     // its algorithms outside capture), then capture the same enqueue for the next steps.
     MOEBIUS_TRY(enqueue_layers(g.batch, g.batch, /*decode=*/true, graph_index, 1));
     ++eager_steps_;
-    // [TAG_EXPERT_ROUTED_DMA] Capture and instantiate with the GPU idle: in run Z39 (eager loading
-    // on) the eager step's routed copies stalled from its ~25th MoE layer of 94, about when the host
-    // had captured the graph and was instantiating it, and never on the small test models, whose
-    // eager step ends first. Once per step size.
+    // [TAG_EXPERT_ROUTED_DMA] Capture and instantiate with the GPU idle: in run Z39b (eager
+    // loading on) the eager step's routed copies stalled from its ~25th MoE layer of 94, about when
+    // the host had captured the graph and was instantiating it, and never on the small test models,
+    // whose eager step ends first; with this wait (Z40) they no longer stall. Once per step size.
     if (dma_) CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
     // With EP the NCCL calls are captured too (recorded, not run: the other ranks see one step).

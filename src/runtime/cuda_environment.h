@@ -5,13 +5,14 @@
 // [TAG_CUDA_CONNECTIONS] CUDA multiplexes streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues
 // (default 8, at most 32), assigned as streams are created; two streams on one queue are ordered
 // as one. A copier stream sharing a queue with the decode graph would queue its copies behind the
-// waits for them. The CLI asks for 32 always (nothing else depends on the count), and the copies
-// are refused with fewer.
+// waits for them (Z39's test with 8 queues did not show such sharing, but nothing documents the
+// assignment). The CLI asks for 32 always (nothing else depends on the count), and the copies are
+// refused with fewer.
 //
 // [TAG_CUDA_EAGER_LOADING] With lazy module loading (CUDA 12's default), a kernel's first launch
 // loads its module, and a load may wait for the work already running; that includes the spinning
-// waits. Run Z39: GPU tests of the model with the copies stalled after the first post under lazy
-// loading and passed with CUDA_MODULE_LOADING=EAGER. So the CLI asks for eager loading when the
+// waits. Runs Z39-Z39b: GPU tests of the model with the copies stalled after the first post under
+// lazy loading and passed with CUDA_MODULE_LOADING=EAGER. So the CLI asks for eager loading when the
 // copies are asked for (it costs start-up time and a little memory for every kernel's code, which
 // other runs need not pay), and the copies are refused under lazy loading.
 #pragma once

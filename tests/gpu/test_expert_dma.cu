@@ -416,8 +416,9 @@ TEST(ExpertDmaGpu, UnservedPostsFailWithinTheBoundAndSay) {
 // [TAG_CUDA_CONNECTIONS] The copier's stream must not share a hardware queue with the stream whose
 // kernels wait for its copies (they would queue behind the waits until the bound). CUDA assigns
 // queues as streams are created; with the 32 this binary asks for (as the CLI does), any 0-30
-// streams created between the waiting stream and the copier leave the two apart. Run with
-// CUDA_DEVICE_MAX_CONNECTIONS=8 this fails for some counts (Z39 checks that it does).
+// streams created between the waiting stream and the copier leave the two apart. Run Z39 with
+// CUDA_DEVICE_MAX_CONNECTIONS=8 and lazy loading: only the first round stalled (the kernels' first
+// launch: [TAG_CUDA_EAGER_LOADING]), so this guards both settings of cuda_environment.h.
 TEST(ExpertDmaGpu, CopiesDoNotQueueBehindTheirWaitsWhateverStreamsCameBetween) {
   MOEBIUS_REQUIRE_GPU();
   using clock = std::chrono::steady_clock;
