@@ -60,6 +60,18 @@ std::unique_ptr<Qwen3MoeCuda> load(const Qwen3MoeCudaOptions& o) {
   return m.ok() ? std::move(m).value() : nullptr;
 }
 
+// Loading with `o` fails with an error naming `field`; returns the message for further checks.
+std::string expect_refused(const Qwen3MoeCudaOptions& o, const char* field) {
+  auto m = Qwen3MoeCuda::load(fixture_dir(), o);
+  if (m.ok()) {
+    ADD_FAILURE() << "loaded; expected an error naming " << field;
+    return {};
+  }
+  const std::string e = m.error().what();
+  EXPECT_NE(e.find(field), std::string::npos) << e;
+  return e;
+}
+
 // A sequence on one runner: prefill `n` ids (all rows' logits), then single-token decode steps of
 // the rest (graph replays after the first), returning every logit in order.
 struct Seq {
@@ -166,9 +178,7 @@ TEST(OffloadCuda, StagedPrefillIsBitIdenticalToAllResident) {
   }
   Qwen3MoeCudaOptions bad = options(WeightFormat::kInt2, 5);
   bad.cold_path = "dma";
-  auto m = Qwen3MoeCuda::load(fixture_dir(), bad);
-  ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.error().what().find("--cold-path"), std::string::npos);
+  expect_refused(bad, "--cold-path");
 }
 
 TEST(OffloadCuda, GraphsCapturedBeforeAResidencyChangeReplayAfterIt) {
@@ -234,9 +244,7 @@ TEST(OffloadCuda, ABudgetTooSmallForTheNonExpertWeightsIsAClearError) {
   EXPECT_NE(e.find("--gpu-memory-budget"), std::string::npos) << e;
   EXPECT_NE(e.find("non-expert weights"), std::string::npos) << e;
   o.gpu_memory_budget = "lots";
-  auto bad = Qwen3MoeCuda::load(fixture_dir(), o);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.error().what().find("--gpu-memory-budget"), std::string::npos);
+  expect_refused(o, "--gpu-memory-budget");
   // A generous budget keeps every expert resident.
   o.gpu_memory_budget = "4";
   auto big = load(o);
@@ -500,14 +508,10 @@ TEST(OffloadCuda, PrefetchNeedsColdExpertsAndValidOptions) {
   }
   Qwen3MoeCudaOptions too_many = options(WeightFormat::kInt4, 5);
   too_many.expert_prefetch = kernels::kExpertPrefetchMaxSlots + 1;
-  auto m = Qwen3MoeCuda::load(fixture_dir(), too_many);
-  ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.error().what().find("--expert-prefetch"), std::string::npos) << m.error().what();
+  expect_refused(too_many, "--expert-prefetch");
   Qwen3MoeCudaOptions both = cached(WeightFormat::kInt4, offload::CachePolicy::kLru, 5);
   both.expert_prefetch = 2;
-  auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
-  ASSERT_FALSE(m2.ok());
-  EXPECT_NE(m2.error().what().find("--expert-prefetch"), std::string::npos) << m2.error().what();
+  expect_refused(both, "--expert-prefetch");
 }
 
 // [TAG_EXPERT_ROUTED_DMA] The routed cold experts copied by the copy engines on the orders of the
@@ -569,14 +573,10 @@ TEST(OffloadCuda, RoutedDmaNeedsColdExpertsAndValidOptions) {
   }
   Qwen3MoeCudaOptions too_many = options(WeightFormat::kInt4, 5);
   too_many.expert_dma_slots = kernels::kExpertDmaMaxSlots + 1;
-  auto m = Qwen3MoeCuda::load(fixture_dir(), too_many);
-  ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.error().what().find("expert_dma_slots"), std::string::npos) << m.error().what();
+  expect_refused(too_many, "expert_dma_slots");
   Qwen3MoeCudaOptions both = cached(WeightFormat::kInt4, offload::CachePolicy::kLru, 5);
   both.expert_dma_slots = 2;
-  auto m2 = Qwen3MoeCuda::load(fixture_dir(), both);
-  ASSERT_FALSE(m2.ok());
-  EXPECT_NE(m2.error().what().find("expert_dma_slots"), std::string::npos) << m2.error().what();
+  expect_refused(both, "expert_dma_slots");
   {  // the copier fixed the cold homes at load: swap_experts is refused, and says why
     Qwen3MoeCudaOptions o = options(WeightFormat::kInt4, 5);
     o.expert_dma_slots = 2;
