@@ -29,7 +29,8 @@ Status Qwen3MoeCuda::setup_expert_dma() {
   if (opt_.expert_cache)
     return Error("the expert cache (--expert-cache) and the routed-expert DMA both move experts; choose one")
         .in_field("expert_dma_slots");
-  MOEBIUS_ASSERT(!ep_);  // init_ep refuses expert offload with EP
+  if (ep_)  // init_ep refuses it first; kept so that no order of the setup can reach the copier with EP
+    return Error("expert offload is not supported together with expert parallelism yet").in_field("--ep");
   const Qwen3MoeConfig& c = config_;
   auto off = [&](const std::string& why) -> Status {
     plan_.expert_dma = fmt::format("off: {} ({} slots asked for)", why, n);

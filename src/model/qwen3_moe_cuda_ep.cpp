@@ -61,7 +61,7 @@ Status Qwen3MoeCuda::init_ep() {
                          opt_.ep_comm->name())
         .in_field("--ep");
   if (!opt_.gpu_memory_budget.empty() || !opt_.placement_file.empty() || opt_.max_resident_experts >= 0 ||
-      opt_.expert_cache || opt_.expert_prefetch != 0)
+      opt_.expert_cache || opt_.expert_prefetch != 0 || opt_.expert_dma_slots > 0)
     return Error("expert offload is not supported together with expert parallelism yet").in_field("--ep");
   if (Status st = parallel::check_expert_split(config_.num_experts, comm->size()); !st.ok())
     return std::move(st).error().in_field("--ep");

@@ -103,7 +103,7 @@ Status RoutedExpertCopier::health() const {
                             ticket, cuda_connections())
               : fmt::format("the host thread did not pick up post {} (it had issued up to post {})", ticket, issued);
   }
-  reported_.store(true, std::memory_order_relaxed);
+  if (reported_.exchange(true, std::memory_order_relaxed)) return Ok{};  // another caller reported it
   return Error::format(
       "routed expert copies failed ({}); a MoE layer waited {} s for them and gave up, so the last step's results "
       "are invalid; decoding goes on with zero-copy reads",
