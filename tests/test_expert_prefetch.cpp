@@ -89,6 +89,9 @@ TEST(ExpertPrefetchFlags, TheFlagIsAnOffloadFlag) {
   EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 2), "--expert-prefetch");
   EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0), "");
   EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0, 8), "--expert-dma");
+  // --expert-dma 0 is off and an absent flag (-1) leaves it to the environment: neither asks for offload.
+  EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0, 0), "");
+  EXPECT_EQ(offload::first_offload_flag("", "", offload::ExpertCacheFlags{}, 0, -1), "");
   EXPECT_EQ(offload::first_offload_flag("24", "", offload::ExpertCacheFlags{}, 2), "--gpu-memory-budget");
 }
 

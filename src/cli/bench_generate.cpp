@@ -80,7 +80,7 @@ struct BenchGenerateOptions {
   std::string cold_path = "auto";
   offload::ExpertCacheFlags expert_cache;
   int expert_prefetch = 0;
-  int expert_dma = 0;
+  int expert_dma = -1;  // Qwen3MoeCudaOptions::expert_dma_slots
   int max_resident_experts = -1;
   double pcie_gbps = 55.3;
 };
@@ -131,7 +131,7 @@ Status run(const BenchGenerateOptions& o) {
   co.max_resident_experts = o.max_resident_experts;
   co.expert_cache = expert_cache;
   co.expert_prefetch = o.expert_prefetch;
-  co.expert_dma_slots = o.expert_dma > 0 ? o.expert_dma : -1;
+  co.expert_dma_slots = o.expert_dma;
   ProgressBar bar("loading layers");
   co.progress = [&bar](int done, int total) { bar.update(done, total); };
   MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<model::Qwen3MoeCuda> m, model::Qwen3MoeCuda::open(source, co));

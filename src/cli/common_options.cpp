@@ -36,8 +36,8 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
   cmd->add_option("--expert-dma", *expert_dma,
                   "cuda, with --gpu-memory-budget: in decode steps, copy up to N of each MoE layer's routed cold "
                   "experts to the GPU by the copy engines once the layer's routing is known (a host thread issues the "
-                  "copies the GPU posts) instead of the kernels reading them over PCIe; 0: off "
-                  "($MOEBIUS_EXPERT_DMA_SLOTS, else off)")
+                  "copies the GPU posts) instead of the kernels reading them over PCIe; 0: off (default: "
+                  "$MOEBIUS_EXPERT_DMA_SLOTS, else off)")
       ->check(CLI::Range(0, 16))
       ->each([](const std::string& n) {
 #ifdef MOEBIUS_HAS_CUDA
@@ -47,8 +47,7 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
 #else
         (void)n;
 #endif
-      })
-      ->capture_default_str();
+      });  // no default shown: absent (-1) is the environment's choice, 0 is off
 }
 
 void add_ep_option(CLI::App* cmd, int* ep) {

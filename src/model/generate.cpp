@@ -287,7 +287,7 @@ Result<GenerateStats> run_generate(const GenerateOptions& o, const TokenCallback
     co.placement_file = o.placement_file;
     co.expert_cache = expert_cache;
     co.expert_prefetch = o.expert_prefetch;
-    co.expert_dma_slots = o.expert_dma > 0 ? o.expert_dma : -1;
+    co.expert_dma_slots = o.expert_dma;
     if (o.ep > 1) co.ep_comm = o.ep_comm;
     MOEBIUS_ASSIGN_OR_RETURN(std::unique_ptr<Qwen3MoeCuda> model, Qwen3MoeCuda::open(source, co));
     if (model->ep_rank() != 0) {  // expert parallelism: serve rank 0's steps until it is done

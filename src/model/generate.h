@@ -46,12 +46,12 @@ struct GenerateOptions {
   int prefill_chunk = 2048;     // cuda: prompt tokens per forward (chunked prefill past it)
   bool autotune = false;        // cuda: tune the MoE kernels (Qwen3MoeCudaOptions::autotune)
   // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file / expert_cache /
-  // expert_prefetch; expert_dma: expert_dma_slots when > 0, else its environment default).
+  // expert_prefetch; expert_dma: expert_dma_slots, -1 (no --expert-dma) for its environment default).
   std::string gpu_memory_budget;
   std::string placement_file;
   offload::ExpertCacheFlags expert_cache;
   int expert_prefetch = 0;
-  int expert_dma = 0;
+  int expert_dma = -1;
   // Expert parallelism: the experts split over `ep` ranks (cpu: threads of this process over the
   // in-process communicator; rank 0 runs the prompt, the others serve their experts). 1: off.
   // cuda: this process is one rank of ep_comm (an NCCL communicator of size ep, made by the

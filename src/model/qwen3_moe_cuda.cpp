@@ -121,6 +121,8 @@ Qwen3MoeCuda::~Qwen3MoeCuda() {
   // (and its copies finish) before the layers free them.
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
   dma_.reset();
+  for (cudaStream_t s : dma_streams_)
+    if (s != nullptr) (void)cudaStreamDestroy(s);
   for (Graph& g : graphs_)
     if (g.exec != nullptr) (void)cudaGraphExecDestroy(g.exec);
   if (staged_ != nullptr) (void)cudaEventDestroy(staged_);
@@ -228,6 +230,8 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   qkv_dim_ = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (o.expert_dma_slots > 0)  // [TAG_EXPERT_ROUTED_DMA] next to stream_: see dma_streams_
+    for (cudaStream_t& s : dma_streams_) CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
@@ -479,9 +483,10 @@ Status Qwen3MoeCuda::plan_offload(const moe::PackedMatrix& w13, const moe::Packe
   // [TAG_EXPERT_PREFETCH] The prefetch's slots (setup_expert_prefetch; only when something is
   // cold, but reserved whenever asked: the plan decides what is cold).
   // [TAG_EXPERT_ROUTED_DMA] The routed experts' DMA slots likewise (setup_expert_dma).
+  // An environment that refuses the copies reserves nothing for them.
+  const int dma_slots = dma_refusal().empty() ? opt_.expert_dma_slots : 0;
   const uint64_t prefetch_bytes =
-      opt_.expert_cache ? 0
-                        : static_cast<uint64_t>(std::max(opt_.expert_prefetch, 0) + opt_.expert_dma_slots) * r.expert_bytes;
+      opt_.expert_cache ? 0 : static_cast<uint64_t>(std::max(opt_.expert_prefetch, 0) + dma_slots) * r.expert_bytes;
   r.staging = r.expert_bytes + prefetch_bytes;  // swap_experts' scratch, the prefetch slots
   r.num_moe_layers = L;
   r.num_experts = E;

@@ -403,6 +403,9 @@ class Qwen3MoeCuda {
   void assert_uniform_expert_arrays() const;
   std::vector<uint8_t> cold_expert_mask() const;
   Status setup_expert_dma();
+  // Why the routed copies cannot run in this process (too few hardware queues, lazy module
+  // loading, too many experts), or "": plan_offload reserves no slots then.
+  std::string dma_refusal() const;
   Status dma_health() const;
   bool dma_step(int rows) const;
   void dma_arm(size_t i, moe::MoeLayerCuda& layer, const int32_t* num_tokens, int rows);
@@ -516,6 +519,11 @@ class Qwen3MoeCuda {
   std::unique_ptr<PrefetchState> prefetch_;  // the next-layer expert prefetch; null when off
   bool last_step_prefetched_ = false;
   std::unique_ptr<DmaState> dma_;  // routed experts by DMA; null when off
+  // The routed copies' copy stream and side stream, created right after stream_ when
+  // expert_dma_slots > 0 ([TAG_CUDA_CONNECTIONS]: hardware queues go to streams in turn as they are
+  // created, so these cannot share stream_'s queue however many streams come later).
+  // setup_expert_dma hands them on; the destructor frees those it did not.
+  cudaStream_t dma_streams_[2] = {nullptr, nullptr};
 };
 
 }  // namespace moebius::model

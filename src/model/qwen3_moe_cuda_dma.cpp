@@ -23,6 +23,22 @@ Qwen3MoeCuda::DmaState::~DmaState() {
   if (side != nullptr) (void)cudaStreamDestroy(side);
 }
 
+std::string Qwen3MoeCuda::dma_refusal() const {
+  // [TAG_CUDA_CONNECTIONS] Fewer hardware queues than the CLI asks for: the copier's stream could
+  // share one with the decode graph, and its copies would queue behind the waits for them.
+  if (const int q = runtime::cuda_connections(); q < runtime::kCudaConnectionsWanted)
+    return fmt::format("CUDA_DEVICE_MAX_CONNECTIONS is {}, and the copies need {} hardware queues so that they "
+                       "never queue behind the kernels waiting for them (the moebius CLI sets {} unless the "
+                       "variable is set)",
+                       q, runtime::kCudaConnectionsWanted, runtime::kCudaConnectionsWanted);
+  if (!runtime::eager_module_loading())  // [TAG_CUDA_EAGER_LOADING]
+    return "lazy module loading: a kernel's first launch could wait for the kernels waiting for the copies "
+           "(CUDA_MODULE_LOADING=EAGER is needed; the moebius CLI sets it with --expert-dma unless the variable "
+           "is set)";
+  if (config_.num_experts > 1024) return fmt::format("{} experts, the choice handles at most 1024", config_.num_experts);
+  return "";
+}
+
 Status Qwen3MoeCuda::setup_expert_dma() {
   const int n = opt_.expert_dma_slots;
   if (n == 0) return Ok{};
@@ -37,18 +53,7 @@ Status Qwen3MoeCuda::setup_expert_dma() {
     return Ok{};
   };
   if (!offloaded()) return off("every expert is resident");
-  // [TAG_CUDA_CONNECTIONS] Fewer hardware queues than the CLI asks for: the copier's stream could
-  // share one with the decode graph, and its copies would queue behind the waits for them.
-  if (const int q = runtime::cuda_connections(); q < runtime::kCudaConnectionsWanted)
-    return off(fmt::format("CUDA_DEVICE_MAX_CONNECTIONS is {}, and the copies need {} hardware queues so that they "
-                           "never queue behind the kernels waiting for them (the moebius CLI sets {} unless the "
-                           "variable is set)",
-                           q, runtime::kCudaConnectionsWanted, runtime::kCudaConnectionsWanted));
-  if (!runtime::eager_module_loading())  // [TAG_CUDA_EAGER_LOADING]
-    return off("lazy module loading: a kernel's first launch could wait for the kernels waiting for the copies "
-               "(CUDA_MODULE_LOADING=EAGER is needed; the moebius CLI sets it with --expert-dma unless the variable "
-               "is set)");
-  if (c.num_experts > 1024) return off(fmt::format("{} experts, the choice handles at most 1024", c.num_experts));
+  if (const std::string why = dma_refusal(); !why.empty()) return off(why);
   auto st = std::make_unique<DmaState>();
   st->slots = n;
   assert_uniform_expert_arrays();
@@ -88,8 +93,10 @@ Status Qwen3MoeCuda::setup_expert_dma() {
   cc.s13_bytes = v.s13_bytes;
   cc.w2_bytes = v.w2_bytes;
   cc.s2_bytes = v.s2_bytes;
+  // The streams created next to the main one (dma_streams_), both non-null here (n > 0).
+  cc.stream = std::exchange(dma_streams_[0], nullptr);
+  st->side = std::exchange(dma_streams_[1], nullptr);
   MOEBIUS_ASSIGN_OR_RETURN(st->copier, runtime::RoutedExpertCopier::create(std::move(cc)));
-  CUDA_CHECK(cudaStreamCreateWithFlags(&st->side, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->fork, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&st->copied2, cudaEventDisableTiming));
   plan_.expert_dma = fmt::format(

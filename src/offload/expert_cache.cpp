@@ -46,7 +46,7 @@ std::string first_offload_flag(const std::string& gpu_memory_budget, const std::
   if (!placement_file.empty()) return "--placement";
   if (cache.policy != "off") return "--expert-cache";
   if (expert_prefetch != 0) return "--expert-prefetch";
-  if (expert_dma != 0) return "--expert-dma";
+  if (expert_dma > 0) return "--expert-dma";  // 0 is off, -1 absent
   return "";
 }
 

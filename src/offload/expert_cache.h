@@ -50,9 +50,9 @@ struct ExpertCacheFlags {
 Result<std::optional<CacheOptions>> parse_expert_cache_flags(const ExpertCacheFlags& flags, bool offloading);
 // The first expert-offload flag a command was given ("--gpu-memory-budget", "--placement",
 // "--expert-cache", "--expert-prefetch", "--expert-dma"), or "" for none: the commands refuse them
-// on the CPU backend, naming it.
+// on the CPU backend, naming it. expert_dma: 0 (off) and -1 (not given) are no flag.
 std::string first_offload_flag(const std::string& gpu_memory_budget, const std::string& placement_file,
-                               const ExpertCacheFlags& cache, int expert_prefetch = 0, int expert_dma = 0);
+                               const ExpertCacheFlags& cache, int expert_prefetch = 0, int expert_dma = -1);
 
 struct CacheSwap {
   int evict = -1;  // expert leaving the GPU; its slot goes to `admit`

@@ -32,6 +32,9 @@ Status cuda_status(cudaError_t e, const char* what) {
 }  // namespace
 
 Result<std::unique_ptr<RoutedExpertCopier>> RoutedExpertCopier::create(RoutedCopierConfig config) {
+  std::unique_ptr<RoutedExpertCopier> p(new RoutedExpertCopier());
+  RoutedExpertCopier& r = *p;
+  r.stream_ = std::exchange(config.stream, nullptr);  // owned (destroyed) from here on, errors included
   const RoutedCopierConfig& c = config;
   if (c.num_layers < 1 || c.num_experts < 1 || c.num_slots < 1 || c.num_slots > kernels::kExpertDmaMaxSlots)
     return Error::format("routed expert copier: {} layers, {} experts, {} slots (at most {})", c.num_layers,
@@ -41,8 +44,6 @@ Result<std::unique_ptr<RoutedExpertCopier>> RoutedExpertCopier::create(RoutedCop
                          c.num_layers, c.num_experts);
   if (c.slots.base == nullptr || c.w13_bytes == 0 || c.w2_bytes == 0)
     return Error("routed expert copier: no slots or empty expert arrays");
-  std::unique_ptr<RoutedExpertCopier> p(new RoutedExpertCopier());
-  RoutedExpertCopier& r = *p;
   r.config_ = std::move(config);
   MOEBIUS_TRY(cuda_status(cudaGetDevice(&r.device_), "cudaGetDevice"));
   MOEBIUS_TRY(cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&r.post_), sizeof(kernels::ExpertDmaPost),
@@ -59,7 +60,8 @@ Result<std::unique_ptr<RoutedExpertCopier>> RoutedExpertCopier::create(RoutedCop
   MOEBIUS_TRY(cuda_status(cudaMalloc(reinterpret_cast<void**>(&r.device_words_), 3 * sizeof(unsigned)),
                           "the ticket and flags (device)"));
   MOEBIUS_TRY(cuda_status(cudaMemset(r.device_words_, 0, 3 * sizeof(unsigned)), "zeroing the ticket and flags"));
-  MOEBIUS_TRY(cuda_status(cudaStreamCreateWithFlags(&r.stream_, cudaStreamNonBlocking), "the copy stream"));
+  if (r.stream_ == nullptr)
+    MOEBIUS_TRY(cuda_status(cudaStreamCreateWithFlags(&r.stream_, cudaStreamNonBlocking), "the copy stream"));
   MOEBIUS_TRY(cuda_status(cudaDeviceSynchronize(), "setup"));
   kernels::ExpertDmaSignal& s = r.signal_;
   MOEBIUS_TRY(cuda_status(cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.post), r.post_, 0), "the post's alias"));

@@ -52,6 +52,11 @@ struct RoutedCopierConfig {
   std::vector<RoutedCopySource> sources;  // [num_layers * num_experts]
   kernels::ExpertDmaSlots slots;          // device: where slot j's arrays go
   size_t w13_bytes = 0, s13_bytes = 0, w2_bytes = 0, s2_bytes = 0;  // one expert's arrays
+  // The copy stream, owned by the copier from create() on, or null to create one there. A caller
+  // creates it right after the stream its kernels wait on ([TAG_CUDA_CONNECTIONS]: the driver hands
+  // out hardware queues in turn as streams are created, so a stream created later could land on
+  // the waiting stream's queue after 31 others).
+  cudaStream_t stream = nullptr;
 };
 
 class RoutedExpertCopier {

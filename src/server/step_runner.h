@@ -139,12 +139,12 @@ struct RunnerOptions {
   // Qwen3's 151,936 ids). cpu: no limit beyond the step's tokens.
   int prompt_logprob_rows = 128;
   // cuda: expert offload (Qwen3MoeCudaOptions::gpu_memory_budget / placement_file / expert_cache /
-  // expert_prefetch; expert_dma: expert_dma_slots when > 0, else its environment default).
+  // expert_prefetch; expert_dma: expert_dma_slots, -1 (no --expert-dma) for its environment default).
   std::string gpu_memory_budget;
   std::string placement_file;
   offload::ExpertCacheFlags expert_cache;
   int expert_prefetch = 0;
-  int expert_dma = 0;
+  int expert_dma = -1;
   // Expert parallelism over `ep` ranks. cpu: threads of this process over the in-process
   // communicator, data parallel ([TAG_SERVE_DP]): one KV pool per rank (the engine places each
   // sequence on a rank), every rank holds its E / N experts. cuda: one process per GPU, this one rank

@@ -259,7 +259,7 @@ Result<model::Qwen3MoeCudaOptions> cuda_options(const RunnerOptions& o) {
   MOEBIUS_ASSIGN_OR_RETURN(co.expert_cache,
                            offload::parse_expert_cache_flags(o.expert_cache, !o.gpu_memory_budget.empty()));
   co.expert_prefetch = o.expert_prefetch;
-  co.expert_dma_slots = o.expert_dma > 0 ? o.expert_dma : -1;
+  co.expert_dma_slots = o.expert_dma;
   if (co.graph_batches.empty())
     for (int b = 1; b <= o.max_seqs; b *= 2) co.graph_batches.push_back(b);
   co.ep_comm = o.ep_comm;
