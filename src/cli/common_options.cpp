@@ -1,6 +1,8 @@
 // The flags several `moebius` commands share; declared in cli/commands.h.
 #include "cli/commands.h"
 
+#include <cstdlib>
+
 #ifdef MOEBIUS_HAS_CUDA
 #include "runtime/cuda_environment.h"
 #endif
@@ -43,7 +45,7 @@ void add_offload_options(CLI::App* cmd, std::string* gpu_memory_budget, std::str
 #ifdef MOEBIUS_HAS_CUDA
         // [TAG_CUDA_EAGER_LOADING] The copies need every module loaded before the first step; the
         // command's first CUDA call comes after parsing.
-        if (n != "0") runtime::request_eager_module_loading();
+        if (std::atoi(n.c_str()) > 0) runtime::request_eager_module_loading();  // Range checked it first
 #else
         (void)n;
 #endif

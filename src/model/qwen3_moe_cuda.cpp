@@ -230,7 +230,7 @@ Status Qwen3MoeCuda::init(const Qwen3MoeConfig& c, const Qwen3MoeCudaOptions& op
   qkv_dim_ = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  if (o.expert_dma_slots > 0)  // [TAG_EXPERT_ROUTED_DMA] next to stream_: see dma_streams_
+  if (o.expert_dma_slots > 0 && dma_refusal().empty())  // [TAG_EXPERT_ROUTED_DMA] next to stream_: see dma_streams_
     for (cudaStream_t& s : dma_streams_) CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
   int dev = 0;

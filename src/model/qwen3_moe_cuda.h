@@ -520,9 +520,10 @@ class Qwen3MoeCuda {
   bool last_step_prefetched_ = false;
   std::unique_ptr<DmaState> dma_;  // routed experts by DMA; null when off
   // The routed copies' copy stream and side stream, created right after stream_ when
-  // expert_dma_slots > 0 ([TAG_CUDA_CONNECTIONS]: hardware queues go to streams in turn as they are
-  // created, so these cannot share stream_'s queue however many streams come later).
-  // setup_expert_dma hands them on; the destructor frees those it did not.
+  // expert_dma_slots > 0 and the environment allows the copies ([TAG_CUDA_CONNECTIONS]: hardware
+  // queues go to streams in turn as they are created, so these cannot share stream_'s queue however
+  // many streams come later). setup_expert_dma hands them on, or frees them when it turns the
+  // copies off; the destructor frees any left.
   cudaStream_t dma_streams_[2] = {nullptr, nullptr};
 };
 

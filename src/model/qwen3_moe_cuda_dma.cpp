@@ -50,6 +50,8 @@ Status Qwen3MoeCuda::setup_expert_dma() {
   const Qwen3MoeConfig& c = config_;
   auto off = [&](const std::string& why) -> Status {
     plan_.expert_dma = fmt::format("off: {} ({} slots asked for)", why, n);
+    for (cudaStream_t& s : dma_streams_)  // created for the copies at init; unused now
+      if (s != nullptr) CUDA_CHECK(cudaStreamDestroy(std::exchange(s, nullptr)));
     return Ok{};
   };
   if (!offloaded()) return off("every expert is resident");
@@ -93,7 +95,9 @@ Status Qwen3MoeCuda::setup_expert_dma() {
   cc.s13_bytes = v.s13_bytes;
   cc.w2_bytes = v.w2_bytes;
   cc.s2_bytes = v.s2_bytes;
-  // The streams created next to the main one (dma_streams_), both non-null here (n > 0).
+  // The streams created next to the main one (dma_streams_: init created them, n > 0 and no refusal).
+  MOEBIUS_ASSERT(dma_streams_[0] != nullptr && dma_streams_[1] != nullptr,
+                 "the routed copies' streams were not created");
   cc.stream = std::exchange(dma_streams_[0], nullptr);
   st->side = std::exchange(dma_streams_[1], nullptr);
   MOEBIUS_ASSIGN_OR_RETURN(st->copier, runtime::RoutedExpertCopier::create(std::move(cc)));
