@@ -602,6 +602,21 @@ int split_k_rows_per_block(int row_tiles, int grid_tiles) {
   return 8;
 }
 
+// [TAG_DECODE_INT2_DOWN_WARPS] The int2 GEMM2 at K = 768 (Qwen3-30B-A3B) is 6 chunks of 128 k per
+// row tile: 4 warps split them 2, 2, 1, 1, so a tile's critical path is two chunks with half the
+// block idle for one, and the one-tile kernel (int2's GEMM2 default, run K5) has no next tile in
+// flight. Six warps of one chunk each walk row tiles with the row-tile kernel's ping-pong instead.
+// Another reduction order (6 partials). Experiment knob until measured:
+// MOEBIUS_DECODE_INT2_DOWN_WARPS=6 takes it, anything else (or unset) keeps 4.
+constexpr int kInt2DownWarps = 6;
+bool int2_down_six_warps() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOEBIUS_DECODE_INT2_DOWN_WARPS");
+    return v != nullptr && std::atoi(v) == kInt2DownWarps;
+  }();
+  return on;
+}
+
 template <MoeWeightFormat F, Epilogue EPI>
 void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   const dim3 grid(args.dims.row_tiles, args.tiles.grid_tiles);
@@ -639,6 +654,19 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
         if (args.dims.group_size == 128) return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 128, 2, kSplitKWarpsWide>);
       }
       return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>);
+    }
+  }
+  if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
+    if (nt == 1 && stage && args.dims.group_size == 128 && args.dims.chunks == kInt2DownWarps && int2_down_six_warps()) {
+      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
+                                                     : decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles);
+      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
+      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+      auto kernel = moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
+      launch_pdl(kernel, rows_grid, dim3(kInt2DownWarps * 32), smem, stream, args, rows);
+      return;
     }
   }
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
