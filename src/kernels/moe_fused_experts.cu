@@ -21,7 +21,8 @@
 // multiplies its quarter of the K chunks (dequantized from the slot into mma A fragments, tokens
 // as the B operand from shared memory), the four partial sums meet in shared memory in warp
 // order and warps 0 and 1 finish one token column each: exactly moe_gemm.cu's arithmetic, so the
-// results are bit-identical to the separate kernels.
+// results are bit-identical to the separate kernels. (The int2 GEMM2 at 6 chunks: warps 0 and 1
+// also take the separate kernel's warps 4 and 5, six partials, [TAG_DECODE_INT2_DOWN_WARPS].)
 //   1. x of the live tokens staged once; GEMM1 stores h per PAIR (row t * k + s, bf16); each
 //      team adds its item count to one counter (release) after its last GEMM1 item.
 //   2. The only grid-wide wait: thread 0 spins until the counter holds every GEMM1 item
@@ -77,7 +78,10 @@ constexpr int kTileRows = 8;  // block_m: token columns of one mma n8 tile
 constexpr int kMaxSlots = 16;
 constexpr int kConsumerBarrier = 1 + kTeams;  // named barrier of all consumer warps (0: __syncthreads)
 constexpr uint64_t kSpinTimeoutNs = 2000000000ull;
-constexpr int kPartialFloats = 2 * kTeamWarps * 32 * 4;  // one team's double-buffered partial sums
+// One team's double-buffered partial sums: one per warp splitting K, up to kInt2DownWarps (the
+// int2 GEMM2's six partials, [TAG_DECODE_INT2_DOWN_WARPS]).
+constexpr int kMaxKWarps = kInt2DownWarps > kTeamWarps ? kInt2DownWarps : kTeamWarps;
+constexpr int kPartialFloats = 2 * kMaxKWarps * 32 * 4;
 
 // Shared-memory plan and work split, computed on the host (make_plan).
 struct FusedPlan {
@@ -225,16 +229,17 @@ __device__ __forceinline__ void mbar_wait_bounded(uint32_t bar, uint32_t parity)
   spin_until<false>([&] { return mbar_try_wait(bar, parity); });
 }
 
-// This warp's partial sums of one 16-row weight tile (the tile's weights at ws, its scales at ss,
-// in shared memory) against the 8 token columns whose B rows start at b_row (+ 2t): the warp's
-// quarter of the K chunks, RowTileSums's arithmetic as in moe_gemm_rows_kernel, reading the slot
-// instead of registers.
+// The partial sums of K range v of kw (the separate kernels' warp v of kw splitting K: 4, or 6
+// for the int2 GEMM2, [TAG_DECODE_INT2_DOWN_WARPS]) of one 16-row weight tile (the tile's weights
+// at ws, its scales at ss, in shared memory) against the 8 token columns whose B rows start at
+// b_row (+ 2t): RowTileSums's arithmetic as in moe_gemm_rows_kernel, reading the slot instead of
+// registers.
 template <MoeWeightFormat F>
 __device__ __forceinline__ void row_tile_partial(const MoeGemmDims& d, const uint4* ws, const unsigned char* ss,
-                                                 const __nv_bfloat16* b_row, int tw, int lane, float (&sum)[4]) {
+                                                 const __nv_bfloat16* b_row, int v, int kw, int lane, float (&sum)[4]) {
   static_assert(kSteps<F> % 2 == 0, "the accumulator set alternates by k-step parity");
   const int g = lane >> 2;
-  const int c_begin = (d.chunks * tw) / kTeamWarps, c_end = (d.chunks * (tw + 1)) / kTeamWarps;
+  const int c_begin = (d.chunks * v) / kw, c_end = (d.chunks * (v + 1)) / kw;
   const GroupStarts starts = group_starts_of<F>(d.group_size);
   RowTileSums<F> sums(reinterpret_cast<const __half*>(ss), kIsInt<F> ? starts.group_of(c_begin * kSteps<F>) : 0, g);
   // Chunks in batches of kBatch: the batch's weight and scale loads from shared memory all go out
@@ -377,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_experts_kernel(const __
     float* partial = reinterpret_cast<float*>(smem + pl.off_partial) + team * kPartialFloats;
     int buf = 0;
 
-    // The 16-row tiles of one item from its ring slot: per tile the team's four partial sums meet
+    // The 16-row tiles of one item from its ring slot: per tile the team's four (or six) partial sums meet
     // in shared memory and warps 0 and 1 finish one token column each (store(lo, hi, r, column)).
     auto run_item = [&](int s, int tiles, auto&& b_row_of, auto&& tile_bytes, auto&& store) {
       const int slot = s % pl.slots;
@@ -388,22 +393,25 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_experts_kernel(const __
         const unsigned char* ws;
         const unsigned char* ss;
         tile_bytes(slot_ptr, r, ws, ss);
-        float sum[4];
-        row_tile_partial<F>(a.gemm[s < w.count1 ? 0 : 1].dims, reinterpret_cast<const uint4*>(ws), ss, b_row_of(r), tw,
-                            lane, sum);
+        const MoeGemmDims& d = a.gemm[s < w.count1 ? 0 : 1].dims;
+        const int kw = s < w.count1 ? kTeamWarps : decode_down_k_warps(F, d.chunks, d.group_size);
+        float* pb = partial + buf * (kMaxKWarps * 32 * 4);
+        for (int v = tw; v < kw; v += kTeamWarps) {  // the separate kernel's warps v, v + 4
+          float sum[4];
+          row_tile_partial<F>(d, reinterpret_cast<const uint4*>(ws), ss, b_row_of(r), v, kw, lane, sum);
+          reinterpret_cast<float4*>(pb)[v * 32 + lane] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+        }
         if (r == tiles - 1) {  // this warp is done with the slot
           __syncwarp();
           if (lane == 0) mbar_arrive(empty_bar(slot));
         }
-        float* pb = partial + buf * (kTeamWarps * 32 * 4);
-        reinterpret_cast<float4*>(pb)[tw * 32 + lane] = make_float4(sum[0], sum[1], sum[2], sum[3]);
         // Warps 0 and 1 read buffer `buf` of the tile before last ahead of the previous barrier,
         // which every warp passed before these writes: one barrier per tile.
         team_barrier(team);
         if (tw < 2) {
           float lo = 0.0f, hi = 0.0f;
 #pragma unroll
-          for (int v = 0; v < kTeamWarps; ++v) {
+          for (int v = 0; v < kw; ++v) {
             lo += pb[(v * 32 + lane) * 4 + tw];
             hi += pb[(v * 32 + lane) * 4 + 2 + tw];
           }
@@ -544,7 +552,7 @@ uint32_t round_up(uint32_t v, uint32_t m) { return (v + m - 1) / m * m; }
 
 // The shared-memory plan for these shapes within `smem_limit` bytes and the work split over
 // `blocks` blocks, or false when fewer than one ring slot per team fit (Qwen3-30B-A3B nvfp4:
-// capacity 4 leaves room for 7 slots of 18 KiB, so 4; capacity 8 for only 3).
+// capacity 4 leaves room for 6 slots of 18 KiB, so 4; capacity 8 for only 3).
 bool make_plan(MoeWeightFormat f, const MoeGemmDims& d13, const MoeGemmDims& d2, int capacity, int top_k,
                int num_experts, int max_tiles, int blocks, int smem_limit, FusedPlan& pl) {
   if (f == MoeWeightFormat::kBF16 || capacity < 1 || capacity > kFusedExpertsMaxTokens || max_tiles < 1 ||

@@ -566,8 +566,9 @@ constexpr int kMaxStageBytes = 72 * 1024;
 // with the same table: run K4's sweep, whose staging change (reverted) slowed both kernels, had
 // int4 gemm1 at T = 1 / 64 on 2 / 8 row tiles at 10.7 / 131 us against 12.7 / 147 for the one-tile
 // kernel in run K3 without it (int2: 10.4 / 127 against 11.6 / 146), and run K5 measures the
-// switch. The int2 GEMM2 keeps 1 (K = 768 is 1-2 of its 128-wide chunks per warp: 7.1 us at
-// T = 1 on one row tile, 9.5 on two).
+// switch. The int2 GEMM2 keeps 1 on four warps (K = 768 is 1-2 of its 128-wide chunks per warp:
+// 7.1 us at T = 1 on one row tile, 9.5 on two); at exactly 6 chunks it runs six warps and takes
+// this table ([TAG_DECODE_INT2_DOWN_WARPS]).
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
 // MoeTiles::rows_per_block (the autotuner's choice) overrides both.
 int forced_rows_per_block() {
@@ -600,21 +601,6 @@ int split_k_rows_per_block(int row_tiles, int grid_tiles) {
   for (int rows = 1; rows < 8; rows *= 2)
     if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
   return 8;
-}
-
-// [TAG_DECODE_INT2_DOWN_WARPS] The int2 GEMM2 at K = 768 (Qwen3-30B-A3B) is 6 chunks of 128 k per
-// row tile: 4 warps split them 2, 2, 1, 1, so a tile's critical path is two chunks with half the
-// block idle for one, and the one-tile kernel (int2's GEMM2 default, run K5) has no next tile in
-// flight. Six warps of one chunk each walk row tiles with the row-tile kernel's ping-pong instead.
-// Another reduction order (6 partials). Experiment knob until measured:
-// MOEBIUS_DECODE_INT2_DOWN_WARPS=6 takes it, anything else (or unset) keeps 4.
-constexpr int kInt2DownWarps = 6;
-bool int2_down_six_warps() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOEBIUS_DECODE_INT2_DOWN_WARPS");
-    return v != nullptr && std::atoi(v) == kInt2DownWarps;
-  }();
-  return on;
 }
 
 template <MoeWeightFormat F, Epilogue EPI>
@@ -657,11 +643,13 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     }
   }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
-    if (nt == 1 && stage && args.dims.group_size == 128 && args.dims.chunks == kInt2DownWarps && int2_down_six_warps()) {
+    // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one chunk each, every rows-per-block value.
+    if (nt == 1 && stage && decode_down_k_warps(F, args.dims.chunks, args.dims.group_size) == kInt2DownWarps) {
       const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
                                                      : decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles);
       const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
       MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+      // 6 blocks of 192 threads per SM: ptxas (sm_90a) 48 (atomic) / 56 (store) registers, no spill.
       auto kernel = moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>;
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
@@ -711,7 +699,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     launch_pdl(kernel, grid, dim3(kThreads), smem, stream, args);
   };
-  // Group 128 with one staged token tile: the int2 GEMM2 (one row tile per block) and K ranges
+  // Group 128 with one staged token tile: the int2 GEMM2 at other than 6 chunks (one row tile per block) and K ranges
   // longer than the row-tile kernel's (Qwen3-235B-A22B's int4 GEMM1, K = 4096).
   if constexpr (kIsInt<F> && 128 % kChunkK<F> == 0) {
     if (nt == 1 && stage && args.dims.group_size == 128) return go(moe_gemm_kernel<F, 1, EPI, false, true, 128>, dyn_bytes);

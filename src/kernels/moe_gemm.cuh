@@ -83,6 +83,18 @@ struct MoeActivationParams {
 // which is ~11% of the layer at T = 4096); y points to bf16 storage. The wgmma GEMM2 only.
 enum class MoeCombineMode : uint8_t { kStore, kAtomic, kStoreBf16 };
 
+// [TAG_DECODE_INT2_DOWN_WARPS] Warps splitting K in the decode GEMM2 with one staged token tile:
+// int2 at exactly 6 chunks of 128 k (Qwen3-30B-A3B's K = 768) with group 128 runs 6 warps of one
+// chunk each on the row-tile kernel; everything else 4. With 4 warps the 6 chunks split 2, 2, 1, 1
+// (a tile's critical path two chunks, half the block idle for one), and int2's GEMM2 ran the
+// one-tile kernel with no next tile in flight: run Z43 (docs/PERF.md, an H100) measured that GEMM2
+// at 29.0 / 47.0 / 73.3 us for T = 8 / 16 / 64 against 17.1 / 26.1 / 36.0 on six warps. The
+// fused experts kernel (moe_fused_experts.cu) sums its GEMM2 partials in the same order.
+inline constexpr int kInt2DownWarps = 6;
+constexpr int decode_down_k_warps(MoeWeightFormat format, int chunks, int group_size) {
+  return format == MoeWeightFormat::kInt2 && chunks == kInt2DownWarps && group_size == 128 ? kInt2DownWarps : 4;
+}
+
 // [TAG_DECODE_SPLIT_K] The wide split of the decode GEMM1: 8 warps of exactly 4 chunks each
 // (K = 2048 for nvfp4 and int4, Qwen3-30B-A3B's hidden size), with one token tile and staged
 // activations (checked at launch; otherwise the 4-warp kernels run).
