@@ -6,7 +6,8 @@
 //
 // Dequantization to bf16 pairs (one pair per 32-bit register, see [TAG_EXPERT_TILE_LAYOUT]):
 //   int4/int2: (w >> s) & 0x000F000F | 0x43004300 is bf16x2 (128 + q): subtract 128 + zero point,
-//              exact small integers. The group scale multiplies the fp32 accumulator when the
+//              exact small integers (int2 masks the codes of a byte in place and scales them
+//              down in the same fma: [TAG_INT2_UNSHIFTED_DEQUANT]). The group scale multiplies the fp32 accumulator when the
 //              group ends, so weights enter the mma exactly (decode and mma.sync prefill; the
 //              wgmma prefill GEMM folds the scale into the weight: [TAG_INT_FOLDED_SCALE]).
 //   nvfp4:     the e2m1 code's three magnitude bits go to bf16 bits 6..8 and the sign to bit 15
@@ -151,13 +152,26 @@ __device__ __forceinline__ void dequant_step(const uint4& w, uint2 nv_sc, uint32
       a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
     }
   } else if constexpr (F == MoeWeightFormat::kInt2) {
-    const __nv_bfloat162 bias = __floats2bfloat162_rn(130.0f, 130.0f);  // 128 + zero point 2
+    // [TAG_INT2_UNSHIFTED_DEQUANT] Codes 0-2 of a byte (bits 2j, 2j + 1 of each half, j < 3) are
+    // masked in place: bits 0..6 are bf16 mantissa bits under the exponent of 128 (ulp 1), so the
+    // OR gives 128 + 4^j q with no shift, and one fma by 4^-j (a power of two) and -(128 4^-j + 2)
+    // leaves q - 2. Every value is a small integer, so the fma is exact and the pair is the same
+    // bits as (w >> 2j) & 3 | 128, minus 130. Code 3 (bits 6-7) reaches the exponent's bit 7, so it
+    // is shifted down as before: two shifts per pair of k-steps (the high byte, its code 3) plus
+    // one, not seven. int2 spends twice int4's dequantization per weight byte, in decode GEMMs
+    // bound by instruction issue.
     constexpr int u = S & 1;
+    const uint32_t word = u ? words[S >> 1] >> 8 : words[S >> 1];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t v = ((words[S >> 1] >> (2 * (4 * u + j))) & 0x00030003u) | 0x43004300u;
-      a[j] = bf16x2_bits(__hsub2(as_bf16x2(v), bias));
+    for (int j = 0; j < 3; ++j) {
+      const uint32_t v = (word & (0x00030003u << (2 * j))) | 0x43004300u;
+      const float inv = 1.0f / static_cast<float>(1 << (2 * j));
+      const __nv_bfloat162 scale = __floats2bfloat162_rn(inv, inv);
+      const __nv_bfloat162 bias = __floats2bfloat162_rn(-(128.0f * inv + 2.0f), -(128.0f * inv + 2.0f));
+      a[j] = bf16x2_bits(j == 0 ? __hadd2(as_bf16x2(v), bias) : __hfma2(as_bf16x2(v), scale, bias));
     }
+    const uint32_t v3 = ((word >> 6) & 0x00030003u) | 0x43004300u;
+    a[3] = bf16x2_bits(__hsub2(as_bf16x2(v3), __floats2bfloat162_rn(130.0f, 130.0f)));
   } else {  // kNvFp4: the bit layout is moe::kNvFp4Rotation (src/moe/expert_layout.h)
     const uint32_t wd = words[S];
     constexpr uint32_t kPair = 0x81C081C0u;  // bf16 bits 6..8 (magnitude) and 15 (sign), both halves
