@@ -642,6 +642,28 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
       return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>);
     }
   }
+  // Experiment knob: the int2 GEMM1 at 16 chunks (K = 2048) on 8 warps of 2 chunks each
+  // (MOEBIUS_DECODE_INT2_GATE_UP_WARPS=8). ncu (docs/PERF.md run Z43, T = 8): the 4-warp instance
+  // holds 117 registers, 3 warps a scheduler, 5.8 cycles per issued instruction, 46% of the HBM
+  // rate. Measured (run Z44, H100): GEMM1 at T = 1 8.2 -> 7.2 us, but 1.4-2.6 us slower at T = 8-64
+  // (many waves there anyway), so not the default; a T = 1 rule or a tuner candidate is next.
+  if constexpr (F == MoeWeightFormat::kInt2 && EPI == Epilogue::kGateUp) {
+    static const bool eight = [] {
+      const char* v = std::getenv("MOEBIUS_DECODE_INT2_GATE_UP_WARPS");
+      return v != nullptr && std::atoi(v) == 8;
+    }();
+    if (eight && nt == 1 && stage && args.dims.group_size == 128 && args.dims.chunks == 16) {
+      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
+                                                     : decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles);
+      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
+      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+      auto kernel = moe_gemm_rows_kernel<F, EPI, 2, true, 128, 3, 8>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
+      launch_pdl(kernel, rows_grid, dim3(8 * 32), smem, stream, args, rows);
+      return;
+    }
+  }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
     // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one chunk each, every rows-per-block value.
     if (nt == 1 && stage && decode_down_k_warps(F, args.dims.chunks, args.dims.group_size) == kInt2DownWarps) {

@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v7 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v7" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v8 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v8" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -32,7 +32,9 @@ namespace moebius::tune {
 // kernels, and every decode time from capacity 3 changed.
 // 7: the separate routing runs top-k and align as one kernel up to capacity 8 (session 30): the
 // separate-routing times at capacities 1-8, and so the fused/separate winners, changed.
-inline constexpr int kMoeTuneKeyVersion = 7;
+// 8: the int2 decode GEMM2 at 6 chunks runs six warps on the row-tile kernel, so its rows per block
+// is a real choice and every int2 decode time changed ([TAG_DECODE_INT2_DOWN_WARPS], session 38).
+inline constexpr int kMoeTuneKeyVersion = 8;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H
