@@ -124,7 +124,7 @@ MoeTuneKey qwen3_30b_key() {
 
 TEST(MoeTuneKey, TextFormIsStable) {
   // The cache files depend on this text: changing it orphans every stored winner.
-  EXPECT_EQ(qwen3_30b_key().str(), "moe.v8 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
+  EXPECT_EQ(qwen3_30b_key().str(), "moe.v9 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64");
 }
 
 TEST(MoeTuneKey, EveryFieldChangesTheText) {

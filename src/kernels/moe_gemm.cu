@@ -380,7 +380,8 @@ bool gemm2_wide_occupancy(int grid_tiles) {
 // 0: found at run time from a GroupStarts window ([TAG_INT_GROUP_STARTS]).
 //
 // W: warps splitting K ([TAG_DECODE_SPLIT_K]): 4, or 8 for GEMM1 where each of 8 warps has exactly
-// P = 4 chunks (MoeTiles::split_k_warps). At T = 1 GEMM1 is bound by its warps' issue latency at
+// P = 4 chunks (2 for int2; MoeTiles::split_k_warps), or 6 for the int2 GEMM2
+// ([TAG_DECODE_INT2_DOWN_WARPS]). At T = 1 GEMM1 is bound by its warps' issue latency at
 // 3 warps per scheduler (docs/PERF.md runs U6, U8: 0.35 instructions a cycle, DRAM 31%); 8 warps
 // of half the K range each put 4 warps on a scheduler at 2 blocks per SM, with half the dependent
 // instruction chain per warp and the same bytes per row tile in flight. Another reduction order
@@ -567,7 +568,7 @@ constexpr int kMaxStageBytes = 72 * 1024;
 // int4 gemm1 at T = 1 / 64 on 2 / 8 row tiles at 10.7 / 131 us against 12.7 / 147 for the one-tile
 // kernel in run K3 without it (int2: 10.4 / 127 against 11.6 / 146), and run K5 measures the
 // switch. The int2 GEMM2 keeps 1 on four warps (K = 768 is 1-2 of its 128-wide chunks per warp:
-// 7.1 us at T = 1 on one row tile, 9.5 on two); at exactly 6 chunks it runs six warps and takes
+// 7.1 us at T = 1 on one row tile, 9.5 on two); at 6 or 12 chunks it runs six warps and takes
 // this table ([TAG_DECODE_INT2_DOWN_WARPS]).
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
 // MoeTiles::rows_per_block (the autotuner's choice) overrides both.
@@ -591,13 +592,13 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
 std::atomic<int64_t> g_wide_split_launches{0};
 
 // Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none: the
-// fewest that fit the grid in one wave of its 2 blocks per SM (Qwen3-30B-A3B at T = 1: 96 row
-// tiles x 9 grid tiles -> 4 a block, 216 blocks on 264 slots). Not measured: the autotuner
-// sweeps it.
+// fewest that fit the grid in one wave of its `blocks_per_sm` (Qwen3-30B-A3B at T = 1: 96 row
+// tiles x 9 grid tiles -> 4 a block: 216 blocks on 264 slots at nvfp4's and int4's 2 blocks an SM,
+// on 396 at int2's 3). Not measured: the autotuner sweeps it.
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it as it does decode_rows_per_block.
-int split_k_rows_per_block(int row_tiles, int grid_tiles) {
+int split_k_rows_per_block(int row_tiles, int grid_tiles, int blocks_per_sm) {
   if (forced_rows_per_block() > 0) return forced_rows_per_block();
-  const int64_t wave = 2LL * current_device_sm_count();
+  const int64_t wave = static_cast<int64_t>(blocks_per_sm) * current_device_sm_count();
   for (int rows = 1; rows < 8; rows *= 2)
     if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
   return 8;
@@ -621,77 +622,52 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
   args.group_scale_offset = static_cast<int>(act_bytes);
   const size_t dyn_bytes = static_cast<size_t>(act_bytes + scale_bytes);
   MOEBIUS_LAUNCH_ASSERT(dyn_bytes <= 200 * 1024, "group scales of one row tile exceed shared memory");
+  // The row-tile kernels ([TAG_DECODE_ROW_TILES]): W warps, `rows` row tiles per block (the
+  // tuner's choice where it made one, else `fallback`); dynamic shared memory is the activation
+  // stage plus the group scales of every row tile of the block.
+  auto rows_or = [&](int fallback) { return args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block : fallback; };
+  auto go_row_tiles = [&](auto kernel, int warps, int rows) {
+    const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
+    MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
+    launch_pdl(kernel, rows_grid, dim3(warps * 32), smem, stream, args, rows);
+  };
   // [TAG_DECODE_SPLIT_K] GEMM1 with 8 warps splitting K, when asked for and where it applies.
-  if constexpr (EPI == Epilogue::kGateUp && (F == MoeWeightFormat::kNvFp4 || F == MoeWeightFormat::kInt4)) {
+  // int2 (2 chunks a warp) fits 3 blocks an SM: run Z44 (docs/PERF.md, an H100; then behind an
+  // environment knob) measured it at T = 1 8.2 -> 7.2 us against 4 warps, but 1.4-2.6 us slower at
+  // T = 8-64, so the tuner picks it per token bucket.
+  if constexpr (EPI == Epilogue::kGateUp && F != MoeWeightFormat::kBF16) {
     if (nt == 1 && stage && args.tiles.split_k_warps == kSplitKWarpsWide &&
         moe_gemm_gate_up_split_k_applies(F, args.dims.chunks)) {
-      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
-                                                     : split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles);
-      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
-      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
-      auto go_wide = [&](auto kernel) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        launch_pdl(kernel, rows_grid, dim3(kSplitKWarpsWide * 32), smem, stream, args, rows);
-        g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
-      };
-      constexpr int P = kSplitKChunksPerWarp;
+      constexpr int P = split_k_chunks_per_warp(F);
+      constexpr int kBlocks = F == MoeWeightFormat::kInt2 ? 3 : 2;
+      const int rows = rows_or(split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles, kBlocks));
+      g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
       if constexpr (kIsInt<F>) {
-        if (args.dims.group_size == 128) return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 128, 2, kSplitKWarpsWide>);
+        if (args.dims.group_size == 128)
+          return go_row_tiles(moe_gemm_rows_kernel<F, EPI, P, true, 128, kBlocks, kSplitKWarpsWide>, kSplitKWarpsWide, rows);
       }
-      return go_wide(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>);
-    }
-  }
-  // Experiment knob: the int2 GEMM1 at 16 chunks (K = 2048) on 8 warps of 2 chunks each
-  // (MOEBIUS_DECODE_INT2_GATE_UP_WARPS=8). ncu (docs/PERF.md run Z43, T = 8): the 4-warp instance
-  // holds 117 registers, 3 warps a scheduler, 5.8 cycles per issued instruction, 46% of the HBM
-  // rate. Measured (run Z44, H100): GEMM1 at T = 1 8.2 -> 7.2 us, but 1.4-2.6 us slower at T = 8-64
-  // (many waves there anyway), so not the default; a T = 1 rule or a tuner candidate is next.
-  if constexpr (F == MoeWeightFormat::kInt2 && EPI == Epilogue::kGateUp) {
-    static const bool eight = [] {
-      const char* v = std::getenv("MOEBIUS_DECODE_INT2_GATE_UP_WARPS");
-      return v != nullptr && std::atoi(v) == 8;
-    }();
-    if (eight && nt == 1 && stage && args.dims.group_size == 128 && args.dims.chunks == 16) {
-      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
-                                                     : decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles);
-      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
-      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-      auto kernel = moe_gemm_rows_kernel<F, EPI, 2, true, 128, 3, 8>;
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
-      launch_pdl(kernel, rows_grid, dim3(8 * 32), smem, stream, args, rows);
-      return;
+      return go_row_tiles(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>, kSplitKWarpsWide, rows);
     }
   }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
-    // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one chunk each, every rows-per-block value.
+    // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one or two chunks each, every rows-per-block value.
     if (nt == 1 && stage && decode_down_k_warps(F, args.dims.chunks, args.dims.group_size) == kInt2DownWarps) {
-      const int rows = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block
-                                                     : decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles);
-      const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows);
-      MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-      // 6 blocks of 192 threads per SM: ptxas (sm_90a) 48 (atomic) / 56 (store) registers, no spill.
-      auto kernel = moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>;
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      const dim3 rows_grid((args.dims.row_tiles + rows - 1) / rows, args.tiles.grid_tiles);
-      launch_pdl(kernel, rows_grid, dim3(kInt2DownWarps * 32), smem, stream, args, rows);
-      return;
+      const int rows = rows_or(decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles));
+      // ptxas (sm_90a): one chunk, 6 blocks of 192 threads an SM: 48 (atomic) / 56 (store)
+      // registers; two chunks, 5 blocks: 63 / 64. No spill.
+      if (args.dims.chunks == kInt2DownWarps)
+        return go_row_tiles(moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>, kInt2DownWarps, rows);
+      return go_row_tiles(moe_gemm_rows_kernel<F, EPI, 2, true, 128, 5, kInt2DownWarps>, kInt2DownWarps, rows);
     }
   }
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
   constexpr int kRowsP = EPI == Epilogue::kGateUp ? 8 : 4;
-  const int rows_per_block = args.tiles.rows_per_block > 0 ? args.tiles.rows_per_block :
-      decode_rows_per_block(F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp,
-                            args.dims.row_tiles, args.tiles.grid_tiles);
+  const int rows_per_block = rows_or(decode_rows_per_block(F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp,
+                                                           args.dims.row_tiles, args.tiles.grid_tiles));
   if (nt == 1 && stage && rows_per_block > 1 && (args.dims.chunks + kWarps - 1) / kWarps <= kRowsP) {
-    const size_t smem = static_cast<size_t>(act_bytes + scale_bytes * rows_per_block);
-    MOEBIUS_LAUNCH_ASSERT(smem <= 200 * 1024, "group scales of a block's row tiles exceed shared memory");
-    const dim3 rows_grid((args.dims.row_tiles + rows_per_block - 1) / rows_per_block, args.tiles.grid_tiles);
-    auto go_rows = [&](auto kernel) {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      launch_pdl(kernel, rows_grid, dim3(kThreads), smem, stream, args, rows_per_block);
-    };
+    auto go_rows = [&](auto kernel) { go_row_tiles(kernel, kWarps, rows_per_block); };
     // Exact chunk counts per warp: Qwen3-30B-A3B's GEMM1 (K = 2048: 8; int2 4) and GEMM2 (K = 768: 3).
     // G: the compile-time group size (128, the usual GPTQ/AutoRound export, for the int formats)
     // or 0 (found at run time).
@@ -721,7 +697,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     launch_pdl(kernel, grid, dim3(kThreads), smem, stream, args);
   };
-  // Group 128 with one staged token tile: the int2 GEMM2 at other than 6 chunks (one row tile per block) and K ranges
+  // Group 128 with one staged token tile: the int2 GEMM2 at other than 6 or 12 chunks (one row tile per block) and K ranges
   // longer than the row-tile kernel's (Qwen3-235B-A22B's int4 GEMM1, K = 4096).
   if constexpr (kIsInt<F> && 128 % kChunkK<F> == 0) {
     if (nt == 1 && stage && args.dims.group_size == 128) return go(moe_gemm_kernel<F, 1, EPI, false, true, 128>, dyn_bytes);
@@ -766,8 +742,7 @@ void check_dims(MoeWeightFormat format, const MoeGemmDims& d, const MoeTiles& ti
 int64_t moe_gemm_wide_split_launches() { return g_wide_split_launches.load(std::memory_order_relaxed); }
 
 bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks) {
-  return (format == MoeWeightFormat::kNvFp4 || format == MoeWeightFormat::kInt4) &&
-         chunks == kSplitKWarpsWide * kSplitKChunksPerWarp;
+  return format != MoeWeightFormat::kBF16 && chunks == kSplitKWarpsWide * split_k_chunks_per_warp(format);
 }
 
 void launch_moe_gemm_gate_up(MoeWeightFormat format, const ExpertMatrixPtrs* experts, const MoeGemmDims& dims,

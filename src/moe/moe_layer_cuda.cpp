@@ -399,8 +399,8 @@ Status MoeLayerCuda::allocate_workspace(const MoeCudaOptions& opt) {
   if (rpb != 0 && rpb != 1 && rpb != 2 && rpb != 4 && rpb != 8)
     return Error::format("decode rows per block must be 0 (heuristic), 1, 2, 4 or 8; got {}", rpb);
   // [TAG_DECODE_SPLIT_K] What the decode GEMM1 launcher will run: the wide split needs one token
-  // tile and K in exactly 8 x 4 chunks (the launcher also needs the activations staged, which
-  // holds for the layer's own aligned x buffers at these sizes).
+  // tile and K in exactly 8 x 4 chunks (8 x 2 for int2; the launcher also needs the activations
+  // staged, which holds for the layer's own aligned x buffers at these sizes).
   int want_split = opt.decode_split_k_warps;
   if (want_split != 0 && want_split != 4 && want_split != kernels::kSplitKWarpsWide)
     return Error::format("decode split-K warps must be 0 (default), 4 or {}; got {}", kernels::kSplitKWarpsWide,

@@ -3,8 +3,8 @@
 //
 // Key: one MoE geometry and numeric configuration at one capacity bucket. Its text form is the
 // cache key, e.g.
-//   moe.v8 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
-// The "v8" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
+//   moe.v9 H=2048 I=768 E=128 k=8 fmt=nvfp4 g=0 act=silu combine=store bucket=64
+// The "v9" is kMoeTuneKeyVersion: bump it when the candidate set or the meaning of a choice
 // changes, so old winners are ignored rather than misread.
 //
 // Choice: the knobs of MoeCudaOptions the tuner searches (GEMM path, tokens per tile, fused
@@ -34,7 +34,9 @@ namespace moebius::tune {
 // separate-routing times at capacities 1-8, and so the fused/separate winners, changed.
 // 8: the int2 decode GEMM2 at 6 chunks runs six warps on the row-tile kernel, so its rows per block
 // is a real choice and every int2 decode time changed ([TAG_DECODE_INT2_DOWN_WARPS], session 38).
-inline constexpr int kMoeTuneKeyVersion = 8;
+// 9: int2 joined the 8-warp GEMM1 candidate ([TAG_DECODE_SPLIT_K]) and its GEMM2 at 12 chunks runs
+// six warps (session 39).
+inline constexpr int kMoeTuneKeyVersion = 9;
 
 struct MoeTuneKey {
   int64_t hidden = 0;        // H

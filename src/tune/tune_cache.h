@@ -4,7 +4,7 @@
 //
 //   {"moebius_tune_cache": 1,
 //    "entries": [{"moebius": "0.1.0", "cuda": "12.8", "gpu": "NVIDIA H200",
-//                 "key": "moe.v8 H=2048 ...", "value": {...}}, ...]}
+//                 "key": "moe.v9 H=2048 ...", "value": {...}}, ...]}
 //
 // Every entry carries its namespace (moebius version, CUDA runtime version, GPU name); entries of
 // another namespace are kept in the file but never returned. A file that does not parse, a file of

@@ -70,11 +70,13 @@ TEST(MoeFusedExpertsGpu, BitIdenticalToSeparateKernelsAndMatchesOracle) {
   // Qwen3-30B-A3B (GEMM2 items of two experts); odd widths (H = 336: 21 GEMM2 output row tiles over
   // the blocks, I = 208: 26 GEMM1 row tiles per expert); H = 136, not a multiple of 16 (a partial
   // last output row tile, int4 only); few experts (tiles shared by tokens).
-  for (const Case& c : {Case{{2048, 768, 128, 8}, false, true}, Case{{336, 208, 16, 4}, true, true},
-                        Case{{136, 64, 8, 2}, true, false}, Case{{128, 64, 8, 2}, true, true}}) {
+  // I = 1536 is Qwen3-235B-A22B's (the int2 GEMM2 at 12 chunks: six K ranges of two).
+  for (const Case& c : {Case{{2048, 768, 128, 8}, false, true}, Case{{1024, 1536, 16, 4}, true, true},
+                        Case{{336, 208, 16, 4}, true, true}, Case{{136, 64, 8, 2}, true, false},
+                        Case{{128, 64, 8, 2}, true, true}}) {
     for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
       if ((f == WeightFormat::kInt2 && !c.int2) || (f == WeightFormat::kNvFp4 && c.g.H % 16 != 0)) continue;
-      const int group = f == WeightFormat::kNvFp4 ? 16 : (c.g.H >= 2048 ? 128 : 16);
+      const int group = f == WeightFormat::kNvFp4 ? 16 : (c.g.H >= 1024 ? 128 : 16);
       const cpu::MoeLayerReference L = make_layer(f, c.g, group, 71);
       for (int cap : c.g.H >= 2048 ? std::vector<int>{1, 4} : std::vector<int>{1, 3, 8}) {
         Pair p = make_pair_of_layers(L, cap);

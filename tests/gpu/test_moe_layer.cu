@@ -176,9 +176,11 @@ TEST(MoeLayerGpuDeterminism, StoreModeIsBitIdenticalAndAtomicModeIsClose) {
 // GEMM1 P = 4, against the oracle too.
 TEST(MoeLayerGpuDecodeRows, EveryRowsPerBlockIsBitIdentical) {
   MOEBIUS_REQUIRE_GPU();
-  // Qwen3-30B-A3B: H=2048, I=768, E=128, k=8; and odd widths: I = 208 is 52 GEMM1 row tiles, H =
-  // 336 is 21 GEMM2 row tiles (neither divisible by 8), int groups of 16.
-  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{1024, 768, 16, 4}, Geometry{336, 208, 16, 4}}) {
+  // Qwen3-30B-A3B: H=2048, I=768, E=128, k=8; Qwen3-235B-A22B's I = 1536 (the int2 GEMM2 at 12
+  // chunks, six warps of two, [TAG_DECODE_INT2_DOWN_WARPS]); and odd widths: I = 208 is 52 GEMM1
+  // row tiles, H = 336 is 21 GEMM2 row tiles (neither divisible by 8), int groups of 16.
+  for (const Geometry& g : {Geometry{2048, 768, 128, 8}, Geometry{1024, 768, 16, 4}, Geometry{1024, 1536, 16, 4},
+                            Geometry{336, 208, 16, 4}}) {
     for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt4, WeightFormat::kInt2}) {
       const int group = f == WeightFormat::kNvFp4 ? 16 : (g.H >= 1024 ? 128 : 16);
       const cpu::MoeLayerReference L = make_layer(f, g, group, 41);
@@ -253,19 +255,22 @@ TEST(MoeLayerGpuRouting, TopKAlignKernelMatchesTheTwoKernels) {
 }
 
 // [TAG_DECODE_SPLIT_K] The decode GEMM1 with 8 warps splitting K (MoeCudaOptions::decode_split_k_warps
-// = 8) where it applies (nvfp4 and int4 at K = 2048, one token tile): against the oracle for every
-// rows-per-block value, token counts 1-64 and both int4 group instances (128: compile-time group
-// starts; 32: found at run time), bit-identical run to run, and close to the 4-warp kernel at the
-// Qwen3-30B-A3B geometry. Elsewhere the layer resolves it to 4 (and runs the 4-warp kernels);
-// values other than 0, 4 and 8 are refused.
+// = 8) where it applies (every quantized format at K = 2048, one token tile): against the oracle
+// for every rows-per-block value, token counts 1-64 and both int group instances (128:
+// compile-time group starts; 32: found at run time), bit-identical run to run, and close to the
+// 4-warp kernel at the Qwen3-30B-A3B geometry. Elsewhere the layer resolves it to 4 (and runs the
+// 4-warp kernels); values other than 0, 4 and 8 are refused.
 TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
   MOEBIUS_REQUIRE_GPU();
   struct Case {
     WeightFormat f;
     int group;
   };
-  for (const Case& c : {Case{WeightFormat::kNvFp4, 16}, Case{WeightFormat::kInt4, 128}, Case{WeightFormat::kInt4, 32}}) {
-    const Geometry g{2048, 256, 16, 4};  // K = 2048: 32 chunks, 4 per warp; a small E keeps the oracle quick
+  for (const Case& c : {Case{WeightFormat::kNvFp4, 16}, Case{WeightFormat::kInt4, 128}, Case{WeightFormat::kInt4, 32},
+                        Case{WeightFormat::kInt2, 128}, Case{WeightFormat::kInt2, 32}}) {
+    // K = 2048: 32 chunks of 64 k, 4 per warp (int2: 16 of 128, 2 per warp); a small E keeps the
+    // oracle quick.
+    const Geometry g{2048, 256, 16, 4};
     const cpu::MoeLayerReference L = make_layer(c.f, g, c.group, 43);
     for (int64_t T : {1, 2, 3, 8, 64}) {
       const auto x = random_x(T, g.H, 70 + T);
@@ -292,26 +297,29 @@ TEST(MoeLayerGpuDecodeSplitK, EightWarpsMatchTheOracle) {
     // The Qwen3-30B-A3B geometry: 8 warps against 4 on the same routing (the oracle over 128
     // experts at H = 2048 costs a minute; the small geometry above checks it).
     const Geometry g{2048, 768, 128, 8};
-    const cpu::MoeLayerReference L = make_layer(WeightFormat::kNvFp4, g, 16, 44);
-    for (int64_t T : {1, 8}) {
-      const auto x = random_x(T, g.H, 90 + T);
-      MoeCudaOptions opt;
-      opt.capacity = static_cast<int>(T);
-      opt.gemm_path = MoeGemmPath::kDecode;
-      opt.block_m = 8;
-      auto four = MoeLayerCuda::create(L, opt);
-      opt.decode_split_k_warps = 8;
-      auto eight = MoeLayerCuda::create(L, opt);
-      ASSERT_TRUE(four.ok() && eight.ok());
-      ASSERT_EQ((*four)->decode_split_k_warps(), 4);
-      ASSERT_EQ((*eight)->decode_split_k_warps(), 8);
-      const int64_t launches = kernels::moe_gemm_wide_split_launches();
-      const LayerRun r4 = run_gpu(**four, x, T);
-      EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches);
-      const LayerRun r8 = run_gpu(**eight, x, T);
-      EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches + 1);
-      ASSERT_EQ(r4.ids, r8.ids);
-      expect_close_to(to_float(r4.out), r8.out, fmt::format("qwen3-30b nvfp4 T={} warps=8 vs 4", T));
+    for (WeightFormat f : {WeightFormat::kNvFp4, WeightFormat::kInt2}) {
+      const cpu::MoeLayerReference L = make_layer(f, g, f == WeightFormat::kNvFp4 ? 16 : 128, 44);
+      for (int64_t T : {1, 8}) {
+        const auto x = random_x(T, g.H, 90 + T);
+        MoeCudaOptions opt;
+        opt.capacity = static_cast<int>(T);
+        opt.gemm_path = MoeGemmPath::kDecode;
+        opt.block_m = 8;
+        auto four = MoeLayerCuda::create(L, opt);
+        opt.decode_split_k_warps = 8;
+        auto eight = MoeLayerCuda::create(L, opt);
+        ASSERT_TRUE(four.ok() && eight.ok());
+        ASSERT_EQ((*four)->decode_split_k_warps(), 4);
+        ASSERT_EQ((*eight)->decode_split_k_warps(), 8);
+        const int64_t launches = kernels::moe_gemm_wide_split_launches();
+        const LayerRun r4 = run_gpu(**four, x, T);
+        EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches);
+        const LayerRun r8 = run_gpu(**eight, x, T);
+        EXPECT_EQ(kernels::moe_gemm_wide_split_launches(), launches + 1);
+        ASSERT_EQ(r4.ids, r8.ids);
+        expect_close_to(to_float(r4.out), r8.out,
+                        fmt::format("qwen3-30b {} T={} warps=8 vs 4", weight_format_name(f), T));
+      }
     }
   }
   // Where it does not apply the layer runs (and reports) 4 warps.
