@@ -101,12 +101,14 @@ step ceilings "$BUILD/moebius" bench ceilings
 step bench-moe-cpu "$BUILD/moebius" bench moe --backend cpu --geometry 1024,512,32,4 --format nvfp4 --tokens 1,16,128
 
 # The CUDA MoE layer benchmarks (docs/PERF.md records them): Qwen3-30B-A3B in every format, and
-# Qwen3-235B-A22B in NVFP4. All go to one log (the device returns at most 8 files).
+# Qwen3-235B-A22B in NVFP4 and int2 (the offload users' format). All go to one log (the device
+# returns at most 8 files).
 bench_cuda() {
   for fmt in nvfp4 int4 int2 bf16; do
     "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format $fmt --tokens 1,8,64,256,1024,4096 || return 1
   done
   "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-235b-a22b --format nvfp4 --tokens 1,8,64,1024 || return 1
+  "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-235b-a22b --format int2 --tokens 1,8,64 || return 1
   # Where the prefill paths start to pay: each path forced at the sizes around the switch.
   for p in decode prefill wgmma; do
     "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b --format nvfp4 --tokens 128,256,512 --gemm-path $p || return 1
@@ -135,7 +137,7 @@ rows_sweep() {
 # heuristic), then decode tok/s at 1k with each width in every layer (heuristic configuration, no
 # tuning).
 split_k_sweep() {
-  for fmt in nvfp4 int4; do
+  for fmt in nvfp4 int4 int2; do
     for w in 4 8; do
       for r in 0 1 2 4 8; do
         echo "== $fmt split-K warps $w rows per block $r"
@@ -176,7 +178,7 @@ step bench-ep bench_ep
 # token prefill chunks), tuned into the empty cache; the table gives the winner and the heuristic's
 # configuration with their us per forward. Then the same commands warm: zero tuning runs.
 tune_moe() {
-  for fmt in nvfp4 int4; do
+  for fmt in nvfp4 int4 int2; do
     "$BUILD/moebius" tune --geometry qwen3-30b-a3b --format $fmt || return 1
   done
   for fmt in nvfp4 int4; do
