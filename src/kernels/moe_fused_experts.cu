@@ -21,8 +21,8 @@
 // multiplies its quarter of the K chunks (dequantized from the slot into mma A fragments, tokens
 // as the B operand from shared memory), the four partial sums meet in shared memory in warp
 // order and warps 0 and 1 finish one token column each: exactly moe_gemm.cu's arithmetic, so the
-// results are bit-identical to the separate kernels. (The int2 GEMM2 at 6 or 12 chunks: warps 0 and
-// 1 also take the separate kernel's warps 4 and 5, six partials, [TAG_DECODE_INT2_DOWN_WARPS].)
+// results are bit-identical to the separate kernels. (The int2 GEMM2 at 6 chunks: warps 0 and 1
+// also take the separate kernel's warps 4 and 5, six partials, [TAG_DECODE_INT2_DOWN_WARPS].)
 //   1. x of the live tokens staged once; GEMM1 stores h per PAIR (row t * k + s, bf16); each
 //      team adds its item count to one counter (release) after its last GEMM1 item.
 //   2. The only grid-wide wait: thread 0 spins until the counter holds every GEMM1 item

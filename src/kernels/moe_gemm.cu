@@ -380,7 +380,7 @@ bool gemm2_wide_occupancy(int grid_tiles) {
 // 0: found at run time from a GroupStarts window ([TAG_INT_GROUP_STARTS]).
 //
 // W: warps splitting K ([TAG_DECODE_SPLIT_K]): 4, or 8 for GEMM1 where each of 8 warps has exactly
-// P = 4 chunks (2 for int2; MoeTiles::split_k_warps), or 6 for the int2 GEMM2
+// P = 4 chunks (2 for int2; MoeTiles::split_k_warps), or 6 for the int2 GEMM2 at 6 chunks
 // ([TAG_DECODE_INT2_DOWN_WARPS]). At T = 1 GEMM1 is bound by its warps' issue latency at
 // 3 warps per scheduler (docs/PERF.md runs U6, U8: 0.35 instructions a cycle, DRAM 31%); 8 warps
 // of half the K range each put 4 warps on a scheduler at 2 blocks per SM, with half the dependent
@@ -568,7 +568,7 @@ constexpr int kMaxStageBytes = 72 * 1024;
 // int4 gemm1 at T = 1 / 64 on 2 / 8 row tiles at 10.7 / 131 us against 12.7 / 147 for the one-tile
 // kernel in run K3 without it (int2: 10.4 / 127 against 11.6 / 146), and run K5 measures the
 // switch. The int2 GEMM2 keeps 1 on four warps (K = 768 is 1-2 of its 128-wide chunks per warp:
-// 7.1 us at T = 1 on one row tile, 9.5 on two); at 6 or 12 chunks it runs six warps and takes
+// 7.1 us at T = 1 on one row tile, 9.5 on two); at exactly 6 chunks it runs six warps and takes
 // this table ([TAG_DECODE_INT2_DOWN_WARPS]).
 // MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it (an experiment knob for `bench moe`); a layer's
 // MoeTiles::rows_per_block (the autotuner's choice) overrides both.
@@ -652,14 +652,11 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     }
   }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
-    // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one or two chunks each, every rows-per-block value.
+    // [TAG_DECODE_INT2_DOWN_WARPS] six warps of one chunk each, every rows-per-block value.
     if (nt == 1 && stage && decode_down_k_warps(F, args.dims.chunks, args.dims.group_size) == kInt2DownWarps) {
       const int rows = rows_or(decode_rows_per_block(false, args.dims.row_tiles, args.tiles.grid_tiles));
-      // ptxas (sm_90a): one chunk, 6 blocks of 192 threads an SM: 48 (atomic) / 56 (store)
-      // registers; two chunks, 5 blocks: 63 / 64. No spill.
-      if (args.dims.chunks == kInt2DownWarps)
-        return go_row_tiles(moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>, kInt2DownWarps, rows);
-      return go_row_tiles(moe_gemm_rows_kernel<F, EPI, 2, true, 128, 5, kInt2DownWarps>, kInt2DownWarps, rows);
+      // 6 blocks of 192 threads per SM: ptxas (sm_90a) 48 (atomic) / 56 (store) registers, no spill.
+      return go_row_tiles(moe_gemm_rows_kernel<F, EPI, 1, true, 128, 6, kInt2DownWarps>, kInt2DownWarps, rows);
     }
   }
   // [TAG_DECODE_ROW_TILES] Several row tiles per block when the one-tile grid is many waves.
@@ -697,7 +694,7 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     launch_pdl(kernel, grid, dim3(kThreads), smem, stream, args);
   };
-  // Group 128 with one staged token tile: the int2 GEMM2 at other than 6 or 12 chunks (one row tile per block) and K ranges
+  // Group 128 with one staged token tile: the int2 GEMM2 at other than 6 chunks (one row tile per block) and K ranges
   // longer than the row-tile kernel's (Qwen3-235B-A22B's int4 GEMM1, K = 4096).
   if constexpr (kIsInt<F> && 128 % kChunkK<F> == 0) {
     if (nt == 1 && stage && args.dims.group_size == 128) return go(moe_gemm_kernel<F, 1, EPI, false, true, 128>, dyn_bytes);

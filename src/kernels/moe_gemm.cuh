@@ -84,21 +84,17 @@ struct MoeActivationParams {
 enum class MoeCombineMode : uint8_t { kStore, kAtomic, kStoreBf16 };
 
 // [TAG_DECODE_INT2_DOWN_WARPS] Warps splitting K in the decode GEMM2 with one staged token tile:
-// int2 with group 128 at 6 or 12 chunks of 128 k (Qwen3-30B-A3B's K = 768, Qwen3-235B-A22B's
-// K = 1536) runs 6 warps of one or two chunks each on the row-tile kernel; everything else 4.
-// With 4 warps the 6 chunks split 2, 2, 1, 1 (a tile's critical path two chunks, half the block
-// idle for one), and int2's GEMM2 ran the one-tile kernel with no next tile in flight: run Z43
-// (docs/PERF.md, an H100) measured that GEMM2 at 29.0 / 47.0 / 73.3 us for T = 8 / 16 / 64
-// against 17.1 / 26.1 / 36.0 on six warps. At 12 chunks 4 warps would hold 3 chunks each (the
-// row-tile kernel's int2 instances take at most 2 a warp in registers beside the next tile's), so
-// it ran the one-tile kernel too. The fused experts kernel (moe_fused_experts.cu) sums its GEMM2
-// partials in the same order.
+// int2 at exactly 6 chunks of 128 k (Qwen3-30B-A3B's K = 768) with group 128 runs 6 warps of one
+// chunk each on the row-tile kernel; everything else 4. With 4 warps the 6 chunks split 2, 2, 1, 1
+// (a tile's critical path two chunks, half the block idle for one), and int2's GEMM2 ran the
+// one-tile kernel with no next tile in flight: run Z43 (docs/PERF.md, an H100) measured that GEMM2
+// at 29.0 / 47.0 / 73.3 us for T = 8 / 16 / 64 against 17.1 / 26.1 / 36.0 on six warps. The
+// fused experts kernel (moe_fused_experts.cu) sums its GEMM2 partials in the same order.
+// Qwen3-235B-A22B's K = 1536 (12 chunks) on six warps of two is on branch int2-down-twelve-chunks:
+// measured faster (docs/PERF.md run Z45), its GPU tests not yet run.
 inline constexpr int kInt2DownWarps = 6;
 constexpr int decode_down_k_warps(MoeWeightFormat format, int chunks, int group_size) {
-  return format == MoeWeightFormat::kInt2 && group_size == 128 &&
-                 (chunks == kInt2DownWarps || chunks == 2 * kInt2DownWarps)
-             ? kInt2DownWarps
-             : 4;
+  return format == MoeWeightFormat::kInt2 && chunks == kInt2DownWarps && group_size == 128 ? kInt2DownWarps : 4;
 }
 
 // [TAG_DECODE_SPLIT_K] The wide split of the decode GEMM1: 8 warps of exactly 4 chunks each for

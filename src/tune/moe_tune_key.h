@@ -34,8 +34,7 @@ namespace moebius::tune {
 // separate-routing times at capacities 1-8, and so the fused/separate winners, changed.
 // 8: the int2 decode GEMM2 at 6 chunks runs six warps on the row-tile kernel, so its rows per block
 // is a real choice and every int2 decode time changed ([TAG_DECODE_INT2_DOWN_WARPS], session 38).
-// 9: int2 joined the 8-warp GEMM1 candidate ([TAG_DECODE_SPLIT_K]) and its GEMM2 at 12 chunks runs
-// six warps (session 39).
+// 9: int2 joined the 8-warp GEMM1 candidate ([TAG_DECODE_SPLIT_K]) (session 39).
 inline constexpr int kMoeTuneKeyVersion = 9;
 
 struct MoeTuneKey {
