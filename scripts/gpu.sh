@@ -193,20 +193,22 @@ step tune-moe tune_moe
 # the Firecracker runtime only (KINDS.md); --clock-control none leaves the clocks alone. The full
 # set includes the per-instruction warp-state samples; tools/ncu_hot_sass.py prints the hottest
 # SASS lines of each kernel from the source page.
-ncu_decode() {  # MOEBIUS_NCU_TOKENS: the batch (default 1)
-  local rep="$OUT/ncu_decode" tokens=${MOEBIUS_NCU_TOKENS:-1}
+ncu_decode() {  # MOEBIUS_NCU_TOKENS: the batch (default 1); MOEBIUS_NCU_FORMAT (default nvfp4)
+  local rep="$OUT/ncu_decode" tokens=${MOEBIUS_NCU_TOKENS:-1} fmt=${MOEBIUS_NCU_FORMAT:-nvfp4}
   ncu --clock-control none --kernel-name regex:"moe_route_small|moe_gemm_kernel|moe_gemm_rows_kernel" --launch-skip 30 \
     --launch-count 3 --set full -f -o "$rep" "$BUILD/moebius" bench moe --backend cuda --geometry qwen3-30b-a3b \
-    --format nvfp4 --tokens "$tokens" --iters 2 >/dev/null || return 1
+    --format "$fmt" --tokens "$tokens" --iters 2 >/dev/null || return 1
   ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight --section WarpStateStats --section InstructionStats \
     --section Occupancy --section LaunchStats || return 1
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.sass.csv" || return 1
   python3 tools/ncu_hot_sass.py "$rep.sass.csv" 40
   rm -f "$rep.ncu-rep" "$rep.sass.csv"
-  # The SASS of the nvfp4 decode GEMMs (one-tile and row-tile kernels) for reading the k-loop.
+  # The SASS of the format's decode GEMMs (one-tile and row-tile kernels) for reading the k-loop;
+  # the template argument is MoeWeightFormat's value (kNvFp4 1, kInt4 2, kInt2 3).
+  local code; case $fmt in nvfp4) code=1 ;; int4) code=2 ;; int2) code=3 ;; *) code=0 ;; esac
   if command -v cuobjdump >/dev/null; then
-    cuobjdump -sass "$BUILD/moebius" | awk '/Function : .*moe_gemm_(rows_)?kernelILNS0_15MoeWeightFormatE1E/ {p = 1; print; next}
-      /Function :/ {p = 0} p {print}' > "$OUT/sass-gemm-nvfp4.log"
+    cuobjdump -sass "$BUILD/moebius" | awk -v c="$code" '$0 ~ ("Function : .*moe_gemm_(rows_)?kernelILNS0_15MoeWeightFormatE" c "E") {p = 1; print; next}
+      /Function :/ {p = 0} p {print}' > "$OUT/sass-gemm-$fmt.log"
   fi
 }
 if [ "${MOEBIUS_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
