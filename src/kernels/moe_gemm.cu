@@ -641,19 +641,19 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (nt == 1 && stage && args.tiles.split_k_warps == kSplitKWarpsWide &&
         moe_gemm_gate_up_split_k_applies(F, args.dims.chunks)) {
       constexpr int P = split_k_chunks_per_warp(F);
-      // The group-128 instance of int2 is built for 3 blocks an SM; every other one for 2, and the
-      // default rows per block must fill the wave of the instance that runs.
-      constexpr int kBlocks = F == MoeWeightFormat::kInt2 ? 3 : 2;
-      const bool group_128 = kIsInt<F> && args.dims.group_size == 128;
-      const int rows = rows_or(split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles, group_128 ? kBlocks : 2));
+      // Each instance's default rows per block fill the wave of its own blocks an SM: the int2
+      // group-128 instance is built for 3, every other one for 2.
+      auto go_split = [&](auto kernel, int blocks_per_sm) {
+        go_row_tiles(kernel, kSplitKWarpsWide,
+                     rows_or(split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles, blocks_per_sm)));
+        g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
+      };
       if constexpr (kIsInt<F>) {
-        if (group_128)
-          go_row_tiles(moe_gemm_rows_kernel<F, EPI, P, true, 128, kBlocks, kSplitKWarpsWide>, kSplitKWarpsWide, rows);
+        constexpr int kBlocks = F == MoeWeightFormat::kInt2 ? 3 : 2;
+        if (args.dims.group_size == 128)
+          return go_split(moe_gemm_rows_kernel<F, EPI, P, true, 128, kBlocks, kSplitKWarpsWide>, kBlocks);
       }
-      if (!group_128)
-        go_row_tiles(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>, kSplitKWarpsWide, rows);
-      g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
-      return;
+      return go_split(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>, 2);
     }
   }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {
