@@ -591,17 +591,12 @@ int decode_rows_per_block(bool one_row_tile, int row_tiles, int grid_tiles) {
 
 std::atomic<int64_t> g_wide_split_launches{0};
 
-// Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none: the
-// fewest that fit the grid in one wave of its `blocks_per_sm` (Qwen3-30B-A3B at T = 1: 96 row
-// tiles x 9 grid tiles -> 4 a block: 216 blocks on 264 slots at nvfp4's and int4's 2 blocks an SM,
-// on 396 at int2's 3). Not measured: the autotuner sweeps it.
-// MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it as it does decode_rows_per_block.
+// Row tiles per block for the 8-warp GEMM1 ([TAG_DECODE_SPLIT_K]) when the tuner gave none
+// (split_k_rows_for_one_wave on this device's SMs). MOEBIUS_DECODE_ROWS_PER_BLOCK overrides it as
+// it does decode_rows_per_block.
 int split_k_rows_per_block(int row_tiles, int grid_tiles, int blocks_per_sm) {
   if (forced_rows_per_block() > 0) return forced_rows_per_block();
-  const int64_t wave = static_cast<int64_t>(blocks_per_sm) * current_device_sm_count();
-  for (int rows = 1; rows < 8; rows *= 2)
-    if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
-  return 8;
+  return split_k_rows_for_one_wave(row_tiles, grid_tiles, blocks_per_sm, current_device_sm_count());
 }
 
 template <MoeWeightFormat F, Epilogue EPI>
@@ -641,19 +636,20 @@ void launch_for_format(GemmKernelArgs args, bool odd_k, cudaStream_t stream) {
     if (nt == 1 && stage && args.tiles.split_k_warps == kSplitKWarpsWide &&
         moe_gemm_gate_up_split_k_applies(F, args.dims.chunks)) {
       constexpr int P = split_k_chunks_per_warp(F);
-      // Each instance's default rows per block fill the wave of its own blocks an SM: the int2
-      // group-128 instance is built for 3, every other one for 2.
+      // Each instance's default rows per block fill the wave of its own blocks an SM
+      // (split_k_blocks_per_sm, also its launch bound).
       auto go_split = [&](auto kernel, int blocks_per_sm) {
         go_row_tiles(kernel, kSplitKWarpsWide,
                      rows_or(split_k_rows_per_block(args.dims.row_tiles, args.tiles.grid_tiles, blocks_per_sm)));
         g_wide_split_launches.fetch_add(1, std::memory_order_relaxed);
       };
       if constexpr (kIsInt<F>) {
-        constexpr int kBlocks = F == MoeWeightFormat::kInt2 ? 3 : 2;
+        constexpr int kBlocks = split_k_blocks_per_sm(F, 128);
         if (args.dims.group_size == 128)
           return go_split(moe_gemm_rows_kernel<F, EPI, P, true, 128, kBlocks, kSplitKWarpsWide>, kBlocks);
       }
-      return go_split(moe_gemm_rows_kernel<F, EPI, P, true, 0, 2, kSplitKWarpsWide>, 2);
+      constexpr int kBlocks = split_k_blocks_per_sm(F, 0);  // the run-time-group instance
+      return go_split(moe_gemm_rows_kernel<F, EPI, P, true, 0, kBlocks, kSplitKWarpsWide>, kBlocks);
     }
   }
   if constexpr (F == MoeWeightFormat::kInt2 && EPI != Epilogue::kGateUp) {

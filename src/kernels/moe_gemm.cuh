@@ -104,6 +104,22 @@ constexpr int decode_down_k_warps(MoeWeightFormat format, int chunks, int group_
 inline constexpr int kSplitKWarpsWide = 8;
 constexpr int split_k_chunks_per_warp(MoeWeightFormat format) { return format == MoeWeightFormat::kInt2 ? 2 : 4; }
 bool moe_gemm_gate_up_split_k_applies(MoeWeightFormat format, int chunks);
+// Blocks an SM each 8-warp GEMM1 instance is built for (its __launch_bounds__): int2 at group 128
+// (two chunks a warp, 74-76 registers) fits 3; every other instance, the run-time-group ones
+// included, 2.
+constexpr int split_k_blocks_per_sm(MoeWeightFormat format, int group_size) {
+  return format == MoeWeightFormat::kInt2 && group_size == 128 ? 3 : 2;
+}
+// The 8-warp GEMM1's default row tiles per block (1, 2, 4 or 8) when the tuner gave none: the
+// fewest whose grid fits one wave of `blocks_per_sm` blocks on each of `sms` SMs (Qwen3-30B-A3B
+// at T = 1: 96 row tiles x 9 grid tiles -> 4 a block, 216 blocks on 264 slots at 2 an SM on 132
+// SMs). Not measured: the autotuner sweeps it.
+constexpr int split_k_rows_for_one_wave(int row_tiles, int grid_tiles, int blocks_per_sm, int sms) {
+  const int64_t wave = static_cast<int64_t>(blocks_per_sm) * sms;
+  for (int rows = 1; rows < 8; rows *= 2)
+    if (static_cast<int64_t>((row_tiles + rows - 1) / rows) * grid_tiles <= wave) return rows;
+  return 8;
+}
 // Launches of the 8-warp GEMM1 since the process started (tests check that it ran, since its
 // output differs from the 4-warp kernel's by summation order only).
 int64_t moe_gemm_wide_split_launches();
